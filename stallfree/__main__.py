@@ -1,0 +1,3 @@
+from stallfree.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,89 @@
+"""Errors raised for bad shards and datasets; each names the shard, sample key and byte offset."""
+
+from __future__ import annotations
+
+
+class ShardError(Exception):
+    """Base class: something is wrong with a dataset on disk (or behind a URL).
+
+    ``shard``, ``key`` and ``offset`` are kept as attributes so callers (the loader's error
+    policy, ``stallfree verify``) can report and count them without parsing the message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        shard: str | None = None,
+        key: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        self.shard = shard
+        self.key = key
+        self.offset = offset
+        self.reason = message
+        where = []
+        if shard is not None:
+            where.append(f"shard {shard}")
+        if key is not None:
+            where.append(f"sample {key!r}")
+        if offset is not None:
+            where.append(f"byte offset {offset}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+    def __reduce__(self):  # keep attributes across process boundaries (worker -> main)
+        return (_rebuild, (type(self), self.reason, self.shard, self.key, self.offset))
+
+
+def _rebuild(cls, reason, shard, key, offset):
+    return cls(reason, shard=shard, key=key, offset=offset)
+
+
+class CorruptShardError(ShardError):
+    """A shard's bytes do not parse (bad tar header, truncated member, bad Arrow file)."""
+
+
+class IndexMismatchError(ShardError):
+    """An ``.idx`` file (or manifest count) disagrees with the shard it describes."""
+
+
+class HashMismatchError(ShardError):
+    """A shard's sha256 differs from the one recorded in the manifest."""
+
+
+class MissingShardError(ShardError):
+    """A shard named by the manifest (or pattern) does not exist."""
+
+
+class ManifestError(ShardError):
+    """``manifest.json`` is missing fields, malformed, or of an unknown format version."""
+
+
+class DuplicateKeyError(ShardError):
+    """Two samples in one shard share a key."""
+
+
+class WriteError(ShardError):
+    """The destination cannot be written (permissions, missing bucket, disk full)."""
+
+
+class SampleDecodeError(ShardError):
+    """A sample's field could not be decoded (corrupt image, wrong type)."""
+
+
+class BatchDecodeError(Exception):
+    """A batch decoder (``decode_batch``) found bad samples.
+
+    ``failures`` lists ``(position_in_batch, sample_key, cause)``. The loader applies its
+    ``on_error`` policy: raise, or drop those samples (counted against the failure budget) and
+    decode the rest again.
+    """
+
+    def __init__(self, failures: list[tuple[int, str, BaseException]]) -> None:
+        self.failures = list(failures)
+        keys = ", ".join(f"{key!r} ({type(exc).__name__}: {exc})" for _, key, exc in self.failures[:5])
+        more = f" and {len(self.failures) - 5} more" if len(self.failures) > 5 else ""
+        super().__init__(f"{len(self.failures)} sample(s) failed to decode: {keys}{more}")
+
+    def __reduce__(self):
+        return (BatchDecodeError, (self.failures,))

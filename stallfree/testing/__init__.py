@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and the demo: realistic sample images and loopback servers."""

@@ -1,0 +1,165 @@
+"""A real HTTP server on loopback that serves a directory with byte ranges, optional per-request
+latency and a bandwidth cap, and counts what it sends.
+
+Used by tests (remote storage through fsspec's ``http://``) and benchmarks (slow storage on
+purpose, so stall from remote reads is measured, not imagined). Binds to 127.0.0.1 only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+_RANGE = re.compile(r"bytes=(\d*)-(\d*)$")
+_CHUNK = 64 * 1024
+
+
+@dataclass
+class ServerStats:
+    """Counters of one server; read them between phases of a test, or reset()."""
+
+    requests: int = 0
+    range_requests: int = 0
+    bytes_sent: int = 0
+    paths: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, path: str, nbytes: int, ranged: bool) -> None:
+        with self._lock:
+            self.requests += 1
+            self.range_requests += int(ranged)
+            self.bytes_sent += nbytes
+            self.paths[path] = self.paths.get(path, 0) + 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests = self.range_requests = self.bytes_sent = 0
+            self.paths.clear()
+
+
+class LoopbackServer:
+    """Handle on a running server: ``url`` is the base URL (no trailing slash)."""
+
+    def __init__(self, httpd: ThreadingHTTPServer, stats: ServerStats) -> None:
+        self._httpd = httpd
+        self.stats = stats
+        host, port = httpd.server_address[:2]
+        self.url = f"http://{host}:{port}"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+def _make_handler(root: Path, stats: ServerStats, latency_s: float, bandwidth: float | None):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, format: str, *args) -> None:  # quiet: tests read stats instead
+            pass
+
+        def _resolve(self) -> Path | None:
+            rel = self.path.split("?", 1)[0].lstrip("/")
+            path = (root / rel).resolve()
+            if root not in path.parents and path != root:
+                return None
+            return path if path.is_file() else None
+
+        def do_HEAD(self) -> None:
+            self._serve(body=False)
+
+        def do_GET(self) -> None:
+            self._serve(body=True)
+
+        def _serve(self, body: bool) -> None:
+            if latency_s:
+                time.sleep(latency_s)
+            path = self._resolve()
+            if path is None:
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                stats.record(self.path, 0, False)
+                return
+            size = path.stat().st_size
+            start, end, ranged = 0, size - 1, False
+            header = self.headers.get("Range")
+            if header:
+                m = _RANGE.match(header.strip())
+                if m and (m.group(1) or m.group(2)):
+                    ranged = True
+                    if m.group(1):
+                        start = int(m.group(1))
+                        end = min(int(m.group(2)), size - 1) if m.group(2) else size - 1
+                    else:  # suffix range: last N bytes
+                        start = max(0, size - int(m.group(2)))
+                if start >= size and size > 0:
+                    self.send_response(416)
+                    self.send_header("Content-Range", f"bytes */{size}")
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    stats.record(self.path, 0, True)
+                    return
+            length = max(0, end - start + 1)
+            self.send_response(206 if ranged else 200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Accept-Ranges", "bytes")
+            self.send_header("Content-Length", str(length))
+            if ranged:
+                self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            self.end_headers()
+            if not body:
+                stats.record(self.path, 0, ranged)
+                return
+            sent = 0
+            with open(path, "rb") as f:
+                f.seek(start)
+                t0 = time.perf_counter()
+                while sent < length:
+                    chunk = f.read(min(_CHUNK, length - sent))
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    sent += len(chunk)
+                    if bandwidth:
+                        ahead = sent / bandwidth - (time.perf_counter() - t0)
+                        if ahead > 0:
+                            time.sleep(ahead)
+            stats.record(self.path, sent, ranged)
+
+    return Handler
+
+
+@contextlib.contextmanager
+def serve_directory(
+    root: str | os.PathLike,
+    *,
+    latency_s: float = 0.0,
+    bandwidth_bytes_per_s: float | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+) -> Iterator[LoopbackServer]:
+    """Serve ``root`` over HTTP on loopback for the duration of the ``with`` block.
+
+    ``latency_s`` is added to every request (like an object store's first-byte latency);
+    ``bandwidth_bytes_per_s`` caps each response's rate.
+    """
+    stats = ServerStats()
+    handler = _make_handler(Path(root).resolve(), stats, latency_s, bandwidth_bytes_per_s)
+    httpd = ThreadingHTTPServer((host, port), handler)
+    httpd.daemon_threads = True
+    thread = threading.Thread(target=httpd.serve_forever, name="stallfree-httpserve", daemon=True)
+    thread.start()
+    server = LoopbackServer(httpd, stats)
+    try:
+        yield server
+    finally:
+        server.close()
+        thread.join(timeout=5)

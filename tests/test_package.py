@@ -1,0 +1,30 @@
+import subprocess
+import sys
+
+import pytest
+
+import stallfree
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        stallfree.nope  # noqa: B018
+
+
+def test_cli_help_lists_commands():
+    out = subprocess.run(
+        [sys.executable, "-m", "stallfree", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "usage: stallfree" in out
+    assert "demo" in out
+
+
+def test_shard_error_names_shard_key_and_offset():
+    from stallfree.shards.errors import CorruptShardError
+
+    err = CorruptShardError("bad tar header", shard="s-000.tar", key="k1", offset=1536)
+    assert str(err) == "bad tar header (shard s-000.tar, sample 'k1', byte offset 1536)"
+    import pickle
+
+    again = pickle.loads(pickle.dumps(err))
+    assert (again.shard, again.key, again.offset, str(again)) == (err.shard, err.key, err.offset, str(err))
