@@ -1,0 +1,272 @@
+"""The one protocol every cache tier speaks, its keys, and the shared bookkeeping.
+
+Tiers store *encoded* bytes (``codec.py``) so that sizes are exact, values are immutable once
+cached, and a tier can hand bytes to another tier without decoding them (``TieredCache``).
+``BaseCache`` turns the two raw primitives a tier implements into the public protocol: it encodes
+and decodes, counts hits, misses, bytes and latency, deletes entries that fail to decode, and makes
+sure that no failure of a tier ever reaches the caller as an exception: a broken tier is a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
+
+import numpy as np
+
+from stallfree.cache import codec
+
+log = logging.getLogger(__name__)
+
+Value = dict[str, Any] | bytes | np.ndarray
+
+_MAX_KEY_BYTES = 400  # LMDB's key limit is 511; longer keys are hashed
+
+
+class CacheKey(NamedTuple):
+    """(dataset fingerprint, global sample index, stage) - ``stage`` is ``raw`` or a decoded form."""
+
+    fingerprint: str
+    index: int
+    stage: str
+
+    def to_bytes(self) -> bytes:
+        """Stable byte form used as the key in every store (same on every process and node)."""
+        raw = f"sf/{self.fingerprint}/{self.stage}/{int(self.index)}".encode()
+        if len(raw) <= _MAX_KEY_BYTES:
+            return raw
+        return b"sf/h/" + hashlib.blake2b(raw, digest_size=20).hexdigest().encode()
+
+
+@runtime_checkable
+class Cache(Protocol):
+    """A sample cache tier. Lookups and stores never raise: a dead or slow tier answers misses."""
+
+    def get_many(self, keys: Sequence[CacheKey]) -> list[Value | None]: ...
+
+    def put_many(self, items: Sequence[tuple[CacheKey, Value]]) -> None: ...
+
+    def contains(self, key: CacheKey) -> bool: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class PutResult(NamedTuple):
+    """What a tier did with one ``put`` batch: stored ``admitted`` entries (``nbytes`` in all) and
+    turned ``rejected`` away for lack of room (entries already present count as neither)."""
+
+    admitted: int = 0
+    nbytes: int = 0
+    rejected: int = 0
+
+
+class CacheStats:
+    """Thread-safe counters of one cache object in one process (stats are per process)."""
+
+    FIELDS = (
+        "hits",
+        "misses",
+        "puts",
+        "admitted",
+        "rejected",
+        "bytes_in",
+        "bytes_out",
+        "evictions",
+        "errors",
+        "corrupt",
+        "get_calls",
+        "put_calls",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(self.FIELDS, 0)
+        self._get_s = 0.0
+        self._put_s = 0.0
+
+    def add(self, **counts: int) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                self._c[name] += n
+
+    def add_time(self, *, get_s: float = 0.0, put_s: float = 0.0) -> None:
+        with self._lock:
+            self._get_s += get_s
+            self._put_s += put_s
+
+    def __getitem__(self, name: str) -> int:
+        return self._c[name]
+
+    def as_dict(self) -> dict[str, Any]:
+        with self._lock:
+            out: dict[str, Any] = dict(self._c)
+            get_s, put_s = self._get_s, self._put_s
+        lookups = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / lookups if lookups else 0.0
+        out["get_seconds"] = get_s
+        out["put_seconds"] = put_s
+        out["get_latency_ms"] = 1000.0 * get_s / out["get_calls"] if out["get_calls"] else 0.0
+        out["put_latency_ms"] = 1000.0 * put_s / out["put_calls"] if out["put_calls"] else 0.0
+        return out
+
+
+class BaseCache:
+    """Shared plumbing: subclasses implement the raw byte primitives below.
+
+    ``_get_raw(keys) -> list[bytes | None]``, ``_put_raw(items) -> PutResult``,
+    ``_delete_raw(keys)``, ``_contains_raw(key)``, ``_close()``, and ``_tier_stats() -> dict``.
+    Any exception from a primitive is logged, counted under ``errors`` and turned into misses.
+    Pickling keeps only the configuration returned by ``_config()``; connections reopen lazily.
+    """
+
+    name = "cache"
+
+    def __init__(self) -> None:
+        self._stats = CacheStats()
+
+    # -- the raw primitives a tier implements -------------------------------------------------
+    def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        raise NotImplementedError
+
+    def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        raise NotImplementedError
+
+    def _delete_raw(self, keys: Sequence[bytes]) -> None:
+        raise NotImplementedError
+
+    def _contains_raw(self, key: bytes) -> bool:
+        return self._get_raw([key])[0] is not None
+
+    def _close(self) -> None:
+        return None
+
+    def _tier_stats(self) -> dict[str, Any]:
+        return {}
+
+    def _config(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    # -- the public protocol -----------------------------------------------------------------
+    def get_many(self, keys: Sequence[CacheKey]) -> list[Value | None]:
+        raw = self.get_encoded_many([k.to_bytes() for k in keys])
+        out: list[Value | None] = []
+        bad: list[bytes] = []
+        for key, blob in zip(keys, raw):
+            if blob is None:
+                out.append(None)
+                continue
+            try:
+                out.append(codec.decode(blob))
+            except codec.CodecError as exc:
+                log.warning("%s: dropping corrupt entry %s: %s", self.name, key, exc)
+                bad.append(key.to_bytes())
+                out.append(None)
+        if bad:
+            # they were counted as hits by get_encoded_many; they are misses
+            self._stats.add(corrupt=len(bad), hits=-len(bad), misses=len(bad))
+            self.delete_encoded_many(bad)
+        return out
+
+    def put_many(self, items: Sequence[tuple[CacheKey, Value]]) -> None:
+        encoded: list[tuple[bytes, bytes]] = []
+        for key, value in items:
+            try:
+                encoded.append((key.to_bytes(), codec.encode(value)))
+            except codec.CodecError as exc:
+                log.warning("%s: cannot cache %s: %s", self.name, key, exc)
+                self._stats.add(errors=1)
+        self.put_encoded_many(encoded)
+
+    def contains(self, key: CacheKey) -> bool:
+        try:
+            return bool(self._contains_raw(key.to_bytes()))
+        except Exception as exc:  # a broken tier is a miss, never a crash
+            self._failed("contains", exc)
+            return False
+
+    def stats(self) -> dict[str, Any]:
+        out = self._stats.as_dict()
+        out["tier"] = self.name
+        try:
+            extra = self._tier_stats()
+        except Exception as exc:
+            self._failed("stats", exc)
+            extra = {}
+        for k, v in extra.items():
+            if k in out and isinstance(v, int) and not isinstance(v, bool) and k in CacheStats.FIELDS:
+                out[k] += v
+            else:
+                out[k] = v
+        return out
+
+    def close(self) -> None:
+        try:
+            self._close()
+        except Exception as exc:
+            self._failed("close", exc)
+
+    # -- encoded access, used by TieredCache to move bytes between tiers ----------------------
+    def get_encoded_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        t0 = time.perf_counter()
+        try:
+            raw = list(self._get_raw(keys))
+        except Exception as exc:
+            self._failed("get", exc)
+            raw = [None] * len(keys)
+        hits = sum(b is not None for b in raw)
+        self._stats.add(
+            hits=hits,
+            misses=len(keys) - hits,
+            bytes_out=sum(len(b) for b in raw if b is not None),
+            get_calls=1,
+        )
+        self._stats.add_time(get_s=time.perf_counter() - t0)
+        return raw
+
+    def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        if not items:
+            return PutResult()
+        t0 = time.perf_counter()
+        try:
+            result = PutResult(*self._put_raw(items))
+        except Exception as exc:
+            self._failed("put", exc)
+            result = PutResult()
+        self._stats.add(
+            puts=len(items),
+            put_calls=1,
+            admitted=result.admitted,
+            bytes_in=result.nbytes,
+            rejected=result.rejected,
+        )
+        self._stats.add_time(put_s=time.perf_counter() - t0)
+        return result
+
+    def delete_encoded_many(self, keys: Sequence[bytes]) -> None:
+        try:
+            self._delete_raw(keys)
+        except Exception as exc:
+            self._failed("delete", exc)
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self._stats.add(errors=1)
+        log.warning("%s: %s failed, treating as miss: %s: %s", self.name, op, type(exc).__name__, exc)
+
+    # -- pickling: configuration only ----------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        return self._config()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
