@@ -157,7 +157,7 @@ class BaseCache:
         raw = self.get_encoded_many([k.to_bytes() for k in keys])
         out: list[Value | None] = []
         bad: list[bytes] = []
-        for key, blob in zip(keys, raw):
+        for key, blob in zip(keys, raw, strict=True):
             if blob is None:
                 out.append(None)
                 continue
@@ -216,6 +216,8 @@ class BaseCache:
         t0 = time.perf_counter()
         try:
             raw = list(self._get_raw(keys))
+            if len(raw) != len(keys):
+                raise RuntimeError(f"tier answered {len(raw)} values for {len(keys)} keys")
         except Exception as exc:
             self._failed("get", exc)
             raw = [None] * len(keys)

@@ -37,7 +37,7 @@ class MemoryCache(BaseCache):
         with self._lock:
             out = [self._data.get(k) for k in keys]
             if self.policy.evicts:
-                for k, v in zip(keys, out):
+                for k, v in zip(keys, out, strict=True):
                     if v is not None:
                         self._data.move_to_end(k)
         return out

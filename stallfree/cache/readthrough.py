@@ -76,9 +76,9 @@ def read_through(
     missing = [pos for pos, value in enumerate(found) if value is None]
     if missing:
         fetched = _fetch(dataset, [indices[pos] for pos in missing])
-        for pos, sample in zip(missing, fetched):
+        for pos, sample in zip(missing, fetched, strict=True):
             found[pos] = sample
-        cache.put_many([(keys[pos], sample) for pos, sample in zip(missing, fetched)])
+        cache.put_many([(keys[pos], sample) for pos, sample in zip(missing, fetched, strict=True)])
     if stats is not None:
         stats.add(len(indices), len(indices) - len(missing))
     return found  # type: ignore[return-value]
