@@ -1,0 +1,249 @@
+"""Node tier: one LMDB store shared by every rank and worker process of a machine.
+
+LMDB gives what this tier needs without a server: many concurrent readers with no locking,
+serialized writers across processes, and atomic transactions, so a writer killed mid-batch leaves
+no entry behind at all (and the codec's checksum catches anything torn below LMDB). The store is a
+directory on local disk or ``/dev/shm``; it outlives worker processes, so restarted workers and the
+next epoch find it warm.
+
+Capacity is counted in encoded bytes in a small ``meta`` table updated inside the same write
+transaction as the data, so all processes share one exact budget. ``lru`` keeps an access-order
+index; a process records its hits and applies them to that index at its next write (reads stay
+lock-free), so recency is approximate across processes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from stallfree.cache.base import BaseCache, PutResult
+from stallfree.cache.policy import Policy, get_policy
+
+log = logging.getLogger(__name__)
+
+_U64 = struct.Struct("<Q")
+_SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
+_MAX_TOUCHED = 65536
+_DEFAULT_MAP = 1 << 36  # 64 GiB of address space when unbounded (sparse; costs nothing unused)
+
+# LMDB must not be opened twice on one path in one process (its locks are per process), so
+# environments are shared by every NodeCache of a process, keyed by (pid, path).
+_envs_lock = threading.Lock()
+_envs: dict[tuple[int, str], list[Any]] = {}
+
+
+def _acquire_env(path: str, map_size: int) -> lmdb.Environment:
+    key = (os.getpid(), path)
+    with _envs_lock:
+        entry = _envs.get(key)
+        if entry is None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            env = lmdb.open(
+                path,
+                map_size=map_size,
+                subdir=True,
+                max_dbs=4,
+                max_readers=2048,
+                readahead=False,
+                meminit=False,
+                sync=False,
+                metasync=False,
+            )
+            env.reader_check()  # free reader slots left by crashed processes
+            entry = _envs[key] = [env, 0]
+        elif entry[0].info()["map_size"] < map_size:
+            entry[0].set_mapsize(map_size)
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(path: str) -> None:
+    key = (os.getpid(), path)
+    with _envs_lock:
+        entry = _envs.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] <= 0:
+            del _envs[key]
+            entry[0].close()
+
+
+class NodeCache(BaseCache):
+    """A cache shared by all processes of a machine, in an LMDB directory at ``path``.
+
+    ``capacity_bytes`` bounds the encoded bytes stored (``None``: bounded only by the disk).
+    """
+
+    name = "node"
+
+    def __init__(
+        self, path: str | os.PathLike, capacity_bytes: int | None = None, policy: str | Policy = "minio"
+    ) -> None:
+        super().__init__()
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.path = os.path.abspath(os.fspath(path))
+        self.capacity_bytes = capacity_bytes
+        self.policy = get_policy(policy)
+        # B-tree pages and per-value page rounding cost space beyond the payload bytes
+        self.map_size = _DEFAULT_MAP if capacity_bytes is None else int(capacity_bytes * 2) + (64 << 20)
+        self._env: lmdb.Environment | None = None
+        self._pid = -1
+        self._lock = threading.Lock()
+        self._touched: dict[bytes, None] = {}
+
+    def _config(self) -> dict[str, Any]:
+        return {"path": self.path, "capacity_bytes": self.capacity_bytes, "policy": self.policy.name}
+
+    # -- LMDB plumbing ---------------------------------------------------------------------------
+    def _open(self) -> tuple[lmdb.Environment, Any, Any, Any, Any]:
+        with self._lock:
+            if self._env is None or self._pid != os.getpid():
+                # after fork the parent's handle must not be used (or closed) here
+                self._env = _acquire_env(self.path, self.map_size)
+                self._pid = os.getpid()
+                self._dbs = (
+                    self._env.open_db(b"data"),
+                    self._env.open_db(b"meta"),
+                    self._env.open_db(b"atime"),
+                    self._env.open_db(b"order"),
+                )
+            return (self._env, *self._dbs)
+
+    def _close(self) -> None:
+        with self._lock:
+            if self._env is not None and self._pid == os.getpid():
+                _release_env(self.path)
+            self._env = None
+
+    @staticmethod
+    def _meta(txn: Any, meta: Any, name: bytes) -> int:
+        raw = txn.get(name, db=meta)
+        return _U64.unpack(raw)[0] if raw is not None else 0
+
+    # -- primitives --------------------------------------------------------------------------------
+    def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        env, data, _, _, _ = self._open()
+        with env.begin(db=data) as txn:
+            out = [txn.get(k) for k in keys]
+        if self.policy.evicts:
+            with self._lock:
+                for k, v in zip(keys, out, strict=True):
+                    if v is not None:
+                        self._touched[k] = None
+                overflow = len(self._touched) > _MAX_TOUCHED
+            if overflow:
+                self._put_raw([])
+        return out
+
+    def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        env, data, meta, atime, order = self._open()
+        with self._lock:
+            touched, self._touched = list(self._touched), {}
+        cap = self.capacity_bytes
+        admitted = nbytes = rejected = evicted = 0
+        try:
+            with env.begin(write=True) as txn:
+                used = self._meta(txn, meta, b"used")
+                seq = self._meta(txn, meta, b"seq")
+                if self.policy.evicts:
+                    for k in touched:
+                        seq = self._stamp(txn, atime, order, k, seq, must_exist=data)
+                cursor = txn.cursor(db=data)
+                for key, blob in items:
+                    if cursor.set_key(key):
+                        continue
+                    size = len(blob)
+                    if self.policy.evicts and cap is not None and size <= cap and used + size > cap:
+                        freed, n = self._evict(txn, data, atime, order, used + size - cap)
+                        used -= freed
+                        evicted += n
+                    if not self.policy.admits(used, size, cap):
+                        rejected += 1
+                        continue
+                    txn.put(key, blob, db=data)
+                    if self.policy.evicts:
+                        seq = self._stamp(txn, atime, order, key, seq)
+                    used += size
+                    admitted += 1
+                    nbytes += size
+                txn.put(b"used", _U64.pack(used), db=meta)
+                txn.put(b"seq", _U64.pack(seq), db=meta)
+                if evicted:
+                    txn.put(b"evictions", _U64.pack(self._meta(txn, meta, b"evictions") + evicted), db=meta)
+        except lmdb.MapFullError:
+            log.warning("node cache %s: LMDB map full; not admitting this batch", self.path)
+            return PutResult(0, 0, len(items))
+        self._stats.add(evictions=evicted)
+        return PutResult(admitted, nbytes, rejected)
+
+    @staticmethod
+    def _stamp(txn: Any, atime: Any, order: Any, key: bytes, seq: int, must_exist: Any = None) -> int:
+        """Mark ``key`` most recently used (LRU bookkeeping)."""
+        if must_exist is not None and txn.get(key, db=must_exist) is None:
+            return seq
+        old = txn.get(key, db=atime)
+        if old is not None:
+            txn.delete(old, db=order)
+        seq += 1
+        stamp = _SEQ.pack(seq)
+        txn.put(key, stamp, db=atime)
+        txn.put(stamp, key, db=order)
+        return seq
+
+    @staticmethod
+    def _evict(txn: Any, data: Any, atime: Any, order: Any, need: int) -> tuple[int, int]:
+        """Delete least recently used entries until ``need`` bytes are free."""
+        freed = n = 0
+        cursor = txn.cursor(db=order)
+        while freed < need and cursor.first():
+            stamp, key = cursor.item()
+            cursor.delete()
+            txn.delete(key, db=atime)
+            blob = txn.pop(key, db=data)
+            if blob is not None:
+                freed += len(blob)
+                n += 1
+        return freed, n
+
+    def _delete_raw(self, keys: Sequence[bytes]) -> None:
+        env, data, meta, atime, order = self._open()
+        with env.begin(write=True) as txn:
+            used = self._meta(txn, meta, b"used")
+            for key in keys:
+                blob = txn.pop(key, db=data)
+                if blob is not None:
+                    used -= len(blob)
+                stamp = txn.pop(key, db=atime)
+                if stamp is not None:
+                    txn.delete(stamp, db=order)
+            txn.put(b"used", _U64.pack(max(used, 0)), db=meta)
+
+    def _contains_raw(self, key: bytes) -> bool:
+        env, data, _, _, _ = self._open()
+        with env.begin(db=data) as txn:
+            return txn.cursor().set_key(key)
+
+    def _tier_stats(self) -> dict[str, Any]:
+        env, data, meta, _, _ = self._open()
+        with env.begin() as txn:
+            used = self._meta(txn, meta, b"used")
+            node_evictions = self._meta(txn, meta, b"evictions")
+            entries = txn.stat(data)["entries"]
+        return {
+            "entries": entries,
+            "used_bytes": used,
+            "capacity_bytes": self.capacity_bytes,
+            "policy": self.policy.name,
+            "path": self.path,
+            "node_evictions": node_evictions,
+        }
