@@ -84,6 +84,15 @@ def split_key_field(name: str) -> tuple[str, str]:
     return (f"{head}/{stem}" if head else stem), ext
 
 
+def _safe_key(stem: str) -> str:
+    """Sample keys may hold no dot after the last '/' (WebDataset reads the first dot as the
+    start of the field) and no whitespace; those characters become '_'."""
+    head, _, base = stem.rpartition("/")
+    base = base.replace(".", "_")
+    out = f"{head}/{base}" if head else base
+    return "".join("_" if c.isspace() else c for c in out)
+
+
 def _read_file(path: str, key: str | None = None) -> bytes:
     try:
         with open(path, "rb") as f:
@@ -103,6 +112,11 @@ class Source:
         self.classes: list[str] | None = None
         self.skipped: list[dict[str, str]] = []
         self._items: list[Item] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_items"] = None  # workers get their items with each job; the listing may be huge
+        return state
 
     def items(self) -> list[Item]:
         if self._items is None:
@@ -181,7 +195,7 @@ class ImageFolderSource(Source):
                 size = _stat_size(path, self.on_error, self)
                 if size is None:
                     continue
-                key = f"{cls}/{stem.replace('.', '_')}"
+                key = f"{cls}/{_safe_key(stem)}"
                 if key in seen:
                     raise SourceError(f"{path} and {seen[key]} map to the same sample key {key!r}")
                 seen[key] = path
@@ -208,6 +222,7 @@ class GroupedFilesSource(Source):
         groups: dict[str, list[tuple[str, str]]] = {}
         for rel in _walk_files(self.root):
             key, ext = split_key_field(rel)
+            key = _safe_key(key)
             if not key:
                 log.debug("ignoring %s: no extension to name its field", rel)
                 continue
@@ -327,7 +342,7 @@ class TableSource(Source):
         self._cache: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
+        state = super().__getstate__()
         state["_cache"] = None
         return state
 

@@ -1,0 +1,458 @@
+"""Parallel sharding: plan shard boundaries up front from the listed item sizes, let worker
+processes each write whole shards with the single-shard writers, then write one manifest in
+shard order. The plan depends only on the items, the limits and the shuffle seed, and each shard
+is written by one deterministic writer, so the output is byte-identical for any worker count.
+
+Failure leaves nothing behind under a final name: shards are written under temp names and
+renamed by their writers; if any shard fails, the shards this run already finished are removed
+and no manifest is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import posixpath
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from stallfree.shards.atomic import check_writable
+from stallfree.shards.errors import WriteError
+from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
+from stallfree.shards.sources import Item, Source, SourceReadError
+
+log = logging.getLogger(__name__)
+
+TAR_BLOCK = 512
+TAR_TRAILER = 1024
+ARROW_SAMPLE_OVERHEAD = 256
+ARROW_FIELD_OVERHEAD = 96
+DEFAULT_NAME = "shard-{index:06d}"
+ProgressFn = Callable[[int, int], None]  # (samples, bytes) just written
+
+
+def item_cost(item: Item, fmt: str) -> int:
+    """Bytes an item will take in a shard of ``fmt`` (exact for tar when the sizes are exact)."""
+    if fmt == "tar":
+        return sum(TAR_BLOCK + (s + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK for s in item.sizes)
+    return ARROW_SAMPLE_OVERHEAD + sum(s + ARROW_FIELD_OVERHEAD for s in item.sizes)
+
+
+def plan_shards(
+    items: Sequence[Item],
+    fmt: str = "tar",
+    *,
+    max_bytes: int | None = 256_000_000,
+    max_samples: int | None = None,
+    shuffle_seed: int | None = None,
+) -> list[list[int]]:
+    """Split items (indices into ``items``) into shards, in order: a shard closes before an item
+    that would take it past ``max_bytes`` (an item bigger than that gets a shard of its own) or
+    when it holds ``max_samples``. ``shuffle_seed`` permutes the items first (numpy PCG64)."""
+    if fmt not in ("tar", "arrow"):
+        raise ValueError(f"format must be 'tar' or 'arrow', not {fmt!r}")
+    if max_bytes is not None and max_bytes <= 0:
+        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    if max_samples is not None and max_samples <= 0:
+        raise ValueError(f"max_samples must be positive, got {max_samples}")
+    order: Sequence[int] = range(len(items))
+    if shuffle_seed is not None:
+        import numpy as np
+
+        order = np.random.default_rng(shuffle_seed).permutation(len(items)).tolist()
+    base = TAR_TRAILER if fmt == "tar" else 0
+    limit = max_bytes if max_bytes is not None else float("inf")
+    cap = max_samples if max_samples is not None else float("inf")
+    shards: list[list[int]] = []
+    current: list[int] = []
+    used = base
+    for i in order:
+        cost = item_cost(items[i], fmt)
+        if current and (len(current) >= cap or used + cost > limit):
+            shards.append(current)
+            current, used = [], base
+        current.append(i)
+        used += cost
+    if current:
+        shards.append(current)
+    return shards
+
+
+@dataclass
+class ShardResult:
+    """What one worker wrote: ``info`` is None when every item of the shard was skipped."""
+
+    index: int
+    info: ShardInfo | None
+    fields: list[str]
+    field_types: dict[str, str] | None
+    skipped: list[dict[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class ShardSummary:
+    """The outcome of ``shard_dataset``: the manifest written plus speed and skip figures."""
+
+    manifest: Manifest
+    manifest_path: str
+    seconds: float
+    skipped: list[dict[str, Any]]
+
+    @property
+    def samples(self) -> int:
+        return self.manifest.samples
+
+    @property
+    def bytes(self) -> int:
+        return self.manifest.bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": self.manifest.format,
+            "samples": self.samples,
+            "shards": len(self.manifest.shards),
+            "bytes": self.bytes,
+            "seconds": round(self.seconds, 3),
+            "mb_per_s": round(self.bytes / 1e6 / self.seconds, 1) if self.seconds > 0 else None,
+            "skipped": self.skipped,
+            "manifest": self.manifest_path,
+        }
+
+
+def _writer_for(fmt: str, path: str, fs: fsspec.AbstractFileSystem, schema: Any):
+    if fmt == "tar":
+        from stallfree.shards.tar import TarShardWriter
+
+        return TarShardWriter(path, fs=fs)
+    from stallfree.shards.arrow import ArrowShardWriter
+
+    return ArrowShardWriter(path, fs=fs, schema=schema)
+
+
+def _arrow_schema(source: Source):
+    """A table source's own Arrow schema (types kept), with ``__key__`` as a string column."""
+    getter = getattr(source, "schema", None)
+    schema = getter() if callable(getter) else None
+    if schema is None:
+        return None
+    import pyarrow as pa
+
+    i = schema.get_field_index("__key__")
+    if i >= 0:
+        schema = schema.set(i, pa.field("__key__", pa.string(), nullable=False))
+    return schema.remove_metadata()
+
+
+def write_shard(
+    source: Source,
+    items: Sequence[Item],
+    index: int,
+    path: str,
+    fmt: str,
+    fs: fsspec.AbstractFileSystem,
+    *,
+    on_error: str = "raise",
+    schema: Any = None,
+    progress: ProgressFn | None = None,
+) -> ShardResult:
+    """Write one shard from ``items``; unreadable items raise or are skipped per ``on_error``.
+    A shard whose items were all skipped is not written (``info`` None)."""
+    writer = _writer_for(fmt, path, fs, schema)
+    skipped: list[dict[str, str]] = []
+    try:
+        for item, sample in zip(items, _prefetch(source, items), strict=True):
+            if isinstance(sample, SourceReadError):
+                if on_error == "raise":
+                    raise sample
+                log.warning("skipping %s", sample)
+                skipped.append({"source": item.name, "error": sample.reason})
+                continue
+            n = writer.write(sample)
+            if progress is not None:
+                progress(1, n)
+        if writer.samples == 0:
+            writer.abort()
+            return ShardResult(index, None, [], None, skipped)
+        info = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    types = {f.name: str(f.type) for f in writer.schema if f.name != "__key__"} if fmt == "arrow" else None
+    return ShardResult(index, info, writer.fields, types, skipped)
+
+
+def _prefetch(source: Source, items: Sequence[Item], depth: int = 64) -> Iterator[Any]:
+    """``source.read_many(items)`` run one step ahead on a thread: file reads release the GIL, so
+    reading the next samples overlaps hashing and writing the current one."""
+    if len(items) < 2:
+        yield from source.read_many(items)
+        return
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for result in source.read_many(items):
+                if stop.is_set():
+                    return
+                q.put(result)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer and re-raised there
+            q.put(_Failure(exc))
+        q.put(done)
+
+    thread = threading.Thread(target=produce, name="stallfree-shard-read", daemon=True)
+    thread.start()
+    try:
+        while True:
+            result = q.get()
+            if result is done:
+                return
+            if isinstance(result, _Failure):
+                raise result.exc
+            yield result
+    finally:
+        stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                q.get_nowait()
+        thread.join()
+
+
+@dataclass
+class _Failure:
+    exc: BaseException
+
+
+# -- worker processes -----------------------------------------------------------------------------
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(source: Source, fs_url: str, storage_options: dict, progress_q: Any) -> None:
+    _WORKER["source"] = source
+    _WORKER["fs"] = fsspec.core.url_to_fs(fs_url, **storage_options)[0]
+    _WORKER["q"] = progress_q
+
+
+def _worker_shard(
+    items: list[Item], index: int, path: str, fmt: str, on_error: str, schema: Any
+) -> ShardResult:
+    q = _WORKER["q"]
+    pending = [0, 0, time.monotonic()]
+
+    def report(samples: int, nbytes: int) -> None:
+        pending[0] += samples
+        pending[1] += nbytes
+        now = time.monotonic()
+        if now - pending[2] > 0.2:
+            q.put((pending[0], pending[1]))
+            pending[:] = [0, 0, now]
+
+    try:
+        return write_shard(
+            _WORKER["source"],
+            items,
+            index,
+            path,
+            fmt,
+            _WORKER["fs"],
+            on_error=on_error,
+            schema=schema,
+            progress=report,
+        )
+    finally:
+        if pending[0] or pending[1]:
+            q.put((pending[0], pending[1]))
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    # fork: workers inherit the source without re-importing ``__main__`` (``python -m stallfree``
+    # has no main guard); the pool is started before any thread of ours exists.
+    methods = multiprocessing.get_all_start_methods()
+    return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+
+
+# -- the whole job ---------------------------------------------------------------------------------
+def shard_dataset(
+    source: Source,
+    dst: str,
+    *,
+    format: str = "tar",
+    max_bytes: int | None = 256_000_000,
+    max_samples: int | None = None,
+    workers: int = 1,
+    shuffle_seed: int | None = None,
+    on_error: str = "raise",
+    name: str = DEFAULT_NAME,
+    overwrite: bool = False,
+    progress: ProgressFn | None = None,
+    on_plan: Callable[[int, int, int], None] | None = None,
+    **storage_options: Any,
+) -> ShardSummary:
+    """Shard ``source`` into ``dst`` (any fsspec URL). ``on_plan(samples, shards, bytes)`` is
+    called once the plan is made; ``progress(samples, bytes)`` as samples are written."""
+    if on_error not in ("raise", "skip"):
+        raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    t0 = time.perf_counter()
+    fs, root = fsspec.core.url_to_fs(dst, **storage_options)
+    root = root.rstrip("/") or root
+    manifest_path = posixpath.join(root, MANIFEST_NAME)
+    old: Manifest | None = None
+    if fs.exists(manifest_path):
+        if not overwrite:
+            raise WriteError(
+                f"{dst} already holds a dataset ({MANIFEST_NAME}); pass overwrite=True to replace it"
+            )
+        with contextlib.suppress(Exception):
+            old = Manifest.load(manifest_path, fs=fs)
+    check_writable(fs, root)
+
+    items = source.items()
+    skipped: list[dict[str, Any]] = list(source.skipped)
+    plan = plan_shards(items, format, max_bytes=max_bytes, max_samples=max_samples, shuffle_seed=shuffle_seed)
+    if on_plan is not None:
+        on_plan(len(items), len(plan), sum(item_cost(it, format) for it in items))
+    schema = _arrow_schema(source) if format == "arrow" else None
+    suffix = ".tar" if format == "tar" else ".arrow"
+    paths = [posixpath.join(root, name.format(index=i) + suffix) for i in range(len(plan))]
+    jobs = [([items[j] for j in shard], i, paths[i]) for i, shard in enumerate(plan)]
+
+    results: list[ShardResult] = []
+    try:
+        if workers == 1 or len(jobs) <= 1:
+            for shard_items, i, path in jobs:
+                results.append(
+                    write_shard(
+                        source,
+                        shard_items,
+                        i,
+                        path,
+                        format,
+                        fs,
+                        on_error=on_error,
+                        schema=schema,
+                        progress=progress,
+                    )
+                )
+        else:
+            _run_pool(
+                source, jobs, format, on_error, schema, workers, dst, storage_options, progress, results
+            )
+    except BaseException:
+        _remove_written(fs, results, root, format)
+        raise
+
+    results.sort(key=lambda r: r.index)
+    shards = [r.info for r in results if r.info is not None]
+    fields: dict[str, None] = {}
+    field_types: dict[str, str] = {}
+    for r in results:
+        fields.update(dict.fromkeys(r.fields))
+        if r.field_types:
+            for k, v in r.field_types.items():
+                field_types.setdefault(k, v)
+        skipped.extend(r.skipped)
+    manifest = Manifest(
+        version=FORMAT_VERSION,
+        format=format,
+        fields=list(fields),
+        shards=shards,
+        classes=source.classes,
+        skipped=skipped,
+        field_types=field_types if format == "arrow" else None,
+    )
+    try:
+        written = manifest.save(manifest_path, fs=fs)
+    except BaseException:
+        _remove_written(fs, results, root, format)
+        raise
+    if old is not None:
+        _remove_stale(fs, root, old, manifest)
+    return ShardSummary(manifest, written, time.perf_counter() - t0, skipped)
+
+
+def _run_pool(
+    source: Source,
+    jobs: list[tuple[list[Item], int, str]],
+    fmt: str,
+    on_error: str,
+    schema: Any,
+    workers: int,
+    dst: str,
+    storage_options: dict,
+    progress: ProgressFn | None,
+    results: list[ShardResult],
+) -> None:
+    """Run the jobs on worker processes, appending to ``results`` as shards finish (so that on
+    failure the caller knows which finished shards to remove)."""
+    ctx = _mp_context()
+    progress_q = ctx.SimpleQueue() if ctx.get_start_method() == "fork" else ctx.Manager().Queue()
+    with ProcessPoolExecutor(
+        max_workers=min(workers, len(jobs)),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(source, dst, storage_options, progress_q),
+    ) as pool:
+        futures: set[Future] = {
+            pool.submit(_worker_shard, shard_items, i, path, fmt, on_error, schema)
+            for shard_items, i, path in jobs
+        }
+        try:
+            while futures:
+                done, futures = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
+                _drain(progress_q, progress)
+                for fut in done:
+                    results.append(fut.result())  # re-raises a worker's error here
+        except BaseException:
+            for fut in futures:
+                fut.cancel()
+            for fut in futures:  # let running shards finish or abort so their files can be removed
+                with contextlib.suppress(BaseException):
+                    results.append(fut.result())
+            raise
+        _drain(progress_q, progress)
+
+
+def _drain(q: Any, progress: ProgressFn | None) -> None:
+    while not q.empty():
+        samples, nbytes = q.get()
+        if progress is not None:
+            progress(samples, nbytes)
+
+
+def _remove_written(fs: fsspec.AbstractFileSystem, results: list[ShardResult], root: str, fmt: str) -> None:
+    """Undo a failed run: remove the shards (and ``.idx``) it already finished."""
+    for r in results:
+        if r.info is None:
+            continue
+        path = posixpath.join(root, r.info.path)
+        targets = [path, path[: -len(".tar")] + ".idx"] if fmt == "tar" else [path]
+        for p in targets:
+            with contextlib.suppress(FileNotFoundError):
+                fs.rm(p)
+        log.info("removed %s after a failed run", path)
+
+
+def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, old: Manifest, new: Manifest) -> None:
+    keep = {s.path for s in new.shards}
+    for s in old.shards:
+        if s.path not in keep and "/" not in s.path:
+            path = posixpath.join(root, s.path)
+            for p in (path, path[: -len(".tar")] + ".idx") if path.endswith(".tar") else (path,):
+                with contextlib.suppress(FileNotFoundError):
+                    fs.rm(p)
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
