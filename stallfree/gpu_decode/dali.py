@@ -1,0 +1,182 @@
+"""DALI backend: our loader feeds encoded bytes into a DALI pipeline through ``fn.external_source``.
+
+Graph: ``decoders.image_slice`` (decodes only the crop box: nvJPEG / the hardware JPEG decoder
+with ``device="mixed"`` on a GPU, libjpeg-turbo on the CPU) -> ``resize`` to size x size ->
+``crop_mirror_normalize`` (mirror, mean/std, CHW, float16/float32). The box and the mirror flag
+are per-sample inputs drawn on the host (see ``augment.py`` for why), so the graph itself holds
+no random state: its output depends only on what it is fed, whatever the pipeline's seed.
+
+The pipeline runs synchronously (``exec_async=False, exec_pipelined=False``): the loader already
+calls ``decode_batch`` off the training thread, and a synchronous pipeline lets each call feed
+exactly one batch and get exactly that batch back. On a GPU the output is copied device-to-device
+into a torch tensor on the pipeline's stream (``feed_ndarray``): no host round trip.
+
+A DALI error invalidates the whole pipeline ("Current pipeline object is no longer valid"), so on
+an error we rebuild it and decode the batch's samples one at a time to find the bad ones; the
+caller turns those into a ``BatchDecodeError``. Bad input is rare and mostly caught earlier by
+``header.probe``, so the rebuilds cost nothing in the common case.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .augment import Box
+
+log = logging.getLogger(__name__)
+
+INSTALL_HINT = (
+    "backend='dali' needs NVIDIA DALI: pip install stallfree[dali] (installs nvidia-dali-cuda120; "
+    "use nvidia-dali-cuda110/-cuda130 to match your CUDA)"
+)
+
+
+def dali_available() -> bool:
+    try:
+        import nvidia.dali  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class DaliDecoder:
+    """A DALI decode+augment pipeline for one device (``device_id=None``: CPU operators only)."""
+
+    def __init__(
+        self,
+        size: int,
+        *,
+        mean: Sequence[float],
+        std: Sequence[float],
+        dtype: torch.dtype = torch.float32,
+        device_id: int | None = None,
+        num_threads: int = 2,
+        hw_decoder_load: float = 0.65,
+        max_batch_size: int = 256,
+    ) -> None:
+        if not dali_available():
+            raise ImportError(INSTALL_HINT)
+        if dtype not in (torch.float32, torch.float16):
+            raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
+        if not 0.0 <= hw_decoder_load <= 1.0:
+            raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
+        self.size = size
+        self.mean = [float(m) for m in mean]
+        self.std = [float(s) for s in std]
+        self.dtype = dtype
+        self.device_id = device_id
+        self.num_threads = max(1, num_threads)
+        self.hw_decoder_load = hw_decoder_load
+        self.max_batch_size = max(1, max_batch_size)
+        self.rebuilds = 0
+        self._pipe = None
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu") if self.device_id is None else torch.device("cuda", self.device_id)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_pipe"] = None
+        return state
+
+    def close(self) -> None:
+        self._pipe = None
+
+    def _build(self, batch_size: int) -> None:
+        from nvidia.dali import fn, pipeline_def, types
+
+        gpu = self.device_id is not None
+        dali_dtype = types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT
+
+        @pipeline_def
+        def graph():
+            data = fn.external_source(name="data", dtype=types.UINT8, ndim=1)
+            anchor = fn.external_source(name="anchor", dtype=types.FLOAT, ndim=1)
+            shape = fn.external_source(name="shape", dtype=types.FLOAT, ndim=1)
+            mirror = fn.external_source(name="mirror", dtype=types.INT32, ndim=0)
+            decode_args = {"hw_decoder_load": self.hw_decoder_load} if gpu else {}
+            img = fn.decoders.image_slice(
+                data,
+                anchor,
+                shape,
+                device="mixed" if gpu else "cpu",
+                output_type=types.RGB,
+                axis_names="WH",
+                normalized_anchor=False,
+                normalized_shape=False,
+                **decode_args,
+            )
+            img = fn.resize(img, size=(self.size, self.size), interp_type=types.INTERP_LINEAR, antialias=True)
+            return fn.crop_mirror_normalize(
+                img, mirror=mirror, dtype=dali_dtype, output_layout="CHW", mean=self.mean, std=self.std
+            )
+
+        pipe = graph(
+            batch_size=batch_size,
+            num_threads=self.num_threads,
+            device_id=self.device_id,
+            exec_async=False,
+            exec_pipelined=False,
+            seed=0,  # unused: the graph has no random operators
+        )
+        pipe.build()
+        self._pipe = pipe
+
+    def _run(self, datas: Sequence[np.ndarray], boxes: Sequence[Box]) -> torch.Tensor:
+        from nvidia.dali.plugin.pytorch import feed_ndarray
+
+        n = len(datas)
+        if self._pipe is None or self._pipe.max_batch_size < n:
+            self._build(max(n, self.max_batch_size))
+        pipe = self._pipe
+        pipe.feed_input("data", list(datas))
+        pipe.feed_input("anchor", [np.array([b.x, b.y], np.float32) for b in boxes])
+        pipe.feed_input("shape", [np.array([b.w, b.h], np.float32) for b in boxes])
+        pipe.feed_input("mirror", [np.array(int(b.flip), np.int32) for b in boxes])
+        (out,) = pipe.run()
+        dense = out.as_tensor()
+        result = torch.empty((n, 3, self.size, self.size), dtype=self.dtype, device=self.device)
+        if self.device_id is None:
+            feed_ndarray(dense, result)
+        else:
+            stream = torch.cuda.current_stream(self.device)
+            feed_ndarray(dense, result, cuda_stream=stream)
+        return result
+
+    def decode(
+        self, datas: Sequence[bytes], boxes: Sequence[Box]
+    ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
+        """(normalised batch, [(position, error)]); failed positions hold zeros."""
+        arrays = [np.frombuffer(d, np.uint8) for d in datas]
+        try:
+            return self._run(arrays, boxes), []
+        except RuntimeError as batch_exc:
+            log.warning(
+                "DALI batch of %d failed, locating bad samples: %s", len(arrays), _last_line(batch_exc)
+            )
+            self._pipe = None
+            self.rebuilds += 1
+        result = torch.zeros((len(arrays), 3, self.size, self.size), dtype=self.dtype, device=self.device)
+        failures: list[tuple[int, BaseException]] = []
+        for i, (arr, box) in enumerate(zip(arrays, boxes, strict=True)):
+            try:
+                result[i] = self._run([arr], [box])[0]
+            except RuntimeError as exc:
+                failures.append((i, RuntimeError(f"DALI could not decode it: {_last_line(exc)}")))
+                self._pipe = None
+                self.rebuilds += 1
+        return result, failures
+
+
+def _last_line(exc: BaseException) -> str:
+    """DALI's messages are long tracebacks; the line after "encountered:" says what went wrong."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for i, ln in enumerate(lines):
+        if ln == "encountered:" and i + 1 < len(lines):
+            return lines[i + 1]
+    return lines[0] if lines else type(exc).__name__

@@ -1,0 +1,220 @@
+"""``ImageDecode``: the loader's ``decode=`` object; picks a backend and turns sample dicts into a batch.
+
+Backend choice (``backend="auto"``):
+1. DALI with ``device="mixed"`` on the rank's GPU, when CUDA and DALI are both present;
+2. otherwise the DALI-free CPU decoder. DALI's CPU operators are used only when asked for
+   (``backend="dali"`` without a GPU): on the 2-core reference machine our CPU decoder ran the
+   train preset faster than DALI's CPU pipeline (figures and command in benchmarks/RESULTS.md,
+   "Decode + augment"), so a measured-slower path is never picked automatically.
+``stats()["backend"]`` and ``stats()["reason"]`` say which ran and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..shards.errors import BatchDecodeError, SampleDecodeError
+from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
+from .cpu import CpuDecoder
+from .dali import INSTALL_HINT, DaliDecoder, dali_available
+from .header import BadImageError, ImageInfo, probe
+
+log = logging.getLogger(__name__)
+
+IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "img", "image")
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    torch.float32: torch.float32,
+    torch.float16: torch.float16,
+}
+
+
+class ImageDecode:
+    """Decode + augment a batch of raw samples into ``{"image", "label", "__key__"}``.
+
+    ``image``: ``[N, 3, size, size]`` normalised ``dtype`` tensor (on the GPU for the DALI mixed
+    backend); ``label``: int64 ``[N]`` from ``label_field`` (-1 where a sample has none), on the
+    same device; ``__key__``: the sample keys. ``train`` picks random-resized-crop + flip (random
+    per ``seed`` passed by the loader and per sample key) or resize + centre crop.
+    """
+
+    def __init__(
+        self,
+        train: bool = True,
+        size: int = 224,
+        backend: str = "auto",
+        *,
+        dtype: str | torch.dtype = "float32",
+        mean: Sequence[float] = IMAGENET_MEAN,
+        std: Sequence[float] = IMAGENET_STD,
+        scale: tuple[float, float] = (0.08, 1.0),
+        ratio: tuple[float, float] = (3 / 4, 4 / 3),
+        flip_p: float = 0.5,
+        resize_size: int | None = None,
+        image_field: str | None = None,
+        label_field: str = "cls",
+        device: str | torch.device | int | None = None,
+        num_threads: int | None = None,
+        hw_decoder_load: float = 0.65,
+        jpeg_library: str = "auto",
+    ) -> None:
+        if backend not in ("auto", "dali", "cpu"):
+            raise ValueError(f"backend must be 'auto', 'dali' or 'cpu', got {backend!r}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+        if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
+            raise ValueError("mean and std need 3 values each, std > 0 (0-255 pixel scale)")
+        self.preset = Preset(
+            train=train, size=size, scale=scale, ratio=ratio, flip_p=flip_p, resize_size=resize_size
+        )
+        self.dtype = _DTYPES[dtype]
+        self.image_field = image_field
+        self.label_field = label_field
+        threads = num_threads if num_threads is not None else _cpu_count()
+        gpu_id = _gpu_id(device)
+        self.backend, self.reason = _choose(backend, gpu_id)
+        common = {"mean": mean, "std": std, "dtype": self.dtype, "num_threads": threads}
+        if self.backend == "dali":
+            dali_gpu = gpu_id if torch.cuda.is_available() else None
+            self._decoder: DaliDecoder | CpuDecoder = DaliDecoder(
+                size, device_id=dali_gpu, hw_decoder_load=hw_decoder_load, **common
+            )
+            self.device = self._decoder.device
+        else:
+            self._decoder = CpuDecoder(size, jpeg_library=jpeg_library, **common)
+            self.device = torch.device("cpu")
+        self._stats = {"batches": 0, "images": 0, "failures": 0, "decode_s": 0.0}
+
+    def decode_batch(self, samples: Sequence[dict], *, seed: int) -> dict[str, Any]:
+        """Decode ``samples``; raises ``BatchDecodeError`` naming every bad sample (none decoded then)."""
+        t0 = time.perf_counter()
+        keys = [str(s.get("__key__", i)) for i, s in enumerate(samples)]
+        failures: list[tuple[int, str, BaseException]] = []
+        datas: list[bytes] = []
+        infos: list[ImageInfo] = []
+        boxes: list[Box] = []
+        good: list[int] = []
+        for i, (sample, key) in enumerate(zip(samples, keys, strict=True)):
+            try:
+                data = self._image_bytes(sample)
+                info = probe(data)
+            except (BadImageError, KeyError, TypeError) as exc:
+                failures.append((i, key, SampleDecodeError(str(exc).strip("'\""), key=key)))
+                continue
+            datas.append(data)
+            infos.append(info)
+            boxes.append(self.preset.box(info.width, info.height, seed, key))
+            good.append(i)
+        if good:
+            if isinstance(self._decoder, DaliDecoder):
+                images, bad = self._decoder.decode(datas, boxes)
+            else:
+                images, bad = self._decoder.decode(datas, infos, boxes)
+            for j, exc in bad:
+                i = good[j]
+                failures.append((i, keys[i], SampleDecodeError(f"cannot decode image: {exc}", key=keys[i])))
+        if failures:
+            self._stats["failures"] += len(failures)
+            raise BatchDecodeError(sorted(failures, key=lambda f: f[0]))
+        if not good:
+            images = torch.empty(
+                (0, 3, self.preset.size, self.preset.size), dtype=self.dtype, device=self.device
+            )
+        labels = torch.tensor([self._label(s) for s in samples], dtype=torch.int64)
+        if self.device.type != "cpu":
+            labels = labels.to(self.device, non_blocking=True)
+        self._stats["batches"] += 1
+        self._stats["images"] += len(samples)
+        self._stats["decode_s"] += time.perf_counter() - t0
+        return {"image": images, "label": labels, "__key__": keys}
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self._stats)
+        s["images_per_s"] = s["images"] / s["decode_s"] if s["decode_s"] > 0 else 0.0
+        s.update(
+            backend=self.backend, reason=self.reason, device=str(self.device), preset=self._preset_name()
+        )
+        if isinstance(self._decoder, DaliDecoder):
+            s.update(dali_rebuilds=self._decoder.rebuilds, hw_decoder_load=self._decoder.hw_decoder_load)
+        else:
+            s["jpeg_library"] = self._decoder.jpeg_library
+        return s
+
+    def close(self) -> None:
+        self._decoder.close()
+
+    def _preset_name(self) -> str:
+        return "train" if self.preset.train else "eval"
+
+    def _image_bytes(self, sample: dict) -> bytes:
+        field = self.image_field
+        if field is None:
+            field = next((f for f in IMAGE_FIELDS if f in sample), None)
+            if field is None:
+                raise KeyError(f"no image field (looked for {', '.join(IMAGE_FIELDS)}; set image_field=)")
+        elif field not in sample:
+            raise KeyError(f"no {field!r} field in sample")
+        value = sample[field]
+        if isinstance(value, bytes):
+            return value
+        if isinstance(value, (bytearray, memoryview)):
+            return bytes(value)
+        if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
+            return value.tobytes()
+        raise TypeError(f"field {field!r} holds {type(value).__name__}, expected encoded image bytes")
+
+    def _label(self, sample: dict) -> int:
+        value = sample.get(self.label_field)
+        if value is None:
+            return -1
+        if isinstance(value, (bytes, bytearray)):
+            value = value.decode("ascii").strip()
+        return int(value)
+
+
+def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
+    has_dali = dali_available()
+    has_cuda = torch.cuda.is_available() and gpu_id is not None
+    if backend == "dali":
+        if not has_dali:
+            raise ImportError(INSTALL_HINT)
+        return "dali", "forced by backend='dali'" + ("" if has_cuda else " (no CUDA: DALI CPU operators)")
+    if backend == "cpu":
+        return "cpu", "forced by backend='cpu'"
+    if has_dali and has_cuda:
+        return "dali", f"auto: CUDA device {gpu_id} and DALI present -> DALI mixed (GPU) decode"
+    if not has_dali:
+        return "cpu", "auto: DALI not installed -> CPU decoder (pip install stallfree[dali] for DALI)"
+    return "cpu", "auto: no CUDA -> CPU decoder (measured faster than DALI's CPU operators; see RESULTS.md)"
+
+
+def _gpu_id(device: str | torch.device | int | None) -> int | None:
+    """The CUDA device index to decode on: explicit, else the current one (each rank sets its own)."""
+    if device is None:
+        return torch.cuda.current_device() if torch.cuda.is_available() else None
+    if isinstance(device, int):
+        return device
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return None
+    if dev.type != "cuda":
+        raise ValueError(f"device must be cpu or cuda, got {device!r}")
+    if dev.index is not None:
+        return dev.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def _cpu_count() -> int:
+    import os
+
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not on Linux
+        return max(1, os.cpu_count() or 1)
