@@ -1,0 +1,201 @@
+"""``manifest.json``: what a dataset holds (format, fields, shards with counts, sizes and hashes).
+
+JSON over fsspec, never pickle. Shard paths are relative to the manifest's directory (or absolute
+URLs), so a dataset directory can be copied or uploaded as a whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from stallfree.shards.errors import ManifestError, MissingShardError
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+FORMATS = ("tar", "arrow")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard: ``path`` (relative to the manifest's directory), sample count, size, sha256 hex.
+
+    ``sha256`` is None when unknown (a dataset indexed on the fly, without reading whole shards).
+    """
+
+    path: str
+    samples: int
+    bytes: int
+    sha256: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "manifest") -> ShardInfo:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where}: shard entry must be an object, got {type(obj).__name__}")
+        try:
+            path, samples, size = obj["path"], obj["samples"], obj["bytes"]
+        except KeyError as exc:
+            raise ManifestError(f"{where}: shard entry lacks {exc.args[0]!r}: {obj!r}") from None
+        sha = obj.get("sha256")
+        if not isinstance(path, str) or not path:
+            raise ManifestError(f"{where}: shard path must be a non-empty string: {obj!r}")
+        for name, value in (("samples", samples), ("bytes", size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ManifestError(
+                    f"{where}: shard {path}: {name} must be a non-negative integer: {value!r}"
+                )
+        if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
+            raise ManifestError(f"{where}: shard {path}: sha256 must be 64 hex digits or null: {sha!r}")
+        return cls(path, samples, size, sha)
+
+
+@dataclass
+class Manifest:
+    """A dataset's table of contents. ``fields`` lists field names in first-seen order.
+
+    ``field_types`` (Arrow only) maps field -> Arrow type string; ``classes`` is the label names
+    (index = ``cls`` value) when the source had classes; ``skipped`` lists source items left out
+    (``{"source": ..., "error": ...}``); ``extra`` keeps unknown top-level keys on round trips.
+    """
+
+    version: int
+    format: str
+    fields: list[str]
+    shards: list[ShardInfo]
+    classes: list[str] | None = None
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    field_types: dict[str, str] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def samples(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hex id of the content: format, fields and every shard's path, count, size, hash."""
+        body = {
+            "version": self.version,
+            "format": self.format,
+            "fields": self.fields,
+            "shards": [s.to_json() for s in self.shards],
+        }
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def to_json(self) -> dict[str, Any]:
+        obj: dict[str, Any] = dict(self.extra)
+        obj.update(
+            {
+                "version": self.version,
+                "format": self.format,
+                "fields": list(self.fields),
+                "classes": self.classes,
+                "skipped": list(self.skipped),
+                "shards": [s.to_json() for s in self.shards],
+            }
+        )
+        if self.field_types is not None:
+            obj["field_types"] = dict(self.field_types)
+        return obj
+
+    def dumps(self) -> str:
+        return json.dumps(self.to_json(), indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, obj: Any, where: str = "manifest") -> Manifest:
+        if not isinstance(obj, dict):
+            raise ManifestError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+        version = obj.get("version")
+        if version != FORMAT_VERSION:
+            raise ManifestError(
+                f"{where}: unknown manifest format version {version!r} (this stallfree reads version "
+                f"{FORMAT_VERSION}; upgrade stallfree or rewrite the dataset with `stallfree shard`)"
+            )
+        fmt = obj.get("format")
+        if fmt not in FORMATS:
+            raise ManifestError(
+                f"{where}: unknown shard format {fmt!r} (expected one of {', '.join(FORMATS)})"
+            )
+        fields = obj.get("fields")
+        if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
+            raise ManifestError(f"{where}: 'fields' must be a list of strings")
+        shards = obj.get("shards")
+        if not isinstance(shards, list):
+            raise ManifestError(f"{where}: 'shards' must be a list")
+        classes = obj.get("classes")
+        if classes is not None and not (
+            isinstance(classes, list) and all(isinstance(c, str) for c in classes)
+        ):
+            raise ManifestError(f"{where}: 'classes' must be a list of strings or null")
+        skipped = obj.get("skipped") or []
+        if not isinstance(skipped, list):
+            raise ManifestError(f"{where}: 'skipped' must be a list")
+        field_types = obj.get("field_types")
+        if field_types is not None and not isinstance(field_types, dict):
+            raise ManifestError(f"{where}: 'field_types' must be an object")
+        known = {"version", "format", "fields", "shards", "classes", "skipped", "field_types"}
+        return cls(
+            version=version,
+            format=fmt,
+            fields=list(fields),
+            shards=[ShardInfo.from_json(s, where) for s in shards],
+            classes=list(classes) if classes is not None else None,
+            skipped=list(skipped),
+            field_types=dict(field_types) if field_types is not None else None,
+            extra={k: v for k, v in obj.items() if k not in known},
+        )
+
+    @classmethod
+    def loads(cls, text: str | bytes, where: str = "manifest") -> Manifest:
+        try:
+            obj = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ManifestError(f"{where}: not valid JSON: {exc}") from None
+        return cls.from_json(obj, where)
+
+    @classmethod
+    def load(cls, url: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any) -> Manifest:
+        """Read a manifest from ``url`` (a ``manifest.json`` file or a directory holding one)."""
+        if fs is None:
+            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        else:
+            path = url
+        if not path.endswith(".json"):
+            path = join(path, MANIFEST_NAME)
+        try:
+            text = fs.cat_file(path)
+        except FileNotFoundError:
+            raise MissingShardError(f"no manifest at {path}", shard=MANIFEST_NAME) from None
+        return cls.loads(text, where=path)
+
+    def save(self, url: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any) -> str:
+        """Write atomically to ``url`` (a ``.json`` path or a directory); returns the path written."""
+        from stallfree.shards.atomic import atomic_write_bytes
+
+        if fs is None:
+            fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        else:
+            path = url
+        if not path.endswith(".json"):
+            path = join(path, MANIFEST_NAME)
+        atomic_write_bytes(fs, path, self.dumps().encode())
+        return path
+
+
+def join(root: str, rel: str) -> str:
+    """Join a shard path onto a root path; absolute paths and URLs are kept as they are."""
+    if rel.startswith("/") or "://" in rel or not root:
+        return rel
+    return root.rstrip("/") + "/" + rel
