@@ -1,0 +1,513 @@
+"""Cluster tier: one Redis server per node; rendezvous hashing gives every key one owner.
+
+With highest-random-weight hashing each key ranks the servers by ``hash(server, key)``; the top one
+owns it, so N nodes hold the dataset once and each holds about 1/N of it. Under ``minio`` a server
+that is full hands new keys to the next server in the key's ranking (and readers follow the same
+chain), so the cluster fills completely even though hashing never splits keys exactly evenly.
+
+Capacity under ``minio`` is exact and shared by all clients: a small server-side script admits an
+entry only while the server's ``used`` counter plus its size fits ``capacity_bytes``. Under ``lru``
+the server evicts (``allkeys-lru`` with ``maxmemory``). An out-of-memory reply means "full".
+
+Faults never reach the caller: a server that refuses connections, times out or fails to
+authenticate is marked down by a per-server circuit breaker and its keys are misses; it is tried
+again after an exponentially growing backoff, and used again once it answers (a restarted server is
+simply empty).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+from stallfree.cache.base import BaseCache, PutResult
+from stallfree.cache.policy import Policy, get_policy
+
+log = logging.getLogger(__name__)
+
+USED_KEY = b"sf/__used__"
+FULL_KEY = b"sf/__full__"
+_MAX_PUT_BYTES = 8 << 20  # split large put batches into calls of about this size
+
+# KEYS[1] used counter, KEYS[2] full flag, KEYS[3..] entries; ARGV[1] capacity (0: none), ARGV[2..] values.
+# Returns per entry: 1 stored, 0 already present, -1 no room.
+_ADMIT_LUA = """
+local cap = tonumber(ARGV[1])
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+local out = {}
+for i = 3, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    out[#out + 1] = 0
+  else
+    local n = string.len(ARGV[i - 1])
+    if cap > 0 and used + n > cap then
+      out[#out + 1] = -1
+    else
+      redis.call('SET', KEYS[i], ARGV[i - 1])
+      used = used + n
+      out[#out + 1] = 1
+    end
+  end
+end
+redis.call('SET', KEYS[1], used)
+for i = 1, #out do
+  if out[i] == -1 then redis.call('SET', KEYS[2], '1') break end
+end
+return out
+"""
+
+# KEYS[1] used counter, KEYS[2..] entries to drop.
+_DROP_LUA = """
+local freed = 0
+for i = 2, #KEYS do
+  local n = redis.call('STRLEN', KEYS[i])
+  if n > 0 then redis.call('DEL', KEYS[i]) freed = freed + n end
+end
+if freed > 0 and redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], freed) end
+return freed
+"""
+
+
+class ClusterCacheError(RuntimeError):
+    """Raised only by ``ClusterCache.check()``: which servers cannot be used, and why."""
+
+
+@dataclass
+class _Server:
+    """Connection and circuit-breaker state of one server."""
+
+    url: str
+    ident: bytes  # what rendezvous hashing hashes: host:port, identical on every node
+    kwargs: dict[str, Any]
+    client: Any = None
+    admit: Any = None
+    drop: Any = None
+    down_until: float = 0.0
+    failures: int = 0
+    full: bool = False
+    full_until: float = 0.0
+    configured: bool = False
+    last_error: str = ""
+    counts: dict[str, int] = field(
+        default_factory=lambda: {"hits": 0, "misses": 0, "errors": 0, "admitted": 0}
+    )
+
+
+def parse_server(url: str) -> tuple[str, dict[str, Any]]:
+    """``redis://[user:pass@]host:port[/db]``, ``rediss://...`` (TLS) or ``host:port`` ->
+    (identity ``host:port``, connection keyword arguments)."""
+    if "://" not in url:
+        url = f"redis://{url}"
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss") or not parts.hostname:
+        raise ValueError(f"cannot read cache server {url!r}; expected redis://host:port")
+    kwargs: dict[str, Any] = {"host": parts.hostname, "port": parts.port or 6379}
+    path = parts.path.strip("/")
+    if path:
+        kwargs["db"] = int(path)
+    if parts.password:
+        kwargs["password"] = unquote(parts.password)
+    if parts.username:
+        kwargs["username"] = unquote(parts.username)
+    if parts.scheme == "rediss":
+        kwargs["ssl"] = True
+    return f"{parts.hostname}:{kwargs['port']}", kwargs
+
+
+def rendezvous_rank(key: bytes, idents: Sequence[bytes]) -> list[int]:
+    """Server positions ordered by highest random weight for ``key`` (first = owner)."""
+    weights = [
+        int.from_bytes(hashlib.blake2b(key, digest_size=8, key=ident[:64]).digest(), "little")
+        for ident in idents
+    ]
+    return sorted(range(len(idents)), key=lambda i: (-weights[i], idents[i]))
+
+
+class ClusterCache(BaseCache):
+    """A cache spread over Redis servers (one per node), each key owned by one server.
+
+    ``capacity_bytes`` is the budget of encoded bytes *per server* (``None``: as the server's own
+    ``maxmemory`` allows). ``password``/``username`` apply to every server unless its URL has its
+    own; ``tls=True`` (or ``rediss://`` URLs) encrypts, with optional CA and client certificates.
+    With ``configure_servers`` the servers' ``maxmemory-policy`` is set to match ``policy``
+    (and, under ``lru``, an unlimited ``maxmemory`` to ``capacity_bytes`` above current use).
+    """
+
+    name = "cluster"
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        capacity_bytes: int | None = None,
+        policy: str | Policy = "minio",
+        *,
+        password: str | None = None,
+        username: str | None = None,
+        tls: bool = False,
+        tls_ca_certs: str | None = None,
+        tls_certfile: str | None = None,
+        tls_keyfile: str | None = None,
+        tls_verify: bool = True,
+        connect_timeout_s: float = 0.5,
+        timeout_s: float = 2.0,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 30.0,
+        full_recheck_s: float = 30.0,
+        configure_servers: bool = True,
+        spill: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(servers, str):
+            servers = [servers]
+        if not servers:
+            raise ValueError("ClusterCache needs at least one server URL")
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.servers = list(servers)
+        self.capacity_bytes = capacity_bytes
+        self.policy = get_policy(policy)
+        self.password = password
+        self.username = username
+        self.tls = tls
+        self.tls_ca_certs = tls_ca_certs
+        self.tls_certfile = tls_certfile
+        self.tls_keyfile = tls_keyfile
+        self.tls_verify = tls_verify
+        self.connect_timeout_s = connect_timeout_s
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.full_recheck_s = full_recheck_s
+        self.configure_servers = configure_servers
+        self._spill_requested = spill
+        self.spill = spill and not self.policy.evicts  # lru servers make room instead
+        self._nodes = [self._make_server(url) for url in self.servers]
+        self._idents = [n.ident for n in self._nodes]
+        if len(set(self._idents)) != len(self._idents):
+            raise ValueError(f"duplicate cache servers in {self.servers}")
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    def _config(self) -> dict[str, Any]:
+        names = (
+            "servers capacity_bytes password username tls tls_ca_certs tls_certfile tls_keyfile tls_verify "
+            "connect_timeout_s timeout_s backoff_s max_backoff_s full_recheck_s configure_servers"
+        ).split()
+        cfg = {n: getattr(self, n) for n in names}
+        cfg["policy"] = self.policy.name
+        cfg["spill"] = self._spill_requested
+        return cfg
+
+    def _make_server(self, url: str) -> _Server:
+        ident, kwargs = parse_server(url)
+        if self.password is not None:
+            kwargs.setdefault("password", self.password)
+        if self.username is not None:
+            kwargs.setdefault("username", self.username)
+        if self.tls or kwargs.get("ssl"):
+            kwargs["ssl"] = True
+            kwargs["ssl_ca_certs"] = self.tls_ca_certs
+            kwargs["ssl_certfile"] = self.tls_certfile
+            kwargs["ssl_keyfile"] = self.tls_keyfile
+            kwargs["ssl_cert_reqs"] = "required" if self.tls_verify else "none"
+            kwargs["ssl_check_hostname"] = self.tls_verify
+        kwargs["socket_connect_timeout"] = self.connect_timeout_s
+        kwargs["socket_timeout"] = self.timeout_s
+        return _Server(url=url, ident=ident.encode(), kwargs=kwargs)
+
+    # -- connections and the circuit breaker ------------------------------------------------------
+    def _client(self, node: _Server) -> Any | None:
+        """The node's client, or ``None`` while its breaker is open."""
+        if os.getpid() != self._pid:  # forked: drop the parent's sockets
+            with self._lock:
+                if os.getpid() != self._pid:
+                    for n in self._nodes:
+                        n.client = n.admit = n.drop = None
+                        n.configured = False
+                    self._pid = os.getpid()
+        now = time.monotonic()
+        if node.down_until > now:
+            return None
+        if node.client is None:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            node.client = redis.Redis(**node.kwargs, retry=Retry(NoBackoff(), 0), decode_responses=False)
+            node.admit = node.client.register_script(_ADMIT_LUA)
+            node.drop = node.client.register_script(_DROP_LUA)
+        if not node.configured:
+            self._configure(node)
+        return node.client
+
+    def _configure(self, node: _Server) -> None:
+        """Match the server's eviction settings to our policy (once per connection)."""
+        import redis
+
+        node.configured = True
+        node.client.ping()  # raises (and trips the breaker) when the server is unusable
+        if not self.configure_servers:
+            return
+        try:
+            node.client.config_set("maxmemory-policy", self.policy.redis_maxmemory_policy)
+            if self.policy.evicts and self.capacity_bytes:
+                if int(node.client.config_get("maxmemory").get(b"maxmemory", b"0") or 0) == 0:
+                    base = int(node.client.info("memory").get("used_memory", 0))
+                    node.client.config_set("maxmemory", base + self.capacity_bytes)
+        except redis.ResponseError as exc:
+            log.warning(
+                "cache server %s: cannot apply policy settings (%s); using it as configured", node.url, exc
+            )
+
+    def _failed_node(self, node: _Server, exc: BaseException) -> None:
+        """Open the node's breaker: its keys are misses until the backoff has passed."""
+        import redis
+
+        if isinstance(exc, redis.AuthenticationError) or "auth" in str(exc).lower():
+            reason = f"authentication failed (check the cache password): {exc}"
+        else:
+            reason = f"{type(exc).__name__}: {exc}"
+        with self._lock:
+            node.failures += 1
+            delay = min(self.max_backoff_s, self.backoff_s * 2 ** (node.failures - 1))
+            node.down_until = time.monotonic() + delay
+            node.configured = False
+            node.last_error = reason
+            node.counts["errors"] += 1
+            client, node.client = node.client, None
+        self._stats.add(errors=1)
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # closing a broken connection may fail too; nothing to do
+                pass
+        level = logging.ERROR if "authentication" in reason else logging.WARNING
+        log.log(level, "cache server %s unusable (retry in %.1fs): %s", node.url, delay, reason)
+
+    def _ok(self, node: _Server) -> None:
+        if node.failures:
+            log.info("cache server %s is back", node.url)
+            node.failures = 0
+            node.last_error = ""
+
+    def _is_full(self, node: _Server) -> bool:
+        if node.full and node.full_until and time.monotonic() > node.full_until:
+            node.full = False
+        return node.full
+
+    def _call(self, node: _Server, fn: Any) -> Any:
+        """Run ``fn(client)`` against ``node``; ``None`` when the node is down or fails."""
+        import redis
+
+        client = self._client_or_fail(node)
+        if client is None:
+            return None
+        try:
+            result = fn(client)
+        except redis.ResponseError as exc:
+            if str(exc).startswith("OOM"):
+                node.full, node.full_until = True, time.monotonic() + self.full_recheck_s
+                log.info("cache server %s is full (%s); not admitting there", node.url, exc)
+                return None
+            self._failed_node(node, exc)
+            return None
+        except Exception as exc:  # ConnectionError, TimeoutError, AuthenticationError, OSError...
+            self._failed_node(node, exc)
+            return None
+        self._ok(node)
+        return result
+
+    def _client_or_fail(self, node: _Server) -> Any | None:
+        try:
+            return self._client(node)
+        except Exception as exc:
+            self._failed_node(node, exc)
+            return None
+
+    # -- primitives --------------------------------------------------------------------------------
+    def _ranks(self, keys: Sequence[bytes]) -> list[list[int]]:
+        if len(self._nodes) == 1:
+            return [[0]] * len(keys)
+        return [rendezvous_rank(k, self._idents) for k in keys]
+
+    def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out: list[bytes | None] = [None] * len(keys)
+        ranks = self._ranks(keys)
+        pending = list(range(len(keys)))
+        for level in range(len(self._nodes) if self.spill else 1):
+            groups: dict[int, list[int]] = {}
+            for pos in pending:
+                groups.setdefault(ranks[pos][level], []).append(pos)
+            pending = []
+            for server, positions in groups.items():
+                node = self._nodes[server]
+                reply = self._call(node, lambda c, ps=positions: _mget_and_full(c, [keys[p] for p in ps]))
+                if reply is None:
+                    node.counts["misses"] += len(positions)
+                    continue
+                values, full = reply
+                node.full = full or (node.full and bool(node.full_until))
+                for pos, value in zip(positions, values, strict=True):
+                    if value is not None:
+                        out[pos] = value
+                        node.counts["hits"] += 1
+                    else:
+                        node.counts["misses"] += 1
+                        if node.full:  # a full server's keys may live further down the chain
+                            pending.append(pos)
+            if not pending:
+                break
+        return out
+
+    def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        ranks = self._ranks([k for k, _ in items])
+        admitted = nbytes = rejected = 0
+        pending = list(range(len(items)))
+        for level in range(len(self._nodes) if self.spill else 1):
+            groups: dict[int, list[int]] = {}
+            for pos in pending:
+                server = ranks[pos][level]
+                if self.spill and level + 1 < len(self._nodes) and self._is_full(self._nodes[server]):
+                    pending_next = True
+                else:
+                    pending_next = False
+                groups.setdefault(-1 if pending_next else server, []).append(pos)
+            pending = groups.pop(-1, [])
+            for server, positions in groups.items():
+                node = self._nodes[server]
+                if node.down_until > time.monotonic():
+                    continue  # its keys are misses until it is back; never move them elsewhere
+                for chunk in _chunks(positions, items):
+                    status = self._call(
+                        node, lambda c, ch=chunk, n=node: self._store(c, n, [items[p] for p in ch])
+                    )
+                    if status is None:
+                        if self._is_full(node) and node.down_until <= time.monotonic():
+                            pending.extend(chunk)  # "OOM": try the next server in the chain
+                        continue
+                    for pos, st in zip(chunk, status, strict=True):
+                        if st == 1:
+                            admitted += 1
+                            nbytes += len(items[pos][1])
+                            node.counts["admitted"] += 1
+                        elif st == -1:
+                            node.full = True
+                            pending.append(pos)
+            if not pending:
+                break
+        return PutResult(admitted, nbytes, rejected + len(pending))
+
+    def _store(self, client: Any, node: _Server, batch: list[tuple[bytes, bytes]]) -> list[int]:
+        if self.policy.evicts:
+            pipe = client.pipeline(transaction=False)
+            for key, blob in batch:
+                pipe.set(key, blob, nx=True)
+            return [1 if ok else 0 for ok in pipe.execute()]
+        keys = [USED_KEY, FULL_KEY, *(k for k, _ in batch)]
+        args = [self.capacity_bytes or 0, *(b for _, b in batch)]
+        return [int(x) for x in node.admit(keys=keys, args=args, client=client)]
+
+    def _delete_raw(self, keys: Sequence[bytes]) -> None:
+        ranks = self._ranks(keys)
+        for server in range(len(self._nodes)):
+            mine = [k for k, r in zip(keys, ranks, strict=True) if server in r]
+            if mine:
+                node = self._nodes[server]
+                self._call(node, lambda c, ks=mine, n=node: n.drop(keys=[USED_KEY, *ks], args=[], client=c))
+
+    def _contains_raw(self, key: bytes) -> bool:
+        for server in self._ranks([key])[0][: len(self._nodes) if self.spill else 1]:
+            node = self._nodes[server]
+            if self._call(node, lambda c: c.exists(key)):
+                return True
+            if not node.full:
+                return False
+        return False
+
+    def _close(self) -> None:
+        for node in self._nodes:
+            client, node.client = node.client, None
+            node.configured = False
+            if client is not None:
+                client.close()
+
+    # -- health and stats --------------------------------------------------------------------------
+    def check(self) -> dict[str, str]:
+        """Ping every server now (ignoring backoff); raise ``ClusterCacheError`` naming the failures."""
+        problems = {}
+        for node in self._nodes:
+            node.down_until = 0.0
+            if self._call(node, lambda c: c.ping()) is None and node.last_error:
+                problems[node.url] = node.last_error
+        if problems:
+            detail = "; ".join(f"{url}: {why}" for url, why in problems.items())
+            raise ClusterCacheError(f"{len(problems)} of {len(self._nodes)} cache servers unusable: {detail}")
+        return {node.url: "ok" for node in self._nodes}
+
+    def _tier_stats(self) -> dict[str, Any]:
+        servers: dict[str, Any] = {}
+        evictions = 0
+        now = time.monotonic()
+        for node in self._nodes:
+            entry: dict[str, Any] = dict(node.counts)
+            entry["state"] = "down" if node.down_until > now else ("full" if node.full else "up")
+            entry["last_error"] = node.last_error
+            if node.down_until <= now:
+                info = self._call(node, _server_info)
+                if info is not None:
+                    entry.update(info)
+                    evictions += info.get("evicted_keys", 0)
+            servers[node.url] = entry
+        return {
+            "servers": servers,
+            "server_evictions": evictions,
+            "capacity_bytes": self.capacity_bytes,
+            "policy": self.policy.name,
+            "down": [url for url, s in servers.items() if s["state"] == "down"],
+        }
+
+
+def _mget_and_full(client: Any, keys: list[bytes]) -> tuple[list[bytes | None], bool]:
+    pipe = client.pipeline(transaction=False)
+    pipe.mget(keys)
+    pipe.exists(FULL_KEY)
+    values, full = pipe.execute()
+    return values, bool(full)
+
+
+def _server_info(client: Any) -> dict[str, Any]:
+    info = client.info()
+    used = client.get(USED_KEY)
+    return {
+        "used_memory": int(info.get("used_memory", 0)),
+        "maxmemory": int(info.get("maxmemory", 0)),
+        "maxmemory_policy": str(info.get("maxmemory_policy", "")),
+        "keys": int(client.dbsize()),
+        "cached_bytes": int(used) if used is not None else None,
+        "evicted_keys": int(info.get("evicted_keys", 0)),
+        "keyspace_hits": int(info.get("keyspace_hits", 0)),
+        "keyspace_misses": int(info.get("keyspace_misses", 0)),
+        "run_id": str(info.get("run_id", "")),
+    }
+
+
+def _chunks(positions: list[int], items: Sequence[tuple[bytes, bytes]]) -> list[list[int]]:
+    out: list[list[int]] = []
+    cur: list[int] = []
+    size = 0
+    for pos in positions:
+        cur.append(pos)
+        size += len(items[pos][1])
+        if size >= _MAX_PUT_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out

@@ -1,0 +1,203 @@
+"""Start and stop a local ``redis-server`` configured as a cache node (used by the CLI and tests).
+
+The configuration is written to a private (0600) file, so a password never appears on a command
+line: loopback only unless told otherwise, no persistence (a cache is rebuilt from storage),
+``maxmemory`` from the capacity and the eviction policy from the cache policy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from stallfree.cache.policy import Policy, get_policy
+
+log = logging.getLogger(__name__)
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+
+
+def parse_size(text: str | int) -> int:
+    """``"8GB"`` -> 8_000_000_000, ``"512MiB"`` -> 536_870_912; a clear ``ValueError`` otherwise."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}; use e.g. 8GB, 512MiB or a number of bytes")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on ``host`` (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One ``redis-server`` process acting as a cache node; a context manager.
+
+    ``capacity_bytes`` becomes ``maxmemory`` (``None``: unlimited) and ``policy`` its
+    ``maxmemory-policy`` (minio -> noeviction, lru -> allkeys-lru).
+    """
+
+    def __init__(
+        self,
+        port: int | None = None,
+        *,
+        bind: str = "127.0.0.1",
+        capacity_bytes: int | None = None,
+        policy: str | Policy = "minio",
+        password: str | None = None,
+        workdir: str | os.PathLike | None = None,
+        executable: str = "redis-server",
+    ) -> None:
+        self.bind = bind
+        self.port = port or free_port(bind if bind not in ("0.0.0.0", "::") else "127.0.0.1")
+        self.capacity_bytes = capacity_bytes
+        self.policy = get_policy(policy)
+        self.password = password
+        self._own_workdir = workdir is None
+        self.workdir = (
+            Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="stallfree-redis-"))
+        )
+        self.executable = shutil.which(executable) or executable
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
+        return f"redis://{host}:{self.port}"
+
+    @property
+    def logfile(self) -> Path:
+        return self.workdir / "redis.log"
+
+    def config_text(self) -> str:
+        lines = [
+            f"port {self.port}",
+            f"bind {self.bind}",
+            "protected-mode yes",
+            "daemonize no",
+            'save ""',
+            "appendonly no",
+            f"dir {self.workdir}",
+            f"logfile {self.logfile}",
+            f"maxmemory {self.capacity_bytes or 0}",
+            f"maxmemory-policy {self.policy.redis_maxmemory_policy}",
+            "maxmemory-samples 10",
+            "lazyfree-lazy-eviction yes",
+        ]
+        if self.password:
+            lines.append(f'requirepass "{_quote(self.password)}"')
+        return "\n".join(lines) + "\n"
+
+    def start(self, timeout_s: float = 10.0) -> RedisServer:
+        """Start the server and wait until it answers PING; raises ``RuntimeError`` with its log."""
+        if self.process is not None and self.process.poll() is None:
+            return self
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        conf = self.workdir / "redis.conf"
+        fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.config_text())
+        self.process = subprocess.Popen(
+            [self.executable, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                raise RuntimeError(
+                    f"redis-server exited with {self.process.returncode}: {err}{self._log_tail()}"
+                )
+            if self._ping():
+                log.info("redis-server up at %s (pid %d)", self.url, self.process.pid)
+                return self
+            time.sleep(0.02)
+        self.stop()
+        raise RuntimeError(
+            f"redis-server on port {self.port} did not answer within {timeout_s}s{self._log_tail()}"
+        )
+
+    def _ping(self) -> bool:
+        try:
+            with socket.create_connection(
+                ("127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind, self.port), 0.2
+            ) as s:
+                s.sendall(b"PING\r\n")
+                reply = s.recv(64)
+            return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
+        except OSError:
+            return False
+
+    def _log_tail(self) -> str:
+        try:
+            return "\n" + "\n".join(self.logfile.read_text(errors="replace").splitlines()[-10:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """SIGKILL (a crash, for fault tests); the data is gone."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(5)
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(5)
+        if self.process.stderr is not None:
+            self.process.stderr.close()
+
+    def restart(self) -> RedisServer:
+        self.stop()
+        return self.start()
+
+    def wait(self) -> int:
+        """Block until the server exits (``stallfree cache serve`` runs in the foreground)."""
+        return self.process.wait() if self.process is not None else 0
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._own_workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.cleanup()
+
+
+def _quote(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"')
