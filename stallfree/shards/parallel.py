@@ -312,7 +312,7 @@ def shard_dataset(
     if fs.exists(manifest_path):
         if not overwrite:
             raise WriteError(
-                f"{dst} already holds a dataset ({MANIFEST_NAME}); pass overwrite=True to replace it"
+                f"{dst} already holds a dataset ({MANIFEST_NAME}); pass --overwrite (overwrite=True) to replace it"
             )
         with contextlib.suppress(Exception):
             old = Manifest.load(manifest_path, fs=fs)

@@ -1,0 +1,207 @@
+"""``stallfree shard`` (write shards from a source) and ``stallfree index`` (manifest + ``.idx``
+for existing WebDataset tars)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "shard",
+        help="write tar or Arrow shards (+ manifest.json, .idx) from images, tables or tars",
+        description=(
+            "Write training-ready shards from SRC: an ImageFolder tree (class = sub-folder), a folder of "
+            "files grouped by base name (a.jpg + a.json -> one sample), JSONL / Parquet / Arrow tables "
+            "(one row per sample), or existing tar shards (re-shard). Output is identical for any "
+            "--workers."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  stallfree shard ./imagenet/train ./in1k-train --format tar --max-bytes 256MB --workers 8\n"
+            "  stallfree shard 'tokens/*.parquet' s3://bucket/tokens --format arrow --max-samples 100000\n"
+            "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json"
+        ),
+    )
+    p.add_argument("src", help="source: directory, file, or glob pattern (local)")
+    p.add_argument("dst", help="destination directory: a local path or any fsspec URL")
+    p.add_argument("--format", choices=("tar", "arrow"), default="tar", help="shard format (default tar)")
+    p.add_argument("--source", choices=SOURCE_KINDS, default=None, help="source kind (default: detected)")
+    p.add_argument("--max-bytes", default="256MB", help="shard size limit, e.g. 256MB, 1GiB (default 256MB)")
+    p.add_argument("--max-samples", type=int, default=None, help="at most N samples per shard")
+    p.add_argument("--workers", type=int, default=1, help="processes writing shards in parallel (default 1)")
+    p.add_argument(
+        "--shuffle-seed", type=int, default=None, help="shuffle samples with this seed before sharding"
+    )
+    p.add_argument(
+        "--on-error",
+        choices=("raise", "skip"),
+        default="raise",
+        help="unreadable source files: stop (raise, default) or skip and list them",
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
+    p.add_argument(
+        "--name", default="shard-{index:06d}", help="shard name pattern (default shard-{index:06d})"
+    )
+    p.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option for DST (value parsed as JSON when it can be), repeatable",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.set_defaults(func=run_shard)
+
+    q = sub.add_parser(
+        "index",
+        help="write manifest.json and DALI .idx files for existing WebDataset tars",
+        description=(
+            "Index existing WebDataset tar shards in place: one DALI-compatible .idx beside each tar and a "
+            "manifest.json (sample counts, sizes, sha256) in their directory, so open_dataset reads them "
+            "by global index without scanning."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  stallfree index ./wds/shard-*.tar\n  stallfree index ./wds/*.tar --json",
+    )
+    q.add_argument("tars", nargs="+", help="tar shards (all in one directory), or that directory")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing manifest.json")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    q.set_defaults(func=run_index)
+
+
+def _storage_options(pairs: list[str]) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"storage option must be KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"
+
+
+def run_shard(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from stallfree.shards.errors import ShardError
+    from stallfree.shards.parallel import shard_dataset
+    from stallfree.shards.sources import open_source
+    from stallfree.shards.writer import parse_size
+
+    try:
+        max_bytes = parse_size(args.max_bytes)
+        options = _storage_options(args.storage_option)
+        if max_bytes <= 0:
+            raise ValueError(f"--max-bytes must be positive, got {args.max_bytes}")
+        if args.max_samples is not None and args.max_samples <= 0:
+            raise ValueError(f"--max-samples must be positive, got {args.max_samples}")
+        if args.workers < 1:
+            raise ValueError(f"--workers must be >= 1, got {args.workers}")
+    except ValueError as exc:
+        print(f"stallfree shard: error: {exc}", file=sys.stderr)
+        return 2
+
+    tqdm.monitor_interval = 0  # no monitor thread: worker processes are forked after the bar starts
+    bar: list[Any] = []
+
+    def on_plan(samples: int, shards: int, nbytes: int) -> None:
+        print(f"planned {samples:,} samples into {shards:,} shard(s), ~{_mb(nbytes)}", file=sys.stderr)
+        bar.append(
+            tqdm(
+                total=nbytes,
+                unit="B",
+                unit_scale=True,
+                desc="sharding",
+                file=sys.stderr,
+                disable=args.no_progress,
+                dynamic_ncols=True,
+            )
+        )
+
+    def progress(samples: int, nbytes: int) -> None:
+        if bar:
+            bar[0].update(nbytes)
+
+    try:
+        source = open_source(args.src, args.source, on_error=args.on_error)
+        summary = shard_dataset(
+            source,
+            args.dst,
+            format=args.format,
+            max_bytes=max_bytes,
+            max_samples=args.max_samples,
+            workers=args.workers,
+            shuffle_seed=args.shuffle_seed,
+            on_error=args.on_error,
+            name=args.name,
+            overwrite=args.overwrite,
+            progress=progress,
+            on_plan=on_plan,
+            **options,
+        )
+    except (ShardError, ValueError, OSError) as exc:
+        if bar:
+            bar[0].close()
+        print(f"stallfree shard: error: {exc}", file=sys.stderr)
+        return 1
+    if bar:
+        bar[0].close()
+    info = summary.to_json()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(
+        f"wrote {info['samples']:,} samples in {info['shards']:,} {args.format} shard(s), {_mb(info['bytes'])}, "
+        f"to {args.dst} in {info['seconds']:.2f}s ({info['mb_per_s'] or 0:,.1f} MB/s)"
+    )
+    print(f"manifest: {info['manifest']}")
+    if summary.skipped:
+        print(f"skipped {len(summary.skipped)} unreadable source item(s) (listed in the manifest):")
+        for s in summary.skipped[:20]:
+            print(f"  {s['source']}: {s['error']}")
+        if len(summary.skipped) > 20:
+            print(f"  ... and {len(summary.skipped) - 20} more")
+    else:
+        print("skipped: none")
+    return 0
+
+
+def run_index(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from stallfree.shards.errors import ShardError
+    from stallfree.shards.parallel import index_tars
+
+    tqdm.monitor_interval = 0
+    try:
+        with tqdm(
+            total=None, unit="shard", desc="indexing", file=sys.stderr, disable=args.no_progress
+        ) as bar:
+            result = index_tars(args.tars, overwrite=args.overwrite, progress=lambda n: bar.update(n))
+    except (ShardError, ValueError, OSError) as exc:
+        print(f"stallfree index: error: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(
+            f"indexed {result['samples']:,} samples in {result['shards']:,} tar(s), {_mb(result['bytes'])}; "
+            f"manifest: {result['manifest']}"
+        )
+    return 0
