@@ -186,7 +186,7 @@ def run_index(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from stallfree.shards.errors import ShardError
-    from stallfree.shards.parallel import index_tars
+    from stallfree.shards.indexing import index_tars
 
     tqdm.monitor_interval = 0
     try:

@@ -49,7 +49,7 @@ class Problem:
 
     @classmethod
     def from_error(cls, exc: ShardError) -> Problem:
-        return cls(type(exc).__name__, str(exc), exc.shard, exc.key, exc.offset)
+        return cls(type(exc).__name__, exc.reason, exc.shard, exc.key, exc.offset)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -1,0 +1,155 @@
+"""``stallfree inspect`` (what a dataset holds) and ``stallfree verify`` (is it intact)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "inspect",
+        help="summarise a sharded dataset: format, samples, shards, bytes, fields, classes",
+        description="Summarise a dataset from its manifest and first sample (reads no shard data beyond that).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  stallfree inspect ./in1k-train\n  stallfree inspect s3://bucket/in1k-train --json",
+    )
+    p.add_argument("dataset", help="dataset directory (or its manifest.json): local path or fsspec URL")
+    p.add_argument("--shards", type=int, default=5, help="list the first N shards (default 5)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    p.set_defaults(func=run_inspect)
+
+    v = sub.add_parser(
+        "verify",
+        help="check sizes, sha256 hashes and index consistency of every shard (optionally decode images)",
+        description=(
+            "Read every shard once: size and sha256 against the manifest, tar headers against the .idx and the "
+            "manifest's sample counts (Arrow: row counts), duplicate keys; --decode also decodes image fields "
+            "with PIL. Exits 1 and lists every problem (shard, sample key, byte offset) if any is found."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  stallfree verify ./in1k-train --decode\n  stallfree verify ./in1k-train --json",
+    )
+    v.add_argument("dataset", help="dataset directory (or its manifest.json): local path or fsspec URL")
+    v.add_argument("--decode", action="store_true", help="also decode every image field with PIL")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
+    v.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    v.set_defaults(func=run_verify)
+
+
+def _first_sample_sizes(url: str, manifest: Any) -> tuple[str | None, dict[str, Any]]:
+    """Key and per-field sizes (bytes; or the value type for non-binary Arrow columns) of the first
+    sample, from the first non-empty shard's .idx or Arrow file."""
+    import fsspec
+
+    from stallfree.shards.manifest import join
+
+    fs, path = fsspec.core.url_to_fs(url)
+    root = path.rsplit("/", 1)[0] if path.endswith(".json") else path.rstrip("/")
+    shard = next((s for s in manifest.shards if s.samples), None)
+    if shard is None:
+        return None, {}
+    shard_path = join(root, shard.path)
+    if manifest.format == "tar":
+        from stallfree.shards.idx import idx_path_for, parse_idx
+
+        entries = parse_idx(fs.cat_file(idx_path_for(shard_path)), shard=shard.path)
+        first = entries[0]
+        return first.key, {f: size for f, _, size, _ in first.members}
+    import pyarrow as pa
+
+    with fs.open(shard_path, "rb") as f:
+        batch = pa.ipc.open_file(f).get_batch(0)
+        row = {name: col[0].as_py() for name, col in zip(batch.schema.names, batch.columns, strict=True)}
+    key = row.pop("__key__", None)
+    sizes: dict[str, Any] = {}
+    for name, value in row.items():
+        if isinstance(value, (bytes, str)):
+            sizes[name] = len(value)
+        elif isinstance(value, list):
+            sizes[name] = f"list[{len(value)}]"
+        else:
+            sizes[name] = type(value).__name__
+    return key, sizes
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from stallfree.shards.errors import ShardError
+    from stallfree.shards.manifest import Manifest
+
+    try:
+        manifest = Manifest.load(args.dataset)
+        key, sizes = _first_sample_sizes(args.dataset, manifest)
+    except (ShardError, OSError, ValueError) as exc:
+        print(f"stallfree inspect: error: {exc}", file=sys.stderr)
+        return 1
+    info = {
+        "dataset": args.dataset,
+        "format": manifest.format,
+        "version": manifest.version,
+        "samples": manifest.samples,
+        "shards": len(manifest.shards),
+        "bytes": manifest.bytes,
+        "fingerprint": manifest.fingerprint,
+        "fields": manifest.fields,
+        "field_types": manifest.field_types,
+        "classes": manifest.classes,
+        "skipped": len(manifest.skipped),
+        "first_sample": {"key": key, "field_sizes": sizes},
+        "shard_list": [s.to_json() for s in manifest.shards[: max(args.shards, 0)]],
+    }
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    n = manifest.samples
+    print(f"dataset:     {args.dataset}")
+    print(f"format:      {manifest.format} (manifest version {manifest.version})")
+    print(f"samples:     {n:,} in {len(manifest.shards):,} shard(s)")
+    avg = f", {manifest.bytes / n / 1e3:,.1f} KB/sample" if n else ""
+    print(f"bytes:       {manifest.bytes:,} ({manifest.bytes / 1e6:,.1f} MB{avg})")
+    types = manifest.field_types or {}
+    print("fields:      " + ", ".join(f"{f} ({types[f]})" if f in types else f for f in manifest.fields))
+    if manifest.classes is not None:
+        shown = ", ".join(manifest.classes[:8]) + (", ..." if len(manifest.classes) > 8 else "")
+        print(f"classes:     {len(manifest.classes):,} ({shown})")
+    print(f"skipped:     {len(manifest.skipped):,} source item(s)")
+    print(f"fingerprint: {manifest.fingerprint}")
+    if key is not None:
+        shown = ", ".join(f"{f} {v:,} B" if isinstance(v, int) else f"{f} {v}" for f, v in sizes.items())
+        print(f"first sample {key!r}: {shown}")
+    for s in manifest.shards[: max(args.shards, 0)]:
+        print(f"  {s.path}  {s.samples:,} samples  {s.bytes:,} B  sha256 {(s.sha256 or '-')[:16]}")
+    if len(manifest.shards) > args.shards > 0:
+        print(f"  ... and {len(manifest.shards) - args.shards:,} more shard(s)")
+    return 0
+
+
+def run_verify(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from stallfree.shards.verify import total_bytes, verify_dataset
+
+    with tqdm(
+        total=total_bytes(args.dataset),
+        unit="B",
+        unit_scale=True,
+        desc="verifying",
+        file=sys.stderr,
+        disable=args.no_progress,
+    ) as bar:
+        report = verify_dataset(args.dataset, decode=args.decode, progress=bar.update)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=1))
+    else:
+        decoded = f", decoded {report.decoded:,} image(s)" if args.decode else ""
+        print(
+            f"checked {report.shards:,} shard(s), {report.samples:,} samples, {report.bytes:,} bytes{decoded}: "
+            + ("OK" if report.ok else f"{len(report.problems)} problem(s)")
+        )
+        for p in report.problems:
+            where = [f"shard {p.shard}" if p.shard else None, f"key {p.key!r}" if p.key else None]
+            where.append(f"offset {p.offset}" if p.offset is not None else None)
+            print(f"  {p.error}: " + ", ".join(w for w in where if w) + f": {p.message}")
+    return 0 if report.ok else 1
