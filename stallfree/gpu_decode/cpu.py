@@ -116,7 +116,10 @@ class CpuDecoder:
         min_h = min(info.height, math.ceil(info.height * s / box.h))
         if info.format == "jpeg" and info.components in (1, 3) and self.jpeg_library == "simplejpeg":
             try:
-                arr = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=min_w, min_height=min_h)
+                # strict=False: recover from damaged entropy data as PIL and DALI do (see header.py).
+                arr = simplejpeg.decode_jpeg(
+                    data, colorspace="RGB", min_width=min_w, min_height=min_h, strict=False
+                )
             except ValueError as exc:
                 raise BadImageError(f"corrupt JPEG ({exc})") from None
             img = Image.fromarray(arr)

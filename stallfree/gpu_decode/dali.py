@@ -178,5 +178,9 @@ def _last_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     for i, ln in enumerate(lines):
         if ln == "encountered:" and i + 1 < len(lines):
-            return lines[i + 1]
+            what = lines[i + 1]
+            # "Failed to decode sample #0 :" is followed by the codec's reason on the next line.
+            if what.endswith(":") and i + 2 < len(lines) and not lines[i + 2].startswith("C++ context"):
+                what = f"{what} {lines[i + 2]}"
+            return what
     return lines[0] if lines else type(exc).__name__

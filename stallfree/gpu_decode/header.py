@@ -6,6 +6,11 @@ DALI alike) fills a truncated JPEG's missing rows with grey and reports success,
 to happen here. A JPEG is complete when an EOI marker follows the first start-of-scan of the main
 image (markers cannot occur inside entropy-coded data, and walking the segments by length skips
 EXIF thumbnails, which carry an EOI of their own); a PNG when its IEND chunk is present.
+
+Policy, the same in every backend: bytes that are not an image, a truncated file, or an image the
+decoder cannot produce (bad Huffman tables, unsupported coding) fail that sample; damage inside
+the entropy-coded data that libjpeg-turbo recovers from (it warns and goes on) decodes, with the
+damage visible, as it does in PIL, DALI and torchvision.
 """
 
 from __future__ import annotations

@@ -1,0 +1,164 @@
+"""ImageDecode on both CPU-machine backends (DALI CPU operators, DALI-free CPU) on real photos."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from stallfree.gpu_decode.select import ImageDecode
+from stallfree.shards.errors import BatchDecodeError, SampleDecodeError
+
+from .conftest import samples_from
+
+BACKENDS = [
+    pytest.param({"backend": "dali"}, id="dali-cpu"),
+    pytest.param({"backend": "cpu", "jpeg_library": "pil"}, id="cpu-pil"),
+    pytest.param({"backend": "cpu", "jpeg_library": "simplejpeg"}, id="cpu-simplejpeg"),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request) -> dict:
+    return request.param
+
+
+def _decoder(backend: dict, **kwargs) -> ImageDecode:
+    return ImageDecode(size=kwargs.pop("size", 64), num_threads=2, **backend, **kwargs)
+
+
+@pytest.mark.parametrize("train", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_shapes_dtypes_labels_keys(backend, rgb_jpegs, train, dtype):
+    samples = samples_from(rgb_jpegs)
+    dec = _decoder(backend, train=train, dtype=dtype, size=48)
+    out = dec.decode_batch(samples, seed=3)
+    assert set(out) == {"image", "label", "__key__"}
+    assert out["image"].shape == (12, 3, 48, 48) and out["image"].dtype == dtype
+    assert out["image"].device == torch.device("cpu")
+    assert out["label"].dtype == torch.int64 and out["label"].tolist() == [i % 10 for i in range(12)]
+    assert out["__key__"] == [s["__key__"] for s in samples]
+    img = out["image"].float()
+    # ImageNet-normalised photos: within [-mean/std, (255-mean)/std] and not flat.
+    assert img.min() >= -2.2 and img.max() <= 2.7 and img.std() > 0.3
+    st = dec.stats()
+    assert st["backend"] == backend["backend"] and st["images"] == 12 and st["batches"] == 1
+    assert st["preset"] == ("train" if train else "eval")
+
+
+def test_each_output_belongs_to_its_own_sample(backend, rgb_jpegs):
+    """Label alignment: image i of a batch equals sample i decoded alone with the same seed."""
+    samples = samples_from(rgb_jpegs[:6])
+    dec = _decoder(backend, train=True)
+    batch = dec.decode_batch(samples, seed=9)
+    for i, s in enumerate(samples):
+        alone = dec.decode_batch([s], seed=9)
+        assert torch.equal(batch["image"][i], alone["image"][0])
+        assert alone["label"].tolist() == [batch["label"][i].item()]
+
+
+def test_deterministic_under_seed_and_crops_differ_across_epochs(backend, rgb_jpegs):
+    samples = samples_from(rgb_jpegs)
+    a = _decoder(backend, train=True).decode_batch(samples, seed=1234)["image"]
+    b = _decoder(backend, train=True).decode_batch(samples, seed=1234)["image"]
+    assert torch.equal(a, b)  # fresh decoder, same seed: identical bytes
+    c = _decoder(backend, train=True).decode_batch(samples, seed=1235)["image"]
+    differs = [(a[i] - c[i]).abs().mean().item() > 1e-3 for i in range(len(samples))]
+    assert all(differs)
+
+
+def test_eval_ignores_seed(backend, rgb_jpegs):
+    samples = samples_from(rgb_jpegs[:4])
+    dec = _decoder(backend, train=False)
+    assert torch.equal(dec.decode_batch(samples, seed=1)["image"], dec.decode_batch(samples, seed=2)["image"])
+
+
+def test_grey_cmyk_png_progressive_decode_to_rgb(backend, odd_images, rgb_jpegs):
+    names = list(odd_images)
+    samples = [{"__key__": n, "jpg" if n != "png" else "png": odd_images[n], "cls": 1} for n in names]
+    out = _decoder(backend, train=False).decode_batch(samples, seed=0)
+    assert out["image"].shape == (4, 3, 64, 64)
+    gray = out["image"][names.index("gray")].float()
+    # A grey image becomes R = G = B before normalisation: undo mean/std and compare channels.
+    std = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1) * 255
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255
+    pixels = gray * std + mean
+    assert (pixels[0] - pixels[1]).abs().max() < 1.0 and (pixels[1] - pixels[2]).abs().max() < 1.0
+    for n in ("cmyk", "png", "progressive"):
+        px = out["image"][names.index(n)].float() * std + mean
+        assert px.min() > -1 and px.max() < 256 and px.std() > 10  # a real picture, in range
+
+
+def test_label_field_forms_and_missing_label(backend, rgb_jpegs):
+    samples = [
+        {"__key__": "a", "jpg": rgb_jpegs[0], "cls": b" 7\n"},
+        {"__key__": "b", "jpg": rgb_jpegs[1], "cls": 3},
+        {"__key__": "c", "jpg": bytearray(rgb_jpegs[2]), "cls": "5"},
+        {"__key__": "d", "jpg": memoryview(rgb_jpegs[3])},
+    ]
+    out = _decoder(backend, train=False).decode_batch(samples, seed=0)
+    assert out["label"].tolist() == [7, 3, 5, -1]
+
+
+@pytest.mark.parametrize("bad", ["garbage", "empty", "truncated_jpeg", "truncated_png", "corrupt_tables"])
+def test_bad_input_raises_batch_decode_error_naming_the_sample(backend, rgb_jpegs, bad_images, bad):
+    samples = samples_from(rgb_jpegs[:5])
+    samples[3] = {"__key__": "bad-one", "jpg": bad_images[bad], "cls": b"1"}
+    dec = _decoder(backend, train=True)
+    with pytest.raises(BatchDecodeError) as info:
+        dec.decode_batch(samples, seed=0)
+    err = info.value
+    assert [(pos, key) for pos, key, _ in err.failures] == [(3, "bad-one")]
+    cause = err.failures[0][2]
+    assert isinstance(cause, SampleDecodeError) and cause.key == "bad-one"
+    assert "'bad-one'" in str(err)
+    assert dec.stats()["failures"] == 1
+    # The pipeline survives: the loader's "skip" policy decodes the rest again.
+    rest = samples[:3] + samples[4:]
+    out = dec.decode_batch(rest, seed=0)
+    assert out["__key__"] == [s["__key__"] for s in rest]
+    full = _decoder(backend, train=True).decode_batch(samples_from(rgb_jpegs[:5]), seed=0)
+    assert torch.equal(out["image"], full["image"][[0, 1, 2, 4]])  # crops are per key: unchanged
+
+
+def test_several_bad_samples_all_reported(backend, rgb_jpegs, bad_images):
+    samples = samples_from(rgb_jpegs[:6])
+    samples[0]["jpg"] = bad_images["corrupt_tables"]
+    samples[2]["jpg"] = bad_images["truncated_jpeg"]
+    samples[5] = {"__key__": "nofield", "txt": b"hello"}
+    with pytest.raises(BatchDecodeError) as info:
+        _decoder(backend, train=False).decode_batch(samples, seed=0)
+    assert [(p, k) for p, k, _ in info.value.failures] == [(0, "s0000"), (2, "s0002"), (5, "nofield")]
+    assert "no image field" in str(info.value.failures[2][2])
+
+
+def test_explicit_image_field_and_wrong_type(backend, rgb_jpegs):
+    dec = _decoder(backend, train=False, image_field="photo")
+    out = dec.decode_batch([{"__key__": "x", "photo": rgb_jpegs[0]}], seed=0)
+    assert out["image"].shape == (1, 3, 64, 64)
+    with pytest.raises(BatchDecodeError, match="expected encoded image bytes"):
+        dec.decode_batch([{"__key__": "y", "photo": 12}], seed=0)
+
+
+def test_auto_without_cuda_picks_cpu_and_says_why():
+    dec = ImageDecode(train=True, size=32)
+    st = dec.stats()
+    assert st["backend"] == "cpu" and st["device"] == "cpu"
+    assert "no CUDA" in st["reason"]
+
+
+def test_forcing_dali_without_dali_says_how_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
+    with pytest.raises(ImportError, match=r"pip install stallfree\[dali\].*nvidia-dali-cuda120"):
+        ImageDecode(backend="dali")
+    assert "DALI not installed" in ImageDecode(backend="auto").stats()["reason"]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"backend": "tpu"}, {"dtype": "int8"}, {"std": (1.0, 0.0, 1.0)}, {"size": 0}, {"jpeg_library": "turbo"}],
+)
+def test_bad_arguments(kwargs):
+    with pytest.raises(ValueError):
+        ImageDecode(**{"backend": "cpu", **kwargs})
