@@ -312,7 +312,7 @@ class ClusterCache(BaseCache):
         try:
             result = fn(client)
         except redis.ResponseError as exc:
-            if str(exc).startswith("OOM"):
+            if _is_oom(exc):
                 node.full, node.full_until = True, time.monotonic() + self.full_recheck_s
                 log.info("cache server %s is full (%s); not admitting there", node.url, exc)
                 return None
@@ -467,11 +467,19 @@ class ClusterCache(BaseCache):
             servers[node.url] = entry
         return {
             "servers": servers,
-            "server_evictions": evictions,
+            "evictions": evictions,  # keys the servers evicted (server-wide counters)
             "capacity_bytes": self.capacity_bytes,
             "policy": self.policy.name,
             "down": [url for url, s in servers.items() if s["state"] == "down"],
         }
+
+
+def _is_oom(exc: BaseException) -> bool:
+    """A "full" reply: the server refuses writes above its ``maxmemory``."""
+    import redis
+
+    oom = getattr(redis.exceptions, "OutOfMemoryError", ())
+    return (bool(oom) and isinstance(exc, oom)) or str(exc).startswith("OOM") or "maxmemory" in str(exc)
 
 
 def _mget_and_full(client: Any, keys: list[bytes]) -> tuple[list[bytes | None], bool]:

@@ -71,7 +71,8 @@ def _array_parts(arr: np.ndarray) -> list[bytes | memoryview]:
     dtype = arr.dtype.str.encode("ascii")
     if len(dtype) > 255 or arr.ndim > 255:
         raise CodecError(f"array dtype {arr.dtype} / ndim {arr.ndim} out of range")
-    arr = np.ascontiguousarray(arr)
+    if not arr.flags.c_contiguous:
+        arr = arr.copy(order="C")  # (np.ascontiguousarray would turn 0-d into 1-d)
     head = struct.pack(f"<B{len(dtype)}sB{arr.ndim}Q", len(dtype), dtype, arr.ndim, *arr.shape)
     return [head, memoryview(arr).cast("B") if arr.size else b""]
 
