@@ -412,8 +412,14 @@ def _run_pool(
             while futures:
                 done, futures = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
                 _drain(progress_q, progress)
-                for fut in done:
-                    results.append(fut.result())  # re-raises a worker's error here
+                error: BaseException | None = None
+                for fut in done:  # keep every finished shard (so it can be removed) before raising
+                    try:
+                        results.append(fut.result())
+                    except BaseException as exc:  # noqa: BLE001 - re-raised below
+                        error = error or exc
+                if error is not None:
+                    raise error
         except BaseException:
             for fut in futures:
                 fut.cancel()
