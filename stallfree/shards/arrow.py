@@ -236,15 +236,14 @@ def row_to_sample(batch: pa.RecordBatch, row: int, shard: str) -> dict[str, Any]
     out: dict[str, Any] = {}
     try:
         for name, col in zip(batch.schema.names, batch.columns, strict=True):
+            value = col[row]
             t = col.type
-            if pa.types.is_list(t) or pa.types.is_large_list(t):
+            if (pa.types.is_list(t) or pa.types.is_large_list(t)) and value.is_valid:
                 vt = t.value_type
-                if (
-                    pa.types.is_integer(vt) or pa.types.is_floating(vt) or pa.types.is_boolean(vt)
-                ) and col.is_valid(row):
-                    out[name] = col[row].values.to_numpy(zero_copy_only=False)
+                if pa.types.is_integer(vt) or pa.types.is_floating(vt) or pa.types.is_boolean(vt):
+                    out[name] = value.values.to_numpy(zero_copy_only=False)
                     continue
-            out[name] = col[row].as_py()
+            out[name] = value.as_py()
     except (pa.ArrowException, IndexError) as exc:
         raise CorruptShardError(f"cannot decode Arrow row {row}: {exc}", shard=shard) from exc
     if KEY not in out:

@@ -1,0 +1,251 @@
+"""``open_dataset(url)``: a map-style dataset over tar or Arrow shards on any fsspec filesystem.
+
+Global index ``i`` -> (shard, row) through the manifest's cumulative counts (bisect), then the
+shard's reader (``readers.py``) fetches the row: memory-mapped slices locally, ranged reads
+remotely. Shards are opened lazily on first use and checked cheaply then.
+
+Without a manifest (a directory of tars, a glob, a brace pattern ``data-{000..009}.tar``) the
+index is built on the fly from the tar headers (or ``.idx`` files beside them), with a warning
+that says how to write one.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+from bisect import bisect_right
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import fsspec
+
+from stallfree.shards.atomic import is_local
+from stallfree.shards.errors import IndexMismatchError, ShardError
+from stallfree.shards.idx import IdxSample, idx_path_for
+from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, join
+from stallfree.shards.readers import ArrowShardReader, TarShardReader
+from stallfree.shards.scan import manifest_for_tars, relative, resolve
+
+log = logging.getLogger(__name__)
+
+_ITER_CHUNK = 64
+
+
+def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: Any) -> ShardedDataset:
+    """Open a dataset: a directory with ``manifest.json`` (or the manifest's URL), or tar shards
+    without one (directory, glob, brace pattern, single file). ``verify_hashes`` checks each
+    shard's sha256 against the manifest when it is first used (reads the whole shard once)."""
+    fs, root, paths = resolve(url, **storage_options)
+    scanned = None
+    if paths is None:
+        manifest = Manifest.load(root, fs=fs)
+    else:
+        manifest, scanned = _manifest_for_files(fs, root, paths)
+        log.warning(
+            "%s has no manifest.json: indexed %d shard(s) (%d samples) on the fly. Write one with "
+            "`stallfree index %s` (or re-shard with `stallfree shard`) to open it instantly.",
+            url,
+            len(manifest.shards),
+            manifest.samples,
+            url,
+        )
+    fs_url = fs.unstrip_protocol(root or "/")
+    return ShardedDataset(url, manifest, root, fs_url, storage_options, verify_hashes, scanned, fs=fs)
+
+
+def _manifest_for_files(
+    fs: fsspec.AbstractFileSystem, root: str, paths: list[str]
+) -> tuple[Manifest, list[list[IdxSample]] | None]:
+    tars = [p for p in paths if p.endswith(".tar")]
+    if tars and len(tars) == len(paths):
+        return manifest_for_tars(fs, root, paths)
+    arrows = [p for p in paths if p.endswith(".arrow")]
+    if len(arrows) != len(paths):
+        raise ShardError(f"a dataset without a manifest must be all .tar or all .arrow files: {paths[:5]}")
+    shards, fields = [], {}
+    for path in arrows:
+        reader = ArrowShardReader(fs, path, relative(root, path))
+        for name in reader._reader.schema.names:
+            if name != "__key__":
+                fields.setdefault(name, None)
+        shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None))
+        reader.close()
+    return Manifest(FORMAT_VERSION, "arrow", list(fields), shards), None
+
+
+class ShardedDataset:
+    """Map-style dataset over a manifest's shards. Picklable: pickles its URL, options and
+    manifest (plus any on-the-fly index); files are reopened lazily in each process."""
+
+    def __init__(
+        self,
+        url: str,
+        manifest: Manifest,
+        root: str,
+        fs_url: str,
+        storage_options: dict[str, Any],
+        verify_hashes: bool = False,
+        scanned: list[list[IdxSample]] | None = None,
+        *,
+        fs: fsspec.AbstractFileSystem | None = None,
+    ) -> None:
+        self.url = url
+        self.manifest = manifest
+        self.verify_hashes = verify_hashes
+        self._root = root
+        self._fs_url = fs_url
+        self._storage_options = dict(storage_options)
+        self._scanned = scanned
+        self.shard_sizes: list[int] = [s.samples for s in manifest.shards]
+        starts, total = [], 0
+        for n in self.shard_sizes:
+            starts.append(total)
+            total += n
+        self._starts = starts
+        self._len = total
+        self._setup(fs)
+
+    def _setup(self, fs: fsspec.AbstractFileSystem | None) -> None:
+        self._fs = fs
+        self._pid = os.getpid()
+        self._readers: list[TarShardReader | ArrowShardReader | None] = [None] * len(self.shard_sizes)
+        self._open_lock = threading.Lock()
+        self._local = fs is not None and is_local(fs)
+
+    @property
+    def fingerprint(self) -> str:
+        """Stable hex id of the dataset's content (cache keys use it)."""
+        return self.manifest.fingerprint
+
+    @property
+    def format(self) -> str:
+        return self.manifest.format
+
+    @property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        if self._fs is None:
+            self._fs = fsspec.core.url_to_fs(self._fs_url, **self._storage_options)[0]
+            self._local = is_local(self._fs)
+        return self._fs
+
+    def shard_path(self, s: int) -> str:
+        return join(self._root, self.manifest.shards[s].path)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """Global index -> (shard number, row in shard)."""
+        i = operator.index(index)
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(f"sample index {index} out of range for a dataset of {self._len}")
+        s = bisect_right(self._starts, i) - 1  # empty shards share a start; bisect skips past them
+        return s, i - self._starts[s]
+
+    def _reader(self, s: int) -> TarShardReader | ArrowShardReader:
+        if not self._local and self._pid != os.getpid():
+            self._setup(None)  # forked: remote clients do not survive fork
+        reader = self._readers[s]
+        if reader is not None:
+            return reader
+        with self._open_lock:
+            reader = self._readers[s]
+            if reader is None:
+                reader = self._open_reader(s, self.verify_hashes)
+                self._readers[s] = reader
+        return reader
+
+    def _open_reader(self, s: int, verify_hash: bool) -> TarShardReader | ArrowShardReader:
+        info = self.manifest.shards[s]
+        path, fs = self.shard_path(s), self.fs
+        if self.manifest.format == "tar":
+            samples = self._scanned[s] if self._scanned is not None else None
+            return TarShardReader(fs, path, info.path, info, samples, verify_hash)
+        return ArrowShardReader(fs, path, info.path, info, verify_hash)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        s, row = self.locate(index)
+        reader = self._readers[s] if self._local else None
+        if reader is None:
+            reader = self._reader(s)
+        return reader.get(row)
+
+    def get_many(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Samples for ``indices`` in order; reads are grouped by shard and neighbours coalesced."""
+        by_shard: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, index in enumerate(indices):
+            s, row = self.locate(index)
+            group = by_shard.get(s)
+            if group is None:
+                group = by_shard[s] = ([], [])
+            group[0].append(pos)
+            group[1].append(row)
+        out: list[Any] = [None] * len(indices)
+        for s, (positions, rows) in by_shard.items():
+            for pos, sample in zip(positions, self._reader(s).get_many(rows), strict=True):
+                out[pos] = sample
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for start in range(0, self._len, _ITER_CHUNK):
+            yield from self.get_many(range(start, min(self._len, start + _ITER_CHUNK)))
+
+    def verify(self, hashes: bool = True) -> list[ShardError]:
+        """Check every shard: present, size, sha256 (if ``hashes``), index vs tar headers, rows.
+        Returns the problems found (empty list: all good); reads every shard in full."""
+        problems: list[ShardError] = []
+        for s, info in enumerate(self.manifest.shards):
+            try:
+                if self.manifest.format == "tar" and self._scanned is None:
+                    if not self.fs.exists(idx_path_for(self.shard_path(s))):
+                        problems.append(IndexMismatchError("no .idx file beside the shard", shard=info.path))
+                reader = self._open_reader(s, hashes)
+                try:
+                    problems.extend(reader.check_all())
+                finally:
+                    reader.close()
+            except ShardError as exc:
+                problems.append(exc)
+        return problems
+
+    def close(self) -> None:
+        for reader in self._readers:
+            if reader is not None:
+                reader.close()
+        self._readers = [None] * len(self.shard_sizes)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "manifest": self.manifest.to_json(),
+            "root": self._root,
+            "fs_url": self._fs_url,
+            "storage_options": self._storage_options,
+            "verify_hashes": self.verify_hashes,
+            "scanned": self._scanned,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        scanned = state["scanned"]
+        if scanned is not None:
+            scanned = [[IdxSample(k, [tuple(m) for m in ms]) for k, ms in shard] for shard in scanned]
+        self.__init__(  # type: ignore[misc]
+            state["url"],
+            Manifest.from_json(state["manifest"], where=state["url"]),
+            state["root"],
+            state["fs_url"],
+            state["storage_options"],
+            state["verify_hashes"],
+            scanned,
+        )
+
+    def __repr__(self) -> str:
+        m = self.manifest
+        return f"ShardedDataset({self.url!r}, format={m.format}, samples={self._len}, shards={len(m.shards)})"
+
+
+__all__ = ["ShardedDataset", "open_dataset"]

@@ -1,0 +1,364 @@
+"""Per-shard random access: ``TarShardReader`` (via the ``.idx`` offsets) and ``ArrowShardReader``.
+
+Local files are memory-mapped: a sample is a few slices of the mapping, no system call, no
+filesystem lookup. Remote files (any fsspec URL) are read with ranged requests: one sample is one
+``cat_file(path, start, end)`` spanning its members (headers included, so each member's name is
+checked against the index for free); ``get_many`` merges neighbouring samples into one request.
+
+A reader checks its shard cheaply when opened: size against the manifest, index entries inside
+the file, the first and last sample's member headers name the member the index says.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from typing import Any
+
+import fsspec
+
+from stallfree.shards.atomic import is_local
+from stallfree.shards.errors import (
+    CorruptShardError,
+    HashMismatchError,
+    IndexMismatchError,
+    MissingShardError,
+    ShardError,
+)
+from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
+from stallfree.shards.manifest import ShardInfo
+from stallfree.shards.scan import scan_tar, sha256_of
+from stallfree.shards.tar import BLOCK, parse_header
+
+log = logging.getLogger(__name__)
+
+# get_many merges two ranged reads when the gap between them is at most this many bytes.
+MAX_GAP = 16 * 1024
+MAX_MERGED = 64 << 20
+
+
+def coalesce(spans: list[tuple[int, int, int]], max_gap: int = MAX_GAP) -> list[tuple[int, int, list[int]]]:
+    """``[(start, end, tag)]`` -> merged ``[(start, end, [tags])]`` for reads at most ``max_gap`` apart."""
+    merged: list[tuple[int, int, list[int]]] = []
+    for start, end, tag in sorted(spans):
+        if merged:
+            m_start, m_end, tags = merged[-1]
+            if start - m_end <= max_gap and max(end, m_end) - m_start <= MAX_MERGED:
+                merged[-1] = (m_start, max(end, m_end), tags + [tag])
+                continue
+        merged.append((start, end, [tag]))
+    return merged
+
+
+def _fetch_ranges(
+    fs: fsspec.AbstractFileSystem, path: str, ranges: list[tuple[int, int]], shard: str
+) -> list[bytes]:
+    try:
+        if len(ranges) == 1:
+            return [fs.cat_file(path, ranges[0][0], ranges[0][1])]
+        out = fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+    except FileNotFoundError:
+        raise MissingShardError("shard not found", shard=shard) from None
+    except OSError as exc:
+        raise CorruptShardError(f"ranged read failed: {exc}", shard=shard) from exc
+    for data, (start, _) in zip(out, ranges, strict=True):
+        if isinstance(data, BaseException):
+            raise CorruptShardError(f"ranged read failed: {data}", shard=shard, offset=start) from data
+    return out
+
+
+def _file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
+    try:
+        return int(fs.size(path))
+    except FileNotFoundError:
+        raise MissingShardError("shard not found", shard=shard) from None
+
+
+def _check_size(size: int, info: ShardInfo | None, shard: str) -> None:
+    if info is not None and size != info.bytes:
+        what = "truncated" if size < info.bytes else "larger than recorded"
+        raise CorruptShardError(
+            f"shard is {what}: {size} bytes on storage, the manifest says {info.bytes}",
+            shard=shard,
+            offset=size,
+        )
+
+
+class TarShardReader:
+    """Random access to one tar shard through its index (``.idx``, or headers scanned if absent)."""
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        path: str,
+        shard: str,
+        info: ShardInfo | None = None,
+        samples: list[IdxSample] | None = None,
+        verify_hash: bool = False,
+    ) -> None:
+        self.fs, self.path, self.shard, self.info = fs, path, shard, info
+        self.local = is_local(fs)
+        self._mm: mmap.mmap | None = None
+        if self.local:
+            try:
+                with open(path, "rb") as f:
+                    self.size = size = int(f.seek(0, 2))
+                    if size:
+                        self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except FileNotFoundError:
+                raise MissingShardError("shard not found", shard=shard) from None
+        else:
+            self.size = size = _file_size(fs, path, shard)
+        _check_size(size, info, shard)
+        if verify_hash and info is not None and info.sha256:
+            actual = sha256_of(fs, path)
+            if actual != info.sha256:
+                raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
+        if samples is None:
+            samples = self._load_index()
+        if info is not None and len(samples) != info.samples:
+            raise IndexMismatchError(
+                f"the index lists {len(samples)} samples, the manifest says {info.samples}", shard=shard
+            )
+        # Per sample: (key, [(field, start, end, header_name)], span_start, span_end).
+        entries = []
+        for s in samples:
+            members = []
+            for field, off, length, name in s.members:
+                end = off + length
+                if end > size:
+                    raise CorruptShardError(
+                        f"truncated tar: member {name!r} should span bytes {off}..{end} but the file ends at {size}",
+                        shard=shard,
+                        key=s.key,
+                        offset=off - BLOCK,
+                    )
+                raw = name.encode("utf-8", "surrogateescape")
+                members.append((field, off, end, raw if len(raw) <= 100 else None))
+            entries.append((s.key, members, members[0][1] - BLOCK, members[-1][2]))
+        self.entries = entries
+        if entries:
+            self._check_header(entries[0])
+            self._check_header(entries[-1])
+
+    def _load_index(self) -> list[IdxSample]:
+        try:
+            text = self.fs.cat_file(idx_path_for(self.path))
+        except FileNotFoundError:
+            log.warning(
+                "%s has no .idx; scanning its headers (run `stallfree index` to write one)", self.shard
+            )
+            return scan_tar(self.fs, self.path, self.shard)
+        return parse_idx(text, self.shard)
+
+    def _read(self, start: int, end: int) -> bytes:
+        if self._mm is not None:
+            return self._mm[start:end]
+        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard)[0]
+
+    def _check_header(self, entry: tuple) -> None:
+        key, members, _, _ = entry
+        field, off, end, raw = members[0]
+        header = self._read(off - BLOCK, off)
+        try:
+            name, size, _ = parse_header(header, off - BLOCK, self.shard, key)
+        except CorruptShardError as exc:
+            raise IndexMismatchError(
+                f"the index points at byte {off} for {key}.{field}, but no valid tar header precedes it ({exc.reason})",
+                shard=self.shard,
+                key=key,
+                offset=off - BLOCK,
+            ) from None
+        expected = f"{key}.{field}"
+        if name != expected and not name.endswith("/" + expected.rsplit("/", 1)[-1]):
+            raise IndexMismatchError(
+                f"the index says {expected!r} is at byte {off}, the tar has {name!r} there",
+                shard=self.shard,
+                key=key,
+                offset=off - BLOCK,
+            )
+        if size != end - off:
+            raise IndexMismatchError(
+                f"the index says {expected!r} is {end - off} bytes, its tar header says {size}",
+                shard=self.shard,
+                key=key,
+                offset=off - BLOCK,
+            )
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, row: int) -> dict[str, Any]:
+        key, members, start, end = self.entries[row]
+        mm = self._mm
+        if mm is not None:
+            sample: dict[str, Any] = {"__key__": key}
+            for field, off, stop, _ in members:
+                sample[field] = mm[off:stop]
+            return sample
+        return self._slice(self.entries[row], self._read(start, end), start)
+
+    def _slice(self, entry: tuple, data: bytes, base: int) -> dict[str, Any]:
+        key, members, _, _ = entry
+        sample: dict[str, Any] = {"__key__": key}
+        view = memoryview(data)
+        for field, off, stop, raw in members:
+            if raw is not None:
+                h = off - BLOCK - base
+                if data[h : h + len(raw)] != raw or (len(raw) < 100 and data[h + len(raw)] != 0):
+                    found = bytes(view[h : h + 100]).split(b"\0", 1)[0]
+                    raise IndexMismatchError(
+                        f"the index says {raw.decode(errors='replace')!r} is at byte {off}, the tar has {found!r}",
+                        shard=self.shard,
+                        key=key,
+                        offset=off - BLOCK,
+                    )
+            sample[field] = bytes(view[off - base : stop - base])
+        return sample
+
+    def get_many(self, rows: list[int]) -> list[dict[str, Any]]:
+        """Samples for ``rows`` (in that order); remotely, neighbours share one ranged read."""
+        if self._mm is not None:
+            return [self.get(r) for r in rows]
+        entries = self.entries
+        groups = coalesce([(entries[r][2], entries[r][3], r) for r in set(rows)])
+        blobs = _fetch_ranges(self.fs, self.path, [(g[0], g[1]) for g in groups], self.shard)
+        found: dict[int, dict[str, Any]] = {}
+        for (start, _, tags), blob in zip(groups, blobs, strict=True):
+            for r in tags:
+                found[r] = self._slice(entries[r], blob, start)
+        out, handed = [], set()
+        for r in rows:  # a row asked for twice gets its own dict the second time (callers may mutate)
+            out.append(found[r] if r not in handed else dict(found[r]))
+            handed.add(r)
+        return out
+
+    def check_all(self, data: bytes | mmap.mmap | None = None) -> list[ShardError]:
+        """Every member's header (for ``verify``): names, sizes, checksums. Reads the whole shard."""
+        problems: list[ShardError] = []
+        if data is None:
+            data = self._mm if self._mm is not None else self.fs.cat_file(self.path)
+        for key, members, _, _ in self.entries:
+            for field, off, end, _ in members:
+                try:
+                    name, size, _ = parse_header(data[off - BLOCK : off], off - BLOCK, self.shard, key)
+                except CorruptShardError as exc:
+                    problems.append(exc)
+                    continue
+                if split_key(name) != (key, field) or size != end - off:
+                    problems.append(
+                        IndexMismatchError(
+                            f"the index says {key}.{field} ({end - off} bytes) is at byte {off}, "
+                            f"the tar has {name!r} ({size} bytes)",
+                            shard=self.shard,
+                            key=key,
+                            offset=off - BLOCK,
+                        )
+                    )
+        return problems
+
+    def close(self) -> None:
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+
+def split_key(name: str) -> tuple[str, str]:
+    from stallfree.shards.tar import split_name
+
+    return split_name(name)
+
+
+class ArrowShardReader:
+    """Random access to one Arrow IPC file: a row is ``get_batch(b)`` then row ``r`` of it."""
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        path: str,
+        shard: str,
+        info: ShardInfo | None = None,
+        verify_hash: bool = False,
+    ) -> None:
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        self.fs, self.path, self.shard, self.info = fs, path, shard, info
+        self.local = is_local(fs)
+        self._lock = threading.Lock()
+        try:
+            if self.local:
+                self._source = pa.memory_map(path, "r")
+                self.size = self._source.size()
+            else:
+                self.size = _file_size(fs, path, shard)
+                self._source = pa.PythonFile(fs.open(path, "rb", block_size=0, cache_type="none"), mode="r")
+        except FileNotFoundError:
+            raise MissingShardError("shard not found", shard=shard) from None
+        _check_size(self.size, info, shard)
+        if verify_hash and info is not None and info.sha256:
+            actual = sha256_of(fs, path)
+            if actual != info.sha256:
+                raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
+        try:
+            self._reader = ipc.open_file(self._source)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard) from None
+        nb = self._reader.num_record_batches
+        expected = info.samples if info is not None else None
+        if expected is not None and nb == expected:
+            self._starts = None  # one row per batch (how we write): batch index == row
+            self.rows = nb
+        else:
+            starts, total = [], 0
+            for b in range(nb):
+                starts.append(total)
+                total += self._batch(b).num_rows
+            self._starts = starts
+            self.rows = total
+        if expected is not None and self.rows != expected:
+            raise IndexMismatchError(
+                f"the file holds {self.rows} rows, the manifest says {expected}", shard=shard
+            )
+
+    def _batch(self, b: int):
+        import pyarrow as pa
+
+        try:
+            if self.local:
+                return self._reader.get_batch(b)
+            with self._lock:
+                return self._reader.get_batch(b)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise CorruptShardError(f"cannot read record batch {b}: {exc}", shard=self.shard) from None
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def get(self, row: int) -> dict[str, Any]:
+        from bisect import bisect_right
+
+        from stallfree.shards.arrow import row_to_sample
+
+        if self._starts is None:
+            return row_to_sample(self._batch(row), 0, self.shard)
+        b = bisect_right(self._starts, row) - 1
+        return row_to_sample(self._batch(b), row - self._starts[b], self.shard)
+
+    def get_many(self, rows: list[int]) -> list[dict[str, Any]]:
+        return [self.get(r) for r in rows]
+
+    def check_all(self) -> list[ShardError]:
+        problems: list[ShardError] = []
+        for b in range(self._reader.num_record_batches):
+            try:
+                self._batch(b).validate(full=True)
+            except ShardError as exc:
+                problems.append(exc)
+            except Exception as exc:  # noqa: BLE001 - pyarrow's validation errors vary by version
+                problems.append(CorruptShardError(f"record batch {b} is invalid: {exc}", shard=self.shard))
+        return problems
+
+    def close(self) -> None:
+        self._source.close()
