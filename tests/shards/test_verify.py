@@ -1,0 +1,144 @@
+"""``verify_dataset`` finds each kind of damage and names the shard, key and offset."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from stallfree.shards.idx import parse_idx
+from stallfree.shards.parallel import shard_dataset
+from stallfree.shards.sources import open_source
+from stallfree.shards.verify import verify_dataset
+from stallfree.testing.images import make_image_folder
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    base = tmp_path_factory.mktemp("verify")
+    src = make_image_folder(base / "imf", classes=2, per_class=4, sizes=((48, 40),))
+    shard_dataset(open_source(src), str(base / "tar"), max_samples=3)
+    shard_dataset(open_source(src), str(base / "arrow"), format="arrow", max_samples=3)
+    return base
+
+
+@pytest.fixture
+def copy(dataset: Path, tmp_path: Path):
+    def make(fmt: str = "tar") -> Path:
+        return Path(shutil.copytree(dataset / fmt, tmp_path / fmt))
+
+    return make
+
+
+def errors(report) -> list[tuple[str, str | None]]:
+    return [(p.error, p.shard) for p in report.problems]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_intact_dataset_is_ok(dataset: Path, fmt: str) -> None:
+    report = verify_dataset(str(dataset / fmt), decode=True)
+    assert report.ok, report.problems
+    assert (report.shards, report.samples, report.decoded) == (3, 8, 8)
+    assert report.bytes == json.loads((dataset / fmt / "manifest.json").read_text())["shards"][0][
+        "bytes"
+    ] + sum(s["bytes"] for s in json.loads((dataset / fmt / "manifest.json").read_text())["shards"][1:])
+
+
+def test_flipped_byte_is_a_hash_mismatch(copy) -> None:
+    root = copy()
+    path = root / "shard-000001.tar"
+    data = bytearray(path.read_bytes())
+    entry = parse_idx((root / "shard-000001.idx").read_text(), "s")[0].members[-1]  # a jpg's data
+    data[entry[1] + 100] ^= 0x40
+    path.write_bytes(bytes(data))
+    assert errors(verify_dataset(str(root))) == [("HashMismatchError", "shard-000001.tar")]
+
+
+def test_corrupt_jpeg_found_by_decode(copy) -> None:
+    root = copy()
+    path = root / "shard-000000.tar"
+    data = bytearray(path.read_bytes())
+    sample = parse_idx((root / "shard-000000.idx").read_text(), "s")[1]
+    _, off, size, _ = next(m for m in sample.members if m[0] == "jpg")
+    data[off : off + size] = b"\0" * size
+    path.write_bytes(bytes(data))
+    report = verify_dataset(str(root), decode=True)
+    decode = [p for p in report.problems if p.error == "SampleDecodeError"]
+    assert [(p.shard, p.key, p.offset) for p in decode] == [("shard-000000.tar", sample.key, off)]
+    assert "HashMismatchError" in {p.error for p in report.problems}
+
+
+def test_truncated_shard(copy) -> None:
+    root = copy()
+    path = root / "shard-000002.tar"
+    path.write_bytes(path.read_bytes()[:1500])
+    report = verify_dataset(str(root))
+    got = {(p.error, p.shard) for p in report.problems}
+    assert ("CorruptShardError", "shard-000002.tar") in got and (
+        "HashMismatchError",
+        "shard-000002.tar",
+    ) in got
+    truncated = next(p for p in report.problems if "truncated" in p.message)
+    assert truncated.offset is not None and truncated.offset <= 1500
+    assert any("manifest says" in p.message and "1500" in p.message for p in report.problems)
+
+
+def test_missing_shard(copy) -> None:
+    root = copy()
+    (root / "shard-000001.tar").unlink()
+    report = verify_dataset(str(root))
+    assert errors(report) == [("MissingShardError", "shard-000001.tar")]
+    assert report.samples == 5
+
+
+def test_bad_idx_entry_and_missing_idx(copy) -> None:
+    root = copy()
+    idx = (root / "shard-000000.idx").read_text().splitlines()
+    fields = idx[2].split()
+    fields[1] = str(int(fields[1]) + 512)  # first member of the 2nd sample: wrong offset
+    idx[2] = " ".join(fields)
+    (root / "shard-000000.idx").write_text("\n".join(idx) + "\n")
+    (root / "shard-000002.idx").unlink()
+    report = verify_dataset(str(root))
+    assert errors(report) == [
+        ("IndexMismatchError", "shard-000000.tar"),
+        ("IndexMismatchError", "shard-000002.tar"),
+    ]
+    assert report.problems[0].offset == int(fields[1]) and report.problems[0].key == fields[3].split(".")[0]
+    assert "does not match the tar headers" in report.problems[0].message
+    assert "missing index" in report.problems[1].message
+
+
+def test_sample_count_disagreeing_with_manifest(copy) -> None:
+    root = copy()
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["shards"][0]["samples"] = 4
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    messages = [p.message for p in verify_dataset(str(root)).problems]
+    assert messages == ["manifest says 4 samples, the tar holds 3", ".idx lists 3 samples, manifest says 4"]
+
+
+def test_unknown_manifest_version(copy) -> None:
+    root = copy()
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["version"] = 99
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_dataset(str(root))
+    assert (
+        errors(report) == [("ManifestError", None)]
+        and "unknown manifest format version 99" in report.problems[0].message
+    )
+
+
+def test_arrow_truncated_and_count(copy) -> None:
+    root = copy("arrow")
+    path = root / "shard-000001.arrow"
+    path.write_bytes(path.read_bytes()[:-100])
+    report = verify_dataset(str(root))
+    got = [(p.error, p.shard) for p in report.problems]
+    assert ("CorruptShardError", "shard-000001.arrow") in got and (
+        "HashMismatchError",
+        "shard-000001.arrow",
+    ) in got
