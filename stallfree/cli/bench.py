@@ -1,0 +1,192 @@
+"""``stallfree bench``: measure data stall per rank, side by side across loaders."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+EPILOG = """examples:
+  stallfree bench ./in1k-shards --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
+  stallfree bench http://127.0.0.1:8000/shards --loader stallfree,torch,webdataset --analyze
+  stallfree bench ./in1k-shards --loader torch --tune --tune-workers 1,2,4
+  torchrun --nproc-per-node 8 -m stallfree bench s3://bucket/in1k --step model
+"""
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure time blocked on data per rank, per loader; explain it and what would remove it",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
+    p.add_argument("dataset", help="shard dataset path or URL (http://, s3://, ...), or synthetic:N[:WxH]")
+    p.add_argument(
+        "--nproc", type=int, default=2, help="ranks to launch (ignored inside torchrun; default 2)"
+    )
+    p.add_argument("--loader", default="stallfree,torch", help="comma list: stallfree,torch,webdataset,dali")
+    p.add_argument(
+        "--step",
+        default="sleep",
+        choices=["sleep", "busy", "model", "none"],
+        help="sleep: emulated GPU step; busy: CPU compute; model: small ResNet-like net (default sleep)",
+    )
+    p.add_argument("--step-ms", type=float, default=20.0, help="cost of a sleep/busy step in ms (default 20)")
+    p.add_argument("--batch-size", type=int, default=32, help="samples per batch per rank (default 32)")
+    p.add_argument("--workers", type=int, default=2, help="loader workers per rank (default 2)")
+    p.add_argument(
+        "--prefetch", type=int, default=None, help="loader prefetch factor (default: the loader's)"
+    )
+    p.add_argument("--steps", type=int, default=50, help="measured steps per loader (default 50)")
+    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring (default 3)")
+    p.add_argument("--image-size", type=int, default=64, help="crop size of the decode recipe (default 64)")
+    p.add_argument(
+        "--decode",
+        default="auto",
+        choices=["auto", "recipe", "image-decode"],
+        help="stallfree's decode: PIL recipe per sample, or ImageDecode (default auto)",
+    )
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache-share",
+        type=float,
+        default=0.0,
+        help="share of the dataset held warm in memory in front of storage (default 0)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="write the full report (with environment) here")
+    p.add_argument("--plot", type=Path, default=None, help="write a PNG timeline + stall bar chart here")
+    p.add_argument("--no-per-rank", action="store_true", help="table: job rows only")
+    a = p.add_argument_group("analysis (--analyze)")
+    a.add_argument(
+        "--analyze", action="store_true", help="split stall into fetch vs prep and check a what-if"
+    )
+    a.add_argument(
+        "--analyze-loader", default=None, help="loader to analyse (default: first of stallfree/torch)"
+    )
+    a.add_argument(
+        "--whatif-cache-share", type=float, default=0.5, help="cached share to predict (default 0.5)"
+    )
+    a.add_argument("--whatif-cache-gb", type=float, default=None, help="cache size to predict, in GB")
+    a.add_argument(
+        "--whatif-storage-mbps", type=float, default=None, help="storage bandwidth to predict, MB/s"
+    )
+    t = p.add_argument_group("tuning (--tune)")
+    t.add_argument(
+        "--tune", action="store_true", help="sweep workers x prefetch; report the cheapest stall-free"
+    )
+    t.add_argument("--tune-workers", type=_int_list, default=[1, 2, 4], help="default 1,2,4")
+    t.add_argument("--tune-prefetch", type=_int_list, default=[2, 4], help="default 2,4")
+    t.add_argument("--tune-target", type=float, default=2.0, help="stall %% counted as removed (default 2)")
+    p.set_defaults(func=run)
+
+
+def _device(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _torchrun_world() -> dict[str, object]:
+    """torchrun's rank and rendezvous from the environment (the CLI is where env is read)."""
+    env = os.environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return {}
+    world = int(env["WORLD_SIZE"])
+    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
+    return {
+        "rank": int(env["RANK"]),
+        "world_size": world,
+        "local_rank": int(env.get("LOCAL_RANK", "0")),
+        "local_size": int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        "init_method": f"tcp://{addr}:{port}",
+        "nproc": world,
+    }
+
+
+def config_from_args(args: argparse.Namespace):
+    """The BenchConfig the flags describe (plus torchrun's world when running under it)."""
+    from stallfree.harness.runner import BenchConfig
+
+    cfg = BenchConfig(
+        dataset=args.dataset,
+        loaders=[v.strip() for v in args.loader.split(",") if v.strip()],
+        nproc=args.nproc,
+        step=args.step,
+        step_ms=args.step_ms,
+        batch_size=args.batch_size,
+        workers=args.workers,
+        prefetch=args.prefetch,
+        steps=args.steps,
+        warmup=args.warmup,
+        image_size=args.image_size,
+        seed=args.seed,
+        device=_device(args.device),
+        decode=args.decode,
+        cache_fraction=args.cache_share,
+        analyze=args.analyze,
+        analyze_loader=args.analyze_loader,
+        whatif_cache_fraction=args.whatif_cache_share,
+        whatif_cache_bytes=args.whatif_cache_gb * 1e9 if args.whatif_cache_gb else None,
+        whatif_storage_bytes_per_s=args.whatif_storage_mbps * 1e6 if args.whatif_storage_mbps else None,
+        tune=args.tune,
+        tune_workers=args.tune_workers,
+        tune_prefetch=args.tune_prefetch,
+        tune_target_stall=args.tune_target / 100.0,
+        progress=True,
+        **_torchrun_world(),
+    )
+    return cfg
+
+
+def _finite(value):
+    """JSON has no infinity: write unbounded rates as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    from stallfree.harness import report as rpt
+    from stallfree.harness.runner import run_bench
+
+    try:
+        cfg = config_from_args(args)
+        result = run_bench(cfg)
+    except ValueError as exc:
+        print(f"stallfree bench: {exc}", file=sys.stderr)
+        return 2
+    if result is None:  # a non-zero rank inside torchrun: rank 0 reports
+        return 0
+    print(rpt.format_table(result, per_rank=not args.no_per_rank))
+    if "analysis" in result:
+        print()
+        print(rpt.format_analysis(result["analysis"]))
+    if "tune" in result:
+        print()
+        print(rpt.format_tune(result["tune"]))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(_finite(result), indent=1))
+        print(f"report: {args.json}", file=sys.stderr)
+    if args.plot:
+        rpt.write_plot(result, args.plot)
+        print(f"plot: {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,386 @@
+"""Loader adapters: each turns (dataset, rank, settings) into an endless stream of batches
+``{"image": Tensor[N,3,S,S], "label": Tensor[N]}`` so the harness compares loaders on the same data,
+the same per-sample work, the same step and the same ranks.
+
+- ``synthetic``: one pre-built batch served again and again (the ingestion ceiling; no I/O, no decode)
+- ``torch``: ``torch.utils.data.DataLoader`` + ``DistributedSampler`` + the PIL recipe in workers
+- ``stallfree``: ``stallfree.DataLoader`` (clairvoyant order, prefetch), same recipe or ``ImageDecode``
+- ``webdataset``: ``webdataset.WebDataset`` over the tar shards, split by rank and worker
+- ``dali``: DALI's own ``fn.readers.webdataset`` + CPU decode and augment (local tar shards only)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stallfree.harness.transforms import PILRecipe, collate_pairs
+
+logger = logging.getLogger(__name__)
+
+LOADER_NAMES = ("stallfree", "torch", "webdataset", "dali")
+
+
+@dataclass
+class LoaderSettings:
+    """What every adapter is given; ``dataset`` is already opened in this rank's process."""
+
+    dataset: Any
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    batch_size: int = 32
+    workers: int = 2
+    prefetch: int | None = None
+    image_size: int = 64
+    seed: int = 0
+    decode: str = "auto"  # stallfree only: "recipe" (PIL, per sample), "image-decode", "auto"
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Adapter:
+    """An endless batch stream plus what the loader reports about itself."""
+
+    name = "base"
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        self.settings = settings
+
+    def epoch_iter(self, epoch: int) -> Iterator[Any]:
+        raise NotImplementedError  # each adapter defines one epoch's iteration
+
+    def batches(self) -> Iterator[Any]:
+        """Batches across epochs, forever (the harness stops after its step count)."""
+        epoch = 0
+        while True:
+            produced = False
+            for batch in self.epoch_iter(epoch):
+                produced = True
+                yield batch
+            if not produced:
+                raise RuntimeError(
+                    f"loader {self.name!r} produced no batch in epoch {epoch}: dataset smaller than "
+                    f"batch_size x ranks x workers?"
+                )
+            epoch += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        """Release workers and files (called once the run is over)."""
+
+
+class _Mapped(torch.utils.data.Dataset):
+    """Map-style view of ``dataset`` with ``fn`` applied per sample (runs in the loader workers)."""
+
+    def __init__(self, dataset: Any, fn: Callable[[dict[str, Any]], Any]) -> None:
+        self.dataset, self.fn = dataset, fn
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.fn(self.dataset[index])
+
+
+class SyntheticBatches(Adapter):
+    """The same in-memory batch every step: what the step rate is when data costs nothing."""
+
+    name = "synthetic"
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        super().__init__(settings)
+        s, b = settings.image_size, settings.batch_size
+        gen = torch.Generator().manual_seed(settings.seed)
+        self._batch = {
+            "image": torch.randn(b, 3, s, s, generator=gen),
+            "label": torch.zeros(b, dtype=torch.long),
+        }
+
+    def batches(self) -> Iterator[Any]:
+        while True:
+            yield self._batch
+
+
+class TorchAdapter(Adapter):
+    """torch's DataLoader with DistributedSampler and the PIL decode recipe in its workers."""
+
+    name = "torch"
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        super().__init__(settings)
+        s = settings
+        self.sampler = torch.utils.data.DistributedSampler(
+            s.dataset, num_replicas=s.world_size, rank=s.rank, shuffle=True, seed=s.seed, drop_last=True
+        )
+        kwargs: dict[str, Any] = {}
+        if s.workers > 0:
+            kwargs["persistent_workers"] = True
+            if s.prefetch:
+                kwargs["prefetch_factor"] = s.prefetch
+        self.loader = torch.utils.data.DataLoader(
+            _Mapped(s.dataset, PILRecipe(s.image_size, s.seed)),
+            batch_size=s.batch_size,
+            sampler=self.sampler,
+            num_workers=s.workers,
+            collate_fn=collate_pairs,
+            drop_last=True,
+            **kwargs,
+        )
+
+    def epoch_iter(self, epoch: int) -> Iterator[Any]:
+        self.sampler.set_epoch(epoch)
+        return iter(self.loader)
+
+    def close(self) -> None:
+        iterator = getattr(self.loader, "_iterator", None)
+        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+            iterator._shutdown_workers()
+
+
+class StallfreeAdapter(Adapter):
+    """stallfree.DataLoader: seeded epoch order split by rank, clairvoyant prefetch."""
+
+    name = "stallfree"
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        super().__init__(settings)
+        from stallfree.loader.dataloader import DataLoader
+        from stallfree.loader.world import World
+
+        s = settings
+        world = World(rank=s.rank, size=s.world_size, local_rank=s.local_rank, local_size=s.local_size)
+        kwargs: dict[str, Any] = dict(s.extra)
+        decode = s.decode
+        if decode == "auto":
+            decode = "image-decode" if importlib.util.find_spec("stallfree.gpu_decode.select") else "recipe"
+        if decode == "image-decode":
+            from stallfree.gpu_decode.select import ImageDecode
+
+            kwargs["decode"] = ImageDecode(train=True, size=s.image_size, backend="auto")
+        elif decode == "recipe":
+            kwargs["decode"] = PILRecipe(s.image_size, s.seed)
+            kwargs["collate_fn"] = collate_pairs
+        else:
+            raise ValueError(f"unknown decode mode {decode!r}; choose auto, recipe or image-decode")
+        if s.workers > 0:
+            kwargs["persistent_workers"] = True
+            if s.prefetch:
+                kwargs["prefetch_factor"] = s.prefetch
+        self.decode_mode = decode
+        self.loader = DataLoader(
+            s.dataset,
+            batch_size=s.batch_size,
+            shuffle=True,
+            num_workers=s.workers,
+            drop_last=True,
+            seed=s.seed,
+            world=world,
+            device=None if s.device == "cpu" else s.device,
+            **kwargs,
+        )
+
+    def epoch_iter(self, epoch: int) -> Iterator[Any]:
+        self.loader.set_epoch(epoch)
+        return iter(self.loader)
+
+    def stats(self) -> dict[str, Any]:
+        try:
+            return {"decode_mode": self.decode_mode, **dict(self.loader.stats())}
+        except Exception as exc:  # stats are informative only; never fail a bench over them
+            logger.warning("stallfree loader stats failed: %s", exc)
+            return {"decode_mode": self.decode_mode}
+
+    def close(self) -> None:
+        closer = getattr(self.loader, "close", None)
+        if callable(closer):
+            closer()
+        del self.loader  # the loader shuts its workers down when collected
+
+
+def _split_by_rank(urls: list[str], rank: int, world: int) -> list[str]:
+    return list(urls)[rank::world]
+
+
+def _wds_pair(recipe: PILRecipe, sample: dict[str, Any]) -> Any:
+    return recipe(sample)
+
+
+def tar_shard_urls(dataset: Any) -> list[str]:
+    """URLs of a tar-format shard dataset's shards (for the file-based readers)."""
+    manifest = getattr(dataset, "manifest", None)
+    base = getattr(dataset, "url", None)
+    if manifest is None or base is None:
+        raise ValueError("this loader needs a tar shard dataset (a directory or URL with manifest.json)")
+    if getattr(manifest, "format", "tar") != "tar":
+        raise ValueError(f"this loader reads tar shards; the dataset is {manifest.format!r}")
+    base = str(base).rstrip("/")
+    if base.endswith("manifest.json"):
+        base = base.rsplit("/", 1)[0]
+    return [
+        p if "://" in p or p.startswith("/") else f"{base}/{p}" for p in (si.path for si in manifest.shards)
+    ]
+
+
+class WebDatasetAdapter(Adapter):
+    """webdataset reading the same tar shards sequentially, shards split across ranks and workers."""
+
+    name = "webdataset"
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        super().__init__(settings)
+        import webdataset as wds
+
+        s = settings
+        urls = tar_shard_urls(s.dataset)
+        if len(urls) < s.world_size * max(1, s.workers):
+            logger.warning(
+                "webdataset: %d shards for %d ranks x %d workers; some workers get none",
+                len(urls),
+                s.world_size,
+                s.workers,
+            )
+        ds = (
+            wds.WebDataset(
+                urls,
+                shardshuffle=len(urls),
+                nodesplitter=functools.partial(_split_by_rank, rank=s.rank, world=s.world_size),
+                seed=s.seed,
+                empty_check=False,
+            )
+            .shuffle(64, initial=64)
+            .map(functools.partial(_wds_pair, PILRecipe(s.image_size, s.seed)))
+        )
+        kwargs: dict[str, Any] = {}
+        if s.workers > 0:
+            kwargs["persistent_workers"] = True
+            if s.prefetch:
+                kwargs["prefetch_factor"] = s.prefetch
+        self.loader = wds.WebLoader(
+            ds.batched(s.batch_size, collation_fn=collate_pairs, partial=False),
+            batch_size=None,
+            num_workers=s.workers,
+            **kwargs,
+        )
+
+    def epoch_iter(self, epoch: int) -> Iterator[Any]:
+        return iter(self.loader)
+
+
+class DaliAdapter(Adapter):
+    """DALI's own webdataset reader and CPU operators (device_id=None; GPU ops when a GPU is given)."""
+
+    name = "dali"
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        super().__init__(settings)
+        from nvidia.dali import fn, pipeline_def, types
+        from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
+
+        s = settings
+        urls = tar_shard_urls(s.dataset)
+        if any("://" in u for u in urls):
+            raise ValueError("DALI's webdataset reader reads local files only; this dataset is remote")
+        gpu = s.device.startswith("cuda")
+
+        @pipeline_def
+        def pipe():
+            jpegs, labels = fn.readers.webdataset(
+                paths=urls,
+                index_paths=[u + ".idx" for u in urls] if all(_exists(u + ".idx") for u in urls) else None,
+                ext=["jpg", "cls"],
+                missing_component_behavior="error",
+                shard_id=s.rank,
+                num_shards=s.world_size,
+                random_shuffle=True,
+                seed=s.seed + 1,
+                name="Reader",
+            )
+            images = fn.decoders.image(jpegs, device="mixed" if gpu else "cpu", output_type=types.RGB)
+            images = fn.random_resized_crop(images, size=[s.image_size, s.image_size])
+            images = fn.crop_mirror_normalize(
+                images,
+                dtype=types.FLOAT,
+                output_layout="CHW",
+                mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
+                std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+                mirror=fn.random.coin_flip(),
+            )
+            return images, labels
+
+        device_id = int(s.device.split(":")[1]) if gpu and ":" in s.device else (0 if gpu else None)
+        self.pipe = pipe(
+            batch_size=s.batch_size, num_threads=max(1, s.workers), device_id=device_id, seed=s.seed
+        )
+        self.pipe.build()
+        self.iterator = DALIGenericIterator(
+            [self.pipe],
+            ["image", "label"],
+            reader_name="Reader",
+            last_batch_policy=LastBatchPolicy.DROP,
+            auto_reset=True,
+        )
+
+    def epoch_iter(self, epoch: int) -> Iterator[Any]:
+        for out in self.iterator:
+            batch = out[0]
+            yield {"image": batch["image"], "label": _dali_labels(batch["label"])}
+
+
+def _exists(path: str) -> bool:
+    import os
+
+    return os.path.exists(path)
+
+
+def _dali_labels(raw: torch.Tensor) -> torch.Tensor:
+    """DALI hands ``cls`` as padded ASCII bytes per sample; parse them into int64 labels."""
+    rows = raw.reshape(raw.shape[0], -1).to(torch.uint8).cpu().tolist()
+    return torch.tensor([int(bytes(v for v in row if v).decode("ascii").strip() or 0) for row in rows])
+
+
+ADAPTERS: dict[str, type[Adapter]] = {
+    "synthetic": SyntheticBatches,
+    "torch": TorchAdapter,
+    "stallfree": StallfreeAdapter,
+    "webdataset": WebDatasetAdapter,
+    "dali": DaliAdapter,
+}
+
+_REQUIRES = {
+    "stallfree": "stallfree.loader.dataloader",
+    "webdataset": "webdataset",
+    "dali": "nvidia.dali",
+}
+
+
+def loader_available(name: str) -> str | None:
+    """None when loader ``name`` can run here, else the reason it cannot."""
+    if name not in ADAPTERS:
+        return f"unknown loader {name!r}; choose from {', '.join(ADAPTERS)}"
+    module = _REQUIRES.get(name)
+    if module:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            return f"{module} is not installed"
+    return None
+
+
+def make_adapter(name: str, settings: LoaderSettings) -> Adapter:
+    """The adapter for loader ``name`` (see :data:`ADAPTERS`)."""
+    reason = loader_available(name)
+    if reason:
+        raise ValueError(reason)
+    return ADAPTERS[name](settings)

@@ -1,0 +1,242 @@
+"""The bench report: a JSON-ready dict (with the environment it ran in), a plain-text table, and a
+PNG with each rank's timeline of wait vs compute and a bar chart of stall per loader.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from stallfree.harness.metrics import job_summary
+
+REPORT_VERSION = 1
+
+
+def environment(device: str = "cpu") -> dict[str, Any]:
+    """Versions, cores and GPU of the machine the bench ran on."""
+    import torch
+
+    import stallfree
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "stallfree": stallfree.__version__,
+        "torch": torch.__version__,
+        "cpu_cores": os.cpu_count(),
+        "gpu": None,
+    }
+    try:
+        import psutil
+
+        env["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+        env["cpu_cores_physical"] = psutil.cpu_count(logical=False)
+    except ImportError:
+        pass
+    for name in ("numpy", "webdataset", "pyarrow", "fsspec", "PIL"):
+        try:
+            module = __import__(name)
+            env[name if name != "PIL" else "pillow"] = getattr(module, "__version__", "?")
+        except ImportError:
+            continue
+    try:
+        import nvidia.dali as dali
+
+        env["dali"] = dali.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = {
+            "name": torch.cuda.get_device_name(0),
+            "count": torch.cuda.device_count(),
+            "cuda": torch.version.cuda,
+        }
+    return env
+
+
+def phase_entry(result: dict[str, Any]) -> dict[str, Any]:
+    """Per-rank summaries, the job summary and the timelines of one gathered phase."""
+    ranks = [r["summary"] for r in result["ranks"]]
+    waits = [row[1] * 1e3 for r in result["ranks"] for row in r["timeline"][_warmup_of(r) :]]
+    return {
+        "phase": result["phase"],
+        "job": job_summary(ranks, waits),
+        "ranks": ranks,
+        "timeline": {str(r["summary"]["rank"]): r["timeline"] for r in result["ranks"]},
+        "warmup_steps": _warmup_of(result["ranks"][0]),
+        "stats": result["ranks"][0].get("stats", {}),
+    }
+
+
+def _warmup_of(rank_result: dict[str, Any]) -> int:
+    return max(0, len(rank_result["timeline"]) - rank_result["summary"]["steps"])
+
+
+def build_report(
+    cfg: Any, loader_results: list[dict[str, Any]], skipped: dict[str, str], elapsed_s: float = 0.0
+) -> dict[str, Any]:
+    """The report dict: config, environment, one entry per loader, skipped loaders and why."""
+    config = asdict(cfg)
+    config.pop("storage_options", None)  # may hold credentials
+    return {
+        "version": REPORT_VERSION,
+        "config": config,
+        "environment": environment(cfg.device),
+        "loaders": {r["phase"]["label"]: phase_entry(r) for r in loader_results},
+        "skipped": skipped,
+        "elapsed_s": elapsed_s,
+    }
+
+
+def _fmt_row(cells: list[str], widths: list[int]) -> str:
+    return "  ".join(
+        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    )
+
+
+def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
+    """A plain-text table: one row per loader (job figures), then per rank when asked."""
+    head = [
+        "loader",
+        "rank",
+        "samples/s",
+        "stall %",
+        "wait p50 ms",
+        "wait p99 ms",
+        "step p50 ms",
+        "CPU cores",
+    ]
+    rows: list[list[str]] = []
+    for name, entry in report["loaders"].items():
+        job = entry["job"]
+        rows.append(
+            [
+                name,
+                "job",
+                f"{job['samples_per_s']:.1f}",
+                f"{100 * job['stall_share']:.1f}",
+                f"{job['wait_p50_ms']:.1f}",
+                f"{job['wait_p99_ms']:.1f}",
+                f"{max(r['step_p50_ms'] for r in entry['ranks']):.1f}",
+                f"{job['cpu_cores']:.2f}",
+            ]
+        )
+        if per_rank and len(entry["ranks"]) > 1:
+            for r in entry["ranks"]:
+                rows.append(
+                    [
+                        "",
+                        str(r["rank"]),
+                        f"{r['samples_per_s']:.1f}",
+                        f"{100 * r['stall_share']:.1f}",
+                        f"{r['wait_p50_ms']:.1f}",
+                        f"{r['wait_p99_ms']:.1f}",
+                        f"{r['step_p50_ms']:.1f}",
+                        f"{r['cpu_cores']:.2f}",
+                    ]
+                )
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
+    lines = [_fmt_row(head, widths), "  ".join("-" * w for w in widths)]
+    lines += [_fmt_row(r, widths) for r in rows]
+    for name, reason in report.get("skipped", {}).items():
+        lines.append(f"skipped {name}: {reason}")
+    cfg = report["config"]
+    lines.append(
+        f"{cfg['nproc'] if cfg.get('rank') is None else cfg.get('world_size')} ranks, step {cfg['step']} "
+        f"{cfg['step_ms']:g} ms, batch {cfg['batch_size']}, workers {cfg['workers']}, {cfg['steps']} steps "
+        f"(+{cfg['warmup']} warm-up); stall % = time blocked in next() / step time, job = worst rank"
+    )
+    return "\n".join(lines)
+
+
+def write_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
+    """PNG: one timeline panel per loader (rows = ranks; wait red, compute blue, sync grey) and a
+    bar chart of the job's stall share per loader."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loaders = report["loaders"]
+    if not loaders:
+        raise ValueError("the report has no loader results to plot")
+    n = len(loaders)
+    fig, axes = plt.subplots(n + 1, 1, figsize=(11, 2.2 * n + 2.6), squeeze=False)
+    colors = {"wait": "#d62728", "compute": "#1f77b4", "sync": "#aaaaaa"}
+    for ax, (name, entry) in zip(axes[:n, 0], loaders.items(), strict=True):
+        skip = entry.get("warmup_steps", 0)
+        for rank_s, all_rows in sorted(entry["timeline"].items(), key=lambda kv: int(kv[0])):
+            y = int(rank_s)
+            rows = all_rows[skip:]
+            t0 = rows[0][0] if rows else 0.0
+            rows = [[row[0] - t0, *row[1:]] for row in rows]
+            for kind, offset in (("wait", 0), ("compute", 1), ("sync", 2)):
+                spans = [(row[0] + sum(row[1 : 1 + offset]), row[1 + offset]) for row in rows]
+                ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colors[kind], label=kind if y == 0 else None)
+        ax.set_yticks(sorted(int(k) for k in entry["timeline"]))
+        ax.set_ylabel("rank")
+        ax.set_title(f"{name}: stall {100 * entry['job']['stall_share']:.1f}% (worst rank)", fontsize=10)
+        ax.set_xlabel("seconds since the end of warm-up")
+        ax.legend(loc="upper right", fontsize=8, ncol=3)
+    bar = axes[n, 0]
+    names = list(loaders)
+    bar.bar(names, [100 * loaders[k]["job"]["stall_share"] for k in names], color="#d62728")
+    bar.set_ylabel("stall % (worst rank)")
+    bar.set_title("time blocked on data, per loader", fontsize=10)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def format_analysis(analysis: dict[str, Any]) -> str:
+    """The --analyze section: rates, stall split, what-if check and advice."""
+    r, s, w = analysis["rates"], analysis["stall"], analysis["whatif"]
+    storage = r["storage_bytes_per_s"]
+    lines = [
+        f"analysis of {analysis['loader']} (samples/s): ingestion ceiling G {r['ingestion_ceiling_G']:.1f}, "
+        f"prep P {r['prep_P']:.1f}, fetch+prep {r['fetch_plus_prep']:.1f}, storage S "
+        + (
+            f"{r['storage_fetch_S']:.1f} ({storage / 1e6:.2f} MB/s)"
+            if storage != float("inf")
+            else "not limiting"
+        ),
+        f"stall {100 * s['measured_stall_share']:.1f}% measured cold: fetch {100 * s['fetch_stall_share']:.1f}%, "
+        f"prep {100 * s['prep_stall_share']:.1f}% of step time",
+        f"what-if cache {100 * w['cache_share']:.0f}% ({w['cache_bytes'] / 1e6:.1f} MB): predicted "
+        f"{w['predicted_samples_per_s']:.1f} samples/s, measured {w['measured_samples_per_s']:.1f} "
+        f"(error {100 * (w['error'] or 0):.1f}%)",
+    ]
+    given = analysis.get("whatif_given_storage")
+    if given:
+        lines.append(
+            f"what-if storage {given['storage_bytes_per_s'] / 1e6:.1f} MB/s with that cache: "
+            f"{given['predicted_samples_per_s']:.1f} samples/s predicted"
+        )
+    lines += [f"advice: {tip}" for tip in analysis["advice"]]
+    return "\n".join(lines)
+
+
+def format_tune(tune: dict[str, Any]) -> str:
+    """The --tune section: one row per setting, then the pick."""
+    lines = [
+        f"tune {tune['loader']} (target stall <= {100 * tune['target_stall']:.1f}%):",
+        "  workers  prefetch  stall %  CPU cores  samples/s",
+    ]
+    for row in tune["rows"]:
+        lines.append(
+            f"  {row['workers']:>7}  {row['prefetch'] if row['prefetch'] else '-':>8}  "
+            f"{100 * row['stall_share']:>7.1f}  {row['cpu_cores']:>9.2f}  {row['samples_per_s']:>9.1f}"
+        )
+    best = tune["best"]
+    verdict = "removes stall" if tune["removes_stall"] else "least stall (none meets the target)"
+    lines.append(
+        f"best: workers={best['workers']} prefetch={best['prefetch'] or '-'}: {verdict} at "
+        f"{best['cpu_cores']:.2f} CPU cores"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,363 @@
+"""Multi-rank training harness: launches N ranks (or joins an existing torchrun job), runs a DDP-like
+loop per rank (next batch -> step -> all-reduce), and returns the stall figures of each phase.
+
+A *phase* is one measured run: a loader on a dataset variant (cold, a cached subset, a partly
+cached copy) with a step. All phases of a bench run inside the same ranks, one after the other,
+so loaders are compared on the same data, step and processes. Ranks talk over ``gloo`` on CPU and
+``nccl`` on GPU; rank 0 gathers every rank's figures.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    """Everything a bench needs; the CLI fills it from flags (and torchrun's env, when present)."""
+
+    dataset: str
+    loaders: list[str] = field(default_factory=lambda: ["stallfree", "torch"])
+    nproc: int = 2
+    step: str = "sleep"  # sleep | busy | model | none
+    step_ms: float = 20.0
+    batch_size: int = 32
+    workers: int = 2
+    prefetch: int | None = None
+    steps: int = 50
+    warmup: int = 3
+    image_size: int = 64
+    seed: int = 0
+    device: str = "cpu"
+    decode: str = "auto"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    loader_options: dict[str, Any] = field(default_factory=dict)
+    slow_delay_s: float = 0.0  # sleep per sample in __getitem__ (an injected, known stall)
+    cache_fraction: float = 0.0  # share of the dataset held warm in memory in front of storage
+    timeline: bool = True
+    progress: bool = False  # a tqdm bar on stderr (rank 0)
+    # Set when running inside an existing job (torchrun): this process's rank and the rendezvous.
+    rank: int | None = None
+    world_size: int | None = None
+    local_rank: int = 0
+    local_size: int | None = None
+    init_method: str | None = None
+    # Analysis and tuning (see analyze.py / tune.py).
+    analyze: bool = False
+    analyze_loader: str | None = None
+    whatif_cache_fraction: float = 0.5
+    whatif_cache_bytes: float | None = None  # overrides whatif_cache_fraction when set
+    whatif_storage_bytes_per_s: float | None = None
+    tune: bool = False
+    tune_workers: list[int] = field(default_factory=lambda: [1, 2, 4])
+    tune_prefetch: list[int] = field(default_factory=lambda: [2, 4])
+    tune_target_stall: float = 0.02
+
+    def validate(self) -> None:
+        """Reject settings that cannot run, with a message naming the flag."""
+        if self.nproc < 1:
+            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps}, {self.warmup}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.workers < 0:
+            raise ValueError(f"--workers must be >= 0, got {self.workers}")
+        if self.step_ms < 0:
+            raise ValueError(f"--step-ms must be >= 0, got {self.step_ms}")
+        if self.step not in ("sleep", "busy", "model", "none"):
+            raise ValueError(f"--step must be sleep, busy, model or none, got {self.step!r}")
+        if not self.loaders:
+            raise ValueError("--loader needs at least one loader name")
+        if not 0.0 <= self.cache_fraction <= 1.0 or not 0.0 <= self.whatif_cache_fraction <= 1.0:
+            raise ValueError("cache fractions must be within [0, 1]")
+
+
+@dataclass
+class Phase:
+    """One measured run inside the ranks. ``variant``: cold | cached (a subset held in memory) |
+    partial (``cache_fraction`` of the data warm in memory)."""
+
+    label: str
+    loader: str
+    variant: str = "cold"
+    step: str | None = None  # None: the config's step
+    steps: int | None = None
+    workers: int | None = None
+    prefetch: int | None = None
+    cache_fraction: float | None = None
+    subset: int | None = None
+
+
+# ---------------------------------------------------------------- inside one rank
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Subset:
+    """The first ``n`` samples of ``base`` (a cached-subset run reads only these)."""
+
+    def __init__(self, base: Any, n: int) -> None:
+        self.base, self.n = base, min(n, len(base))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, index: int) -> Any:
+        if not 0 <= index < self.n:
+            raise IndexError(f"sample index {index} out of range for {self.n} samples")
+        return self.base[index]
+
+    def get_many(self, indices: list[int]) -> list[Any]:
+        return [self[i] for i in indices]
+
+
+def _phase_dataset(cfg: BenchConfig, phase: Phase, base: Any) -> Any:
+    from stallfree.harness.datasets import PartialCache, SlowDataset
+
+    ds = SlowDataset(base, cfg.slow_delay_s) if cfg.slow_delay_s > 0 else base
+    if phase.variant == "cold":
+        fraction = cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction
+        return PartialCache(ds, fraction) if fraction > 0 else ds
+    if phase.variant == "cached":
+        subset = phase.subset or len(ds)
+        return PartialCache(_Subset(ds, subset), 1.0)
+    if phase.variant == "partial":
+        return PartialCache(ds, cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction)
+    raise ValueError(f"unknown phase variant {phase.variant!r}")
+
+
+def _run_phase(cfg: BenchConfig, phase: Phase, base: Any, rank: int, world: int, dist: Any) -> dict[str, Any]:
+    from stallfree.harness.loaders import LoaderSettings, make_adapter
+    from stallfree.harness.metrics import RankMetrics
+    from stallfree.harness.steps import batch_size_of, make_step
+
+    step_kind = phase.step or cfg.step
+    step = make_step(
+        "sleep" if step_kind == "none" else step_kind,
+        0.0 if step_kind == "none" else cfg.step_ms,
+        device=cfg.device,
+        seed=cfg.seed,
+    )
+    settings = LoaderSettings(
+        dataset=_phase_dataset(cfg, phase, base) if phase.loader != "synthetic" else base,
+        rank=rank,
+        world_size=world,
+        local_rank=cfg.local_rank if cfg.rank is not None else rank,
+        local_size=(cfg.local_size or world) if cfg.rank is not None else world,
+        batch_size=cfg.batch_size,
+        workers=cfg.workers if phase.workers is None else phase.workers,
+        prefetch=cfg.prefetch if phase.prefetch is None else phase.prefetch,
+        image_size=cfg.image_size,
+        seed=cfg.seed,
+        decode=cfg.decode,
+        device=cfg.device,
+        extra=dict(cfg.loader_options) if phase.loader == "stallfree" else {},
+    )
+    try:
+        adapter = make_adapter(phase.loader, settings)
+    except (ValueError, ImportError) as exc:  # e.g. a tar-only reader on a non-tar dataset
+        logger.warning("rank %d: loader %s cannot run on this dataset: %s", rank, phase.loader, exc)
+        return {"skipped": str(exc)}
+    steps = phase.steps or cfg.steps
+    metrics = RankMetrics(rank, warmup=cfg.warmup)
+    grads = step.grads()
+    if dist is not None and cfg.device.startswith("cuda"):
+        grads = grads.to(cfg.device)
+    try:
+        batches = adapter.batches()
+        if dist is not None:
+            dist.barrier()
+        metrics.start()
+        perf = time.perf_counter
+        for i in range(cfg.warmup + steps):
+            if i == cfg.warmup:
+                metrics.begin_measured()
+            t0 = perf()
+            batch = next(batches)
+            t1 = perf()
+            if step_kind != "none":
+                step(batch)
+            t2 = perf()
+            if dist is not None:
+                dist.all_reduce(grads)
+            t3 = perf()
+            metrics.record(t0, t1, t2, t3, batch_size_of(batch))
+        metrics.stop()
+        stats = adapter.stats()
+    finally:
+        adapter.close()
+    return {
+        "summary": metrics.summary(),
+        "timeline": metrics.timeline() if cfg.timeline else [],
+        "stats": _jsonable(stats),
+    }
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return json.loads(json.dumps(value, default=str))
+
+
+def _progress(cfg: BenchConfig, phases: list[Phase], rank: int) -> Any:
+    if not cfg.progress or rank != 0:
+        return None
+    import sys
+
+    from tqdm import tqdm
+
+    return tqdm(total=len(phases), desc="bench phases", unit="phase", file=sys.stderr)
+
+
+def rank_main(
+    cfg: BenchConfig, phases: list[Phase], rank: int, world: int, out_path: str | None
+) -> list[dict] | None:
+    """Body of one rank: join the process group, run every phase, gather to rank 0.
+
+    Returns (on rank 0) one entry per phase: ``{"phase": ..., "ranks": [per-rank results]}``.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from stallfree.harness.datasets import resolve_dataset
+
+    torch.set_num_threads(1)
+    group = None
+    if world > 1:
+        backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(cfg.local_rank if cfg.rank is not None else rank)
+        dist.init_process_group(
+            backend,
+            init_method=cfg.init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=600),
+        )
+        group = dist
+    try:
+        base = resolve_dataset(cfg.dataset, cfg.storage_options)
+        results = []
+        bar = _progress(cfg, phases, rank)
+        for phase in phases:
+            logger.info("rank %d: phase %s", rank, phase.label)
+            if bar is not None:
+                bar.set_postfix_str(phase.label)
+            mine = _run_phase(cfg, phase, base, rank, world, group)
+            if bar is not None:
+                bar.update(1)
+            if group is not None:
+                gathered: list[Any] = [None] * world
+                dist.all_gather_object(gathered, mine)
+            else:
+                gathered = [mine]
+            results.append({"phase": asdict(phase), "ranks": gathered})
+        if bar is not None:
+            bar.close()
+    finally:
+        if group is not None:
+            dist.destroy_process_group()
+    if rank == 0 and out_path:
+        Path(out_path).write_text(json.dumps(results))
+    return results if rank == 0 else None
+
+
+def _spawned(
+    rank: int, cfg: BenchConfig, phases: list[Phase], world: int, out_path: str, log_level: int
+) -> None:
+    logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    rank_main(cfg, phases, rank, world, out_path)
+
+
+def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
+    """Run ``phases`` on ``cfg.nproc`` freshly spawned ranks, or, when ``cfg.rank`` is set (inside
+    torchrun), in this process as that rank. Returns the gathered results on rank 0, else None."""
+    if cfg.rank is not None:
+        world = cfg.world_size or 1
+        if world > 1 and not cfg.init_method:
+            raise ValueError("running inside a job of several ranks needs init_method (tcp://MASTER:PORT)")
+        return rank_main(cfg, phases, cfg.rank, world, None)
+    if cfg.nproc == 1:
+        return rank_main(cfg, phases, 0, 1, None)
+    import torch.multiprocessing as mp
+
+    cfg = replace(cfg, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    with tempfile.TemporaryDirectory(prefix="stallfree-bench-") as tmp:
+        out_path = os.path.join(tmp, "results.json")
+        mp.start_processes(
+            _spawned,
+            args=(cfg, phases, cfg.nproc, out_path, logging.getLogger().level),
+            nprocs=cfg.nproc,
+            join=True,
+            start_method="spawn",
+        )
+        return json.loads(Path(out_path).read_text())
+
+
+def loader_phases(cfg: BenchConfig) -> tuple[list[Phase], dict[str, str]]:
+    """One cold phase per requested loader that can run here, and the reasons for those skipped."""
+    from stallfree.harness.loaders import loader_available
+
+    phases, skipped = [], {}
+    for name in cfg.loaders:
+        reason = loader_available(name)
+        if reason:
+            skipped[name] = reason
+            logger.warning("skipping loader %s: %s", name, reason)
+        else:
+            phases.append(Phase(label=name, loader=name))
+    return phases, skipped
+
+
+def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
+    """The programmatic entry: run the loaders (and analysis / tuning when asked) and return the
+    report dict (see report.build_report); None on ranks other than 0 inside torchrun."""
+    from stallfree.harness import analyze, report, tune
+
+    cfg.validate()
+    phases, skipped = loader_phases(cfg)
+    extra: list[Phase] = []
+    if cfg.analyze:
+        extra += analyze.analysis_phases(cfg)
+    if cfg.tune:
+        extra += tune.tune_phases(cfg)
+    if not phases and not extra:
+        raise ValueError(f"no requested loader can run here: {skipped}")
+    started = time.time()
+    results = run_phases(cfg, phases + extra)
+    if results is None:
+        return None
+    by_label = {}
+    for r in results:
+        reason = next((x["skipped"] for x in r["ranks"] if "skipped" in x), None)
+        if reason is None:
+            by_label[r["phase"]["label"]] = r
+        elif r["phase"]["label"] in cfg.loaders:
+            skipped[r["phase"]["label"]] = reason
+        else:
+            raise ValueError(f"phase {r['phase']['label']} could not run: {reason}")
+    ran = [by_label[p.label] for p in phases if p.label in by_label]
+    rep = report.build_report(cfg, ran, skipped, elapsed_s=time.time() - started)
+    if cfg.analyze:
+        rep["analysis"] = analyze.analyze(cfg, by_label)
+    if cfg.tune:
+        rep["tune"] = tune.summarize(cfg, by_label)
+    return rep

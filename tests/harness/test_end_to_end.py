@@ -1,0 +1,125 @@
+"""The harness end to end: real ranks (spawned, gloo on CPU), real loaders, real files out."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from stallfree.cli import main
+from stallfree.harness.loaders import loader_available
+from stallfree.harness.runner import BenchConfig, run_bench
+
+LOADERS = "torch,stallfree" if loader_available("stallfree") is None else "torch"
+
+
+def test_two_ranks_cpu_end_to_end_json_adds_up_and_png_written(tmp_path, capsys):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    rc = main(
+        [
+            "bench",
+            "synthetic:96:64x48",
+            "--nproc",
+            "2",
+            "--loader",
+            LOADERS,
+            "--step-ms",
+            "10",
+            "--batch-size",
+            "4",
+            "--workers",
+            "1",
+            "--steps",
+            "6",
+            "--warmup",
+            "1",
+            "--image-size",
+            "32",
+            "--device",
+            "cpu",
+            "--json",
+            str(out_json),
+            "--plot",
+            str(out_png),
+        ]
+    )
+    assert rc == 0
+    table = capsys.readouterr().out
+    report = json.loads(out_json.read_text())
+    assert set(report["loaders"]) == set(LOADERS.split(","))
+    for name, entry in report["loaders"].items():
+        assert name in table
+        assert [r["rank"] for r in entry["ranks"]] == [0, 1]
+        for r in entry["ranks"]:
+            assert r["steps"] == 6 and r["samples"] == 24
+            parts = r["wait_s"] + r["compute_s"] + r["sync_s"]
+            assert math.isclose(parts, r["wall_s"], rel_tol=0.05), (name, r)
+            assert 0.0 <= r["stall_share"] <= 1.0
+            assert r["compute_s"] >= 6 * 0.010  # the sleep step really ran
+        assert len(entry["timeline"]["0"]) == 7  # warm-up + measured steps
+        assert entry["job"]["stall_share"] == max(r["stall_share"] for r in entry["ranks"])
+    env = report["environment"]
+    assert env["torch"] and env["cpu_cores"] >= 1 and "gpu" in env
+    png = out_png.read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+@pytest.mark.parametrize("loader", ["torch"])
+def test_injected_delay_gives_the_expected_stall_share(loader):
+    # Each sample sleeps 10 ms in __getitem__; with no workers the rank fetches its batch of 4
+    # inline: 40 ms blocked per step, beside a 20 ms step -> stall share 40 / 60.
+    delay, batch, step_ms = 0.010, 4, 20.0
+    cfg = BenchConfig(
+        dataset="synthetic:64:32x24",
+        loaders=[loader],
+        nproc=2,
+        step="sleep",
+        step_ms=step_ms,
+        batch_size=batch,
+        workers=0,
+        steps=8,
+        warmup=1,
+        image_size=16,
+        slow_delay_s=delay,
+        timeline=False,
+    )
+    report = run_bench(cfg)
+    expected = batch * delay / (batch * delay + step_ms / 1e3)
+    for r in report["loaders"][loader]["ranks"]:
+        assert abs(r["stall_share"] - expected) <= 0.05, (r["stall_share"], expected)
+    assert abs(report["loaders"][loader]["job"]["stall_share"] - expected) <= 0.05
+
+
+def test_unrunnable_loader_is_skipped_with_its_reason(capsys):
+    rc = main(
+        [
+            "bench",
+            "synthetic:32:32x24",
+            "--nproc",
+            "1",
+            "--loader",
+            "torch,webdataset,nosuch",
+            "--step-ms",
+            "1",
+            "--batch-size",
+            "4",
+            "--workers",
+            "0",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--image-size",
+            "16",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "skipped nosuch: unknown loader 'nosuch'" in out
+    assert "skipped webdataset: this loader needs a tar shard dataset" in out
+
+
+def test_bad_flags_fail_with_a_clear_message(capsys):
+    assert main(["bench", "synthetic:8", "--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err

@@ -1,0 +1,194 @@
+"""Harness pieces without processes: stall arithmetic, the what-if model, tuning pick, recipe."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from stallfree.harness import analyze, tune
+from stallfree.harness.datasets import (
+    PartialCache,
+    SlowDataset,
+    SyntheticImages,
+    resolve_dataset,
+    sample_bytes,
+)
+from stallfree.harness.metrics import RankMetrics, job_summary, percentile
+from stallfree.harness.runner import BenchConfig
+from stallfree.harness.transforms import label_of, random_resized_crop_box
+
+
+def test_percentile_matches_linear_interpolation():
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+
+
+def test_rank_metrics_split_steps_into_phases_and_skip_warmup():
+    m = RankMetrics(rank=1, warmup=1)
+    m._t0 = 100.0
+    # (begin, data in hand, computed, synced), samples
+    m.record(100.0, 100.5, 100.6, 100.6, 4)  # warm-up: slow first batch, excluded
+    m.record(100.6, 100.61, 100.71, 100.72, 4)
+    m.record(100.72, 100.77, 100.87, 100.88, 4)
+    s = m.summary()
+    assert s["rank"] == 1 and s["steps"] == 2 and s["samples"] == 8
+    assert s["wait_s"] == pytest.approx(0.06)
+    assert s["compute_s"] == pytest.approx(0.20)
+    assert s["sync_s"] == pytest.approx(0.02)
+    assert s["wall_s"] == pytest.approx(0.28)
+    assert s["stall_share"] == pytest.approx(0.06 / 0.28)
+    assert s["samples_per_s"] == pytest.approx(8 / 0.28)
+    assert m.timeline()[0] == [0.0, 0.5, 0.1, 0.0]
+
+
+def test_job_summary_reports_the_worst_rank():
+    ranks = [
+        {
+            "rank": 0,
+            "wall_s": 2.0,
+            "samples": 100,
+            "stall_share": 0.1,
+            "wait_p50_ms": 1,
+            "wait_p99_ms": 2,
+            "cpu_cores": 0.5,
+        },
+        {
+            "rank": 1,
+            "wall_s": 2.5,
+            "samples": 100,
+            "stall_share": 0.3,
+            "wait_p50_ms": 3,
+            "wait_p99_ms": 9,
+            "cpu_cores": 0.7,
+        },
+    ]
+    job = job_summary(ranks)
+    assert job["stall_share"] == 0.3 and job["stall_rank"] == 1
+    assert job["samples_per_s"] == pytest.approx(200 / 2.5)
+    assert job["mean_stall_share"] == pytest.approx(0.2)
+    assert job["cpu_cores"] == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="at least one rank"):
+        job_summary([])
+
+
+def test_whatif_formula_is_the_harmonic_mix_capped_by_prep_and_ceiling():
+    # D bytes; x cached at C, the rest from storage at S: F = D / (D x / C + D (1 - x) / S)
+    x, c, s, b = 0.5, 1e9, 1e6, 1e4
+    f_bytes = 1 / (x / c + (1 - x) / s)
+    out = analyze.whatif_speed(
+        x=x, cache_bw=c, storage_bw=s, sample_bytes=b, prep=1e6, ceiling=1e6, serial=False
+    )
+    assert out["fetch"] == pytest.approx(f_bytes / b)
+    assert out["speed"] == pytest.approx(f_bytes / b)
+    capped = analyze.whatif_speed(
+        x=x, cache_bw=c, storage_bw=s, sample_bytes=b, prep=50.0, ceiling=1e6, serial=False
+    )
+    assert capped["speed"] == 50.0
+    ceiling = analyze.whatif_speed(
+        x=1.0, cache_bw=c, storage_bw=s, sample_bytes=b, prep=1e6, ceiling=30.0, serial=False
+    )
+    assert ceiling["speed"] == 30.0
+    serial = analyze.whatif_speed(
+        x=0.0, cache_bw=c, storage_bw=s, sample_bytes=b, prep=100.0, ceiling=1e6, serial=True
+    )
+    assert serial["speed"] == pytest.approx(1 / (1 / 100.0 + 1 / 100.0))
+    with pytest.raises(ValueError, match="within"):
+        analyze.whatif_speed(x=1.5, cache_bw=c, storage_bw=s, sample_bytes=b, prep=1, ceiling=1, serial=False)
+
+
+def test_fetch_rate_inverts_the_stage_model():
+    assert analyze.fetch_rate(50.0, 100.0, serial=True) == pytest.approx(100.0)
+    assert analyze.fetch_rate(40.0, 100.0, serial=False) == 40.0
+    assert analyze.fetch_rate(100.0, 100.0, serial=False) == float("inf")
+    with pytest.raises(ValueError, match="positive"):
+        analyze.fetch_rate(0.0, 1.0, serial=True)
+
+
+def test_cache_share_needed():
+    # storage gives 50/s, step wants 100/s, prep free (overlapped): half must come from cache
+    assert analyze.cache_share_needed(50.0, 1e9, 100.0, serial=False) == pytest.approx(0.5)
+    assert analyze.cache_share_needed(float("inf"), 1e9, 100.0, serial=False) == 0.0
+    assert analyze.cache_share_needed(50.0, 80.0, 100.0, serial=False) is None  # prep-bound
+    assert analyze.cache_share_needed(50.0, 80.0, 100.0, serial=True) is None
+
+
+def test_tune_picks_least_cpu_among_stall_free_else_least_stall():
+    rows = [
+        {"workers": 1, "prefetch": 2, "stall_share": 0.20, "cpu_cores": 0.5},
+        {"workers": 2, "prefetch": 2, "stall_share": 0.01, "cpu_cores": 0.9},
+        {"workers": 4, "prefetch": 2, "stall_share": 0.00, "cpu_cores": 1.4},
+    ]
+    assert tune.pick(rows, 0.02)["workers"] == 2
+    assert tune.pick(rows, 0.0)["workers"] == 4
+    assert tune.pick(rows[:1], 0.02)["workers"] == 1
+    cfg = BenchConfig(dataset="synthetic:8", loaders=["torch"], tune_workers=[0, 2], tune_prefetch=[2, 4])
+    assert [p.label for p in tune.tune_phases(cfg)] == [
+        "tune:torch:w0",
+        "tune:torch:w2:p2",
+        "tune:torch:w2:p4",
+    ]
+
+
+def test_random_resized_crop_box_stays_inside_the_image():
+    rng = random.Random(0)
+    for w, h in [(500, 375), (32, 24), (1, 1), (1000, 10)]:
+        for _ in range(50):
+            left, top, cw, ch = random_resized_crop_box(w, h, rng)
+            assert 0 <= left and 0 <= top and cw > 0 and ch > 0
+            assert left + cw <= w and top + ch <= h
+
+
+def test_label_of_reads_tar_and_arrow_forms():
+    assert label_of({"cls": b"17"}) == 17
+    assert label_of({"cls": 3}) == 3
+    assert label_of({}) == 0
+
+
+def test_partial_cache_serves_the_first_share_from_memory():
+    base = SyntheticImages(10, size=(16, 12))
+    cache = PartialCache(base, 0.3)
+    assert cache.cached == 3 and len(cache) == 10
+    assert cache.cached_bytes == sum(sample_bytes(base[i]) for i in range(3))
+    assert [cache[i]["__key__"] for i in range(10)] == [f"{i:08d}" for i in range(10)]
+    assert cache[2] is cache._memory[2]
+    with pytest.raises(ValueError, match="within"):
+        PartialCache(base, 1.5)
+
+
+def test_synthetic_and_slow_datasets():
+    ds = SlowDataset(SyntheticImages(4, size=(16, 12), classes=3), 0.0)
+    assert len(ds) == 4 and ds[3]["cls"] == b"0" and ds[2]["jpg"][:2] == b"\xff\xd8"
+    with pytest.raises(IndexError):
+        SyntheticImages(4)[4]
+    with pytest.raises(ValueError, match="positive"):
+        SyntheticImages(0)
+
+
+def test_resolve_dataset_rejects_bad_synthetic_specs():
+    assert len(resolve_dataset("synthetic:5:16x12")) == 5
+    with pytest.raises(ValueError, match="synthetic:N"):
+        resolve_dataset("synthetic:many")
+    with pytest.raises(ValueError, match="WxH"):
+        resolve_dataset("synthetic:5:16")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("nproc", 0, "--nproc"),
+        ("steps", 0, "--steps"),
+        ("batch_size", 0, "--batch-size"),
+        ("workers", -1, "--workers"),
+        ("step", "gpu", "--step"),
+        ("loaders", [], "--loader"),
+        ("step_ms", -1.0, "--step-ms"),
+        ("cache_fraction", 2.0, "fractions"),
+    ],
+)
+def test_config_validation_names_the_flag(field, value, message):
+    cfg = BenchConfig(dataset="synthetic:8", **{field: value})
+    with pytest.raises(ValueError, match=message):
+        cfg.validate()
