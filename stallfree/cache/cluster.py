@@ -519,3 +519,37 @@ def _chunks(positions: list[int], items: Sequence[tuple[bytes, bytes]]) -> list[
     if cur:
         out.append(cur)
     return out
+
+
+def server_status(url: str, password: str | None = None, timeout_s: float = 2.0) -> dict[str, Any]:
+    """Usage and hit counters of one cache server (``stallfree cache stats``).
+
+    Raises ``ClusterCacheError`` with the reason when the server cannot be reached or refuses us.
+    """
+    import redis
+
+    _, kwargs = parse_server(url)
+    if password is not None:
+        kwargs.setdefault("password", password)
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    client = redis.Redis(
+        **kwargs, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        status = _server_info(client)
+    except redis.AuthenticationError as exc:
+        raise ClusterCacheError(f"{url}: authentication failed (check the cache password): {exc}") from exc
+    except redis.RedisError as exc:
+        if "auth" in str(exc).lower():
+            raise ClusterCacheError(
+                f"{url}: authentication failed (check the cache password): {exc}"
+            ) from exc
+        raise ClusterCacheError(f"{url}: {type(exc).__name__}: {exc}") from exc
+    finally:
+        client.close()
+    lookups = status["keyspace_hits"] + status["keyspace_misses"]
+    status["hit_rate"] = status["keyspace_hits"] / lookups if lookups else 0.0
+    status["url"] = url
+    return status

@@ -1,0 +1,147 @@
+"""``stallfree cache serve`` (run this node's Redis cache server) and ``stallfree cache stats``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+_PASSWORD_ENV = "STALLFREE_CACHE_PASSWORD"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "cache",
+        help="run or inspect the cluster cache (one Redis server per node)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "examples:\n"
+            "  stallfree cache serve --capacity 64GB --policy minio --port 6380\n"
+            "  stallfree cache stats redis://node1:6380 redis://node2:6380 --json"
+        ),
+    )
+    csub = p.add_subparsers(dest="cache_command", metavar="ACTION")
+
+    serve = csub.add_parser(
+        "serve",
+        help="start a Redis cache server for this node (foreground; Ctrl-C stops it)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "example:\n  stallfree cache serve --capacity 8GB --policy minio --port 6380\n\n"
+            f"The password may also come from ${_PASSWORD_ENV} (kept off the process list).\n"
+            "Binds to 127.0.0.1 unless --bind says otherwise; no persistence (a cache refills from storage)."
+        ),
+    )
+    serve.add_argument("--port", type=int, default=6380, help="TCP port (default 6380; 0 = any free port)")
+    serve.add_argument(
+        "--capacity", default="8GB", help="memory for cached samples, e.g. 64GB, 512MiB (default 8GB)"
+    )
+    serve.add_argument(
+        "--policy", choices=["minio", "lru"], default="minio", help="admission policy (default minio)"
+    )
+    serve.add_argument(
+        "--password", default=None, help=f"require this password (AUTH); or set ${_PASSWORD_ENV}"
+    )
+    serve.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    serve.add_argument("--dir", default=None, help="working directory for the server's config and log")
+    serve.add_argument("--redis-server", default="redis-server", help="redis-server executable")
+    serve.set_defaults(func=run_serve)
+
+    stats = csub.add_parser(
+        "stats",
+        help="per-server usage and hit rates",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example:\n  stallfree cache stats redis://127.0.0.1:6380 --json",
+    )
+    stats.add_argument("urls", nargs="+", metavar="URL", help="cache servers, redis://host:port")
+    stats.add_argument("--password", default=None, help=f"server password; or set ${_PASSWORD_ENV}")
+    stats.add_argument(
+        "--timeout", type=float, default=2.0, help="seconds to wait for each server (default 2)"
+    )
+    stats.add_argument("--json", action="store_true", help="machine-readable output")
+    stats.set_defaults(func=run_stats)
+    p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from stallfree.cache.server import RedisServer, parse_size
+
+    password = args.password or os.environ.get(_PASSWORD_ENV) or None
+    try:
+        capacity = parse_size(args.capacity)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.bind not in ("127.0.0.1", "localhost", "::1") and not password:
+        print(
+            f"warning: listening on {args.bind} without a password; anyone who can reach it can read the cache",
+            file=sys.stderr,
+        )
+    server = RedisServer(
+        args.port or None,
+        bind=args.bind,
+        capacity_bytes=capacity,
+        policy=args.policy,
+        password=password,
+        workdir=args.dir,
+        executable=args.redis_server,
+    )
+    try:
+        server.start()
+    except (RuntimeError, OSError) as exc:
+        print(f"error: could not start redis-server: {exc}", file=sys.stderr)
+        server.cleanup()
+        return 1
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the server on SIGTERM too
+    print(server.url, flush=True)
+    print(
+        f"serving {args.policy} cache of {args.capacity} at {server.url} (pid {server.process.pid}); Ctrl-C stops it",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        return server.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.cleanup()
+
+
+def run_stats(args: argparse.Namespace) -> int:
+    from stallfree.cache.cluster import ClusterCacheError, server_status
+
+    password = args.password or os.environ.get(_PASSWORD_ENV) or None
+    rows, failed = [], 0
+    for url in args.urls:
+        try:
+            rows.append(server_status(url, password=password, timeout_s=args.timeout))
+        except (ClusterCacheError, ValueError) as exc:
+            rows.append({"url": url, "error": str(exc)})
+            failed += 1
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 1 if failed else 0
+    print(
+        f"{'server':<28} {'policy':<12} {'keys':>9} {'used':>10} {'max':>10} {'cached':>10} {'hit rate':>8} {'evicted':>8}"
+    )
+    for row in rows:
+        if "error" in row:
+            print(f"{row['url']:<28} unreachable: {row['error']}")
+            continue
+        cached = _human(row["cached_bytes"]) if row["cached_bytes"] is not None else "-"
+        print(
+            f"{row['url']:<28} {row['maxmemory_policy']:<12} {row['keys']:>9} {_human(row['used_memory']):>10} "
+            f"{(_human(row['maxmemory']) if row['maxmemory'] else 'none'):>10} {cached:>10} "
+            f"{row['hit_rate']:>8.1%} {row['evicted_keys']:>8}"
+        )
+    return 1 if failed else 0
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return str(n)
