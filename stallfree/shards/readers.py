@@ -293,7 +293,9 @@ class ArrowShardReader:
                 self.size = self._source.size()
             else:
                 self.size = _file_size(fs, path, shard)
-                self._source = pa.PythonFile(fs.open(path, "rb", block_size=0, cache_type="none"), mode="r")
+                self._source = pa.PythonFile(
+                    fs.open(path, "rb", block_size=1 << 20, cache_type="none", size=self.size), mode="r"
+                )
         except FileNotFoundError:
             raise MissingShardError("shard not found", shard=shard) from None
         _check_size(self.size, info, shard)

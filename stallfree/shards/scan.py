@@ -106,7 +106,7 @@ def _walk(reader: _RangeReader, shard: str) -> list[IdxSample]:
     cur_fields: set[str] = set()
     long_name: str | None = None
     off = 0
-    last_data = 0
+    largest, members = 0, 0
     while True:
         if off >= size:
             if off > size or not samples and size == 0:
@@ -114,7 +114,8 @@ def _walk(reader: _RangeReader, shard: str) -> list[IdxSample]:
                     "truncated tar: no end-of-archive blocks", shard=shard, key=cur_key, offset=off
                 )
             break  # archive without the trailing zero blocks: tolerated, as tar itself does
-        block = reader.read(off, off + BLOCK, ahead=last_data < 32 * 1024)
+        # read ahead (remote) once 8+ members were all small: then one window holds many headers
+        block = reader.read(off, off + BLOCK, ahead=members >= 8 and largest <= 8192)
         if len(block) < BLOCK:
             raise CorruptShardError("truncated tar: header cut short", shard=shard, key=cur_key, offset=off)
         if block == bytes(BLOCK):
@@ -131,7 +132,8 @@ def _walk(reader: _RangeReader, shard: str) -> list[IdxSample]:
                 offset=off,
             )
         nxt = data + padded(msize)
-        last_data = msize
+        largest = max(largest, msize)
+        members += 1
         if typeflag == b"L":
             long_name = reader.read(data, data + msize).rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif typeflag == b"x":
@@ -219,10 +221,10 @@ def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem
         return fs, posixpath.dirname(path), None
     if path.endswith((".tar", ".arrow")):
         return fs, posixpath.dirname(path), [path]
+    if fs.exists(posixpath.join(path, MANIFEST_NAME)):  # before isdir: http has no directories
+        return fs, path.rstrip("/"), None
     if not fs.isdir(path):
         raise MissingShardError(f"no dataset at {url}", shard=url)
-    if fs.exists(posixpath.join(path, MANIFEST_NAME)):
-        return fs, path.rstrip("/"), None
     names = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".tar", ".arrow")))
     if not names:
         raise MissingShardError(f"{url} has no manifest.json and no .tar or .arrow files", shard=url)
