@@ -173,7 +173,7 @@ def _read_dict(buf: memoryview) -> dict[str, Any]:
         pos += nlen
         tag, length = _FIELD.unpack_from(buf, pos)
         pos += _FIELD.size
-        if pos + length > len(buf) or len(buf[pos : pos + nlen]) < 0:
+        if pos + length > len(buf):
             raise CodecError(f"field {name!r} runs past the end of the entry")
         body = buf[pos : pos + length]
         pos += length
