@@ -1,0 +1,440 @@
+"""``stallfree.DataLoader``: torch's DataLoader signature and behaviour, plus a fast path.
+
+Any dataset, sampler, batch sampler or collate_fn runs through torch's own machinery (the
+*generic path*), so existing scripts behave exactly as before. A map-style dataset with no
+sampler and ``shuffle=True`` (or any stallfree sharded dataset, or when one of our options such as
+``cache=``/``decode=``/``seed=`` is given) takes the *fast path*: our seeded, world-size-independent
+epoch order split into equal disjoint rank shares, clairvoyant read-ahead, shared-memory slots,
+exact resume, and a per-sample error policy.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data as tud
+
+from stallfree.loader import order as order_mod
+from stallfree.loader.prefetch import Engine, FastIterator, failure_budget
+from stallfree.loader.state import LoaderState
+from stallfree.loader.stats import LoaderStats
+from stallfree.loader.workers import WorkerSpec
+from stallfree.loader.world import World, resolve_world
+
+logger = logging.getLogger(__name__)
+
+ON_ERROR = ("raise", "skip", "warn")
+_LOCAL_PROTOCOLS = ("", "file", "local")
+
+
+def is_sharded(dataset: Any) -> bool:
+    """A stallfree sharded dataset (or anything offering the same batched-read contract)."""
+    return (
+        hasattr(dataset, "shard_sizes") and hasattr(dataset, "fingerprint") and hasattr(dataset, "get_many")
+    )
+
+
+def _is_remote(dataset: Any) -> bool:
+    url = str(getattr(dataset, "url", "") or "")
+    proto = url.split("://", 1)[0] if "://" in url else ""
+    return proto not in _LOCAL_PROTOCOLS
+
+
+class DataLoader(tud.DataLoader):
+    """Drop-in for ``torch.utils.data.DataLoader``; see the module docstring for the fast path.
+
+    Our keyword-only options: ``seed`` (epoch order; default drawn from ``generator`` or torch's
+    RNG, and 0 in a multi-rank job as DistributedSampler does), ``cache`` (a stallfree cache: raw
+    reads go through it), ``decode`` (object with ``decode_batch`` run in the main process, or a
+    per-sample callable run in workers), ``device`` (copy batches there on a side CUDA stream),
+    ``on_error`` (raise|skip|warn), ``max_failures`` (count, or fraction of the rank's epoch),
+    ``order`` (auto|global|block|sequential), ``world`` (override rank/size), ``uneven`` (pad|drop:
+    how ranks equalise an uneven tail), ``window`` (shards per block in block order),
+    ``worker_timeout`` (seconds a worker may spend on one batch before it counts as hung).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int = 0,
+        collate_fn: Any = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Any = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        seed: int | None = None,
+        cache: Any = None,
+        decode: Any = None,
+        device: Any = None,
+        on_error: str = "raise",
+        max_failures: int | float | None = None,
+        order: str = "auto",
+        world: World | Mapping[str, int] | tuple[int, int] | None = None,
+        uneven: str = "pad",
+        window: int = 8,
+        worker_timeout: float | None = 300.0,
+    ) -> None:
+        super().__init__(
+            dataset,
+            batch_size,
+            shuffle,
+            sampler,
+            batch_sampler,
+            num_workers,
+            collate_fn,
+            pin_memory,
+            drop_last,
+            timeout,
+            worker_init_fn,
+            multiprocessing_context,
+            generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+        if on_error not in ON_ERROR:
+            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+        if order not in ("auto", *order_mod.ORDERS):
+            raise ValueError(f"order must be 'auto' or one of {order_mod.ORDERS}, got {order!r}")
+        if uneven not in order_mod.UNEVEN:
+            raise ValueError(f"uneven must be one of {order_mod.UNEVEN}, got {uneven!r}")
+        if max_failures is not None and max_failures < 0:
+            raise ValueError(f"max_failures must be >= 0, got {max_failures}")
+        self._user_collate = collate_fn
+        self._cache = cache
+        self._decode = decode
+        self._on_error = on_error
+        self._max_failures = max_failures
+        self._uneven = uneven
+        self._window = window
+        self._worker_timeout = worker_timeout
+        self._world = resolve_world(world)
+        self._device = self._resolve_device(device)
+        ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
+        self._fast = (
+            not isinstance(dataset, tud.IterableDataset)
+            and sampler is None
+            and batch_sampler is None
+            and batch_size is not None
+            and (bool(shuffle) or is_sharded(dataset) or ours)
+        )
+        if not self._fast and (cache is not None or decode is not None):
+            raise ValueError(
+                "cache= and decode= need the fast path: a map-style dataset, batch_size set, no sampler/batch_sampler"
+            )
+        if order == "auto":
+            order = (
+                ("block" if is_sharded(dataset) and _is_remote(dataset) else "global")
+                if shuffle
+                else "sequential"
+            )
+        elif not shuffle and order != "sequential" and self._fast and not is_sharded(dataset):
+            logger.info("order=%r with shuffle=%r: using the requested order", order, shuffle)
+        self._order = order
+        self._seed = self._resolve_seed(seed, generator)
+        self._stats = LoaderStats()
+        self._next_epoch = 0
+        self._resume_from = 0
+        self._skip_batches = 0
+        self._active: Any = None
+        self._engine: Engine | None = None
+        self._epoch_state: dict[str, int] | None = None  # epoch, start, received positions, done
+
+    # -- construction helpers ------------------------------------------------------------
+    def _resolve_seed(self, seed: int | None, generator: Any) -> int:
+        if seed is not None:
+            return int(seed)
+        if self._world.size > 1:
+            return 0  # every rank must agree without talking: DistributedSampler's default
+        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+    def _resolve_device(self, device: Any) -> torch.device | None:
+        if device is None:
+            return None
+        dev = torch.device(device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            logger.warning("device=%s requested but CUDA is not available; batches stay on the CPU", dev)
+            return None
+        return dev
+
+    # -- public API -----------------------------------------------------------------------
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def world(self) -> World:
+        return self._world
+
+    @property
+    def fast_path(self) -> bool:
+        return self._fast
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next iteration at the beginning of ``epoch`` (fast path; else passed to the sampler)."""
+        self._next_epoch, self._resume_from, self._skip_batches = int(epoch), 0, 0
+        if not self._fast:
+            for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+                if hasattr(s, "set_epoch"):
+                    s.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        if not self._fast:
+            return super().__len__()
+        return len(self._plan(0, 0))
+
+    def __iter__(self) -> Any:
+        if not self._fast:
+            return self._generic_iter()
+        return self._fast_iter()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What the consumer has received so far (never what was only prefetched); JSON-safe."""
+        n = len(self.dataset) if self._fast else 0
+        st = self._epoch_state
+        if self._fast and st is not None:
+            if st["done"]:
+                epoch, consumed = st["epoch"] + 1, 0
+            else:
+                epoch = st["epoch"]
+                consumed = order_mod.consumed_after(st["start"], st["received"], self._world.size, n)
+        else:
+            epoch, consumed = self._next_epoch, self._resume_from
+        batches = 0
+        if not self._fast:
+            if st is not None and not st["done"]:
+                epoch, batches = st["epoch"], st["received"]
+            elif st is not None:
+                epoch = st["epoch"] + 1
+        return LoaderState(
+            seed=self._seed,
+            epoch=epoch,
+            consumed=consumed,
+            dataset_len=n,
+            mode="fast" if self._fast else "generic",
+            batches=batches,
+            world_size=self._world.size,
+        ).to_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from ``state`` on the next ``iter()`` (any world size / worker count)."""
+        st = LoaderState.from_dict(state)
+        mode = "fast" if self._fast else "generic"
+        if st.mode != mode:
+            raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
+        if self._fast and st.dataset_len != len(self.dataset):
+            raise ValueError(
+                f"state is for a dataset of {st.dataset_len} samples, this one has {len(self.dataset)}"
+            )
+        self._seed = st.seed
+        self._next_epoch = st.epoch
+        self._resume_from = st.consumed
+        self._skip_batches = st.batches
+        self._epoch_state = None
+
+    def stats(self) -> dict[str, Any]:
+        """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""
+        out = self._stats.as_dict()
+        out.update(
+            path="fast" if self._fast else "generic",
+            rank=self._world.rank,
+            world_size=self._world.size,
+            num_workers=self.num_workers,
+            epoch=(self._epoch_state or {}).get("epoch", self._next_epoch),
+        )
+        dec = getattr(self._decode, "stats", None)
+        if callable(dec):
+            try:
+                out["decode"] = dec()
+            except Exception:  # noqa: BLE001 - stats are informational
+                out["decode"] = None
+        return out
+
+    # -- fast path ----------------------------------------------------------------------
+    def _order_for(self, epoch: int) -> np.ndarray:
+        return order_mod.epoch_order(
+            self._seed,
+            epoch,
+            len(self.dataset),
+            mode=self._order,
+            shard_sizes=getattr(self.dataset, "shard_sizes", None),
+            window=self._window,
+        )
+
+    def _plan(self, epoch: int, start: int) -> list[np.ndarray]:
+        w = self._world
+        if self._order == "sequential":
+            full = np.arange(len(self.dataset), dtype=np.int64)
+        else:
+            full = self._order_for(epoch)
+        share = order_mod.rank_share(full, start, w.rank, w.size, self._uneven)
+        return order_mod.batches(share, self.batch_size, self.drop_last)
+
+    def _spec(self, epoch: int) -> WorkerSpec:
+        dec = self._decode
+        batch_decoder = dec is not None and hasattr(dec, "decode_batch")
+        stage = getattr(dec, "cache_stage", None) if (dec is not None and not batch_decoder) else None
+        fingerprint = getattr(self.dataset, "fingerprint", None)
+        if self._cache is not None and fingerprint is None:
+            raise ValueError(
+                "cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)"
+            )
+        base_seed = int(
+            np.random.SeedSequence([self._seed & (2**63 - 1), epoch, self._world.rank, 7]).generate_state(1)[
+                0
+            ]
+        )
+        return WorkerSpec(
+            dataset=self.dataset,
+            num_workers=self.num_workers,
+            collate_fn=self._user_collate,
+            map_fn=None if batch_decoder else dec,
+            cache=self._cache,
+            stage=stage if self._cache is not None else None,
+            fingerprint=fingerprint,
+            raw_only=batch_decoder,
+            on_error=self._on_error,
+            worker_init_fn=self.worker_init_fn,
+            base_seed=base_seed,
+            max_slots=(self.prefetch_factor or 2) + 1,
+        )
+
+    def _fast_iter(self) -> FastIterator:
+        epoch, start = self._next_epoch, self._resume_from
+        self._next_epoch, self._resume_from = epoch + 1, 0
+        n = len(self.dataset)
+        if start >= n:  # a saved end-of-epoch state: this epoch has nothing left
+            start = n
+        plan = self._plan(epoch, start)
+        if self._active is not None:
+            self._active.close()
+        if self.persistent_workers and self.num_workers > 0:
+            if self._engine is None or self._engine.closed:
+                self._engine = Engine(self._spec(epoch), self.num_workers, self.multiprocessing_context)
+            engine, owns = self._engine, False
+        else:
+            engine, owns = Engine(self._spec(epoch), self.num_workers, self.multiprocessing_context), True
+        st = {"epoch": epoch, "start": start, "received": 0, "done": 0}
+        self._epoch_state = st
+        rank_samples = sum(len(b) for b in plan)
+
+        def on_batch(positions: int) -> None:
+            st["received"] += positions
+            if st["received"] >= rank_samples:
+                st["done"] = 1  # everything this rank owes is received: a save now resumes at the next epoch
+
+        def on_end() -> None:
+            st["done"] = 1
+
+        def decode_seed(seq: int) -> int:
+            return int(
+                np.random.SeedSequence(
+                    [self._seed & (2**63 - 1), epoch, self._world.rank, seq]
+                ).generate_state(1)[0]
+            )
+
+        it = FastIterator(
+            engine,
+            plan,
+            prefetch_factor=self.prefetch_factor or 2,
+            in_order=self.in_order,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            device=self._device,
+            decode_batch=self._decode
+            if (self._decode is not None and hasattr(self._decode, "decode_batch"))
+            else None,
+            decode_seed=decode_seed,
+            on_error=self._on_error,
+            budget=failure_budget(self._max_failures, rank_samples) if self._on_error != "raise" else None,
+            timeout=float(self.timeout or 0),
+            worker_timeout=self._worker_timeout,
+            stats=self._stats,
+            on_batch=on_batch,
+            on_end=on_end,
+            owns_engine=owns,
+        )
+        self._active = it
+        return it
+
+    # -- generic path -------------------------------------------------------------------
+    def _generic_iter(self) -> _GenericIter:
+        epoch, skip = self._next_epoch, self._skip_batches
+        self._next_epoch, self._skip_batches = epoch + 1, 0
+        st = {"epoch": epoch, "start": 0, "received": skip, "done": 0}
+        self._epoch_state = st
+        return _GenericIter(super().__iter__(), st, self._stats, skip)
+
+    def __del__(self) -> None:
+        try:
+            if self._active is not None:
+                self._active.close()
+            if self._engine is not None:
+                self._engine.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            logger.debug("error closing loader", exc_info=True)
+
+
+class _GenericIter:
+    """torch's own iterator, measured (wait/compute) and counted (for state_dict).
+
+    A generic-path resume replays and discards the first ``skip`` batches: correct for any
+    deterministic sampler or iterable dataset, but it reads them again (the fast path does not).
+    """
+
+    def __init__(self, it: Any, st: dict[str, int], stats: LoaderStats, skip: int) -> None:
+        self._it = it
+        self._st = st
+        self._stats = stats
+        stats.iteration_started()
+        for _ in range(skip):
+            try:
+                next(self._it)
+            except StopIteration:
+                break
+
+    def __iter__(self) -> _GenericIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._it)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._it, name)
+
+    def __next__(self) -> Any:
+        t0 = self._stats.before_next(0)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self._st["done"] = 1
+            self._stats.epochs += 1
+            raise
+        self._st["received"] += 1
+        self._stats.after_next(t0, _batch_len(batch))
+        return batch
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_len(next(iter(batch.values())))
+    return 1

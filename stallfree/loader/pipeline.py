@@ -1,0 +1,102 @@
+"""The per-batch stages a worker runs: fetch raw samples, map (decode/transform), and the
+per-sample error capture the loader's ``on_error`` policy works from.
+
+Plain functions of their inputs so they run (and are tested) without processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class SampleFailure(Exception):
+    """One sample failed in a stage; carries the index, key and the original exception."""
+
+    def __init__(self, index: int, key: str, stage: str, cause: BaseException) -> None:
+        self.index, self.key, self.stage, self.cause = index, key, stage, cause
+        super().__init__(f"sample {index} (key {key!r}) failed in {stage}: {type(cause).__name__}: {cause}")
+
+
+def sample_key(sample: Any, index: int) -> str:
+    if isinstance(sample, dict) and "__key__" in sample:
+        return str(sample["__key__"])
+    return str(index)
+
+
+def _fetch_batch(
+    dataset: Any, indices: list[int], cache: Any, on_sample: Callable[[int], None] | None
+) -> list[Any]:
+    if on_sample is not None and indices:
+        on_sample(indices[0])
+    if cache is not None:
+        from stallfree.cache.readthrough import read_through
+
+        return list(read_through(dataset, indices, cache, stage="raw"))
+    get_many = getattr(dataset, "get_many", None) or getattr(dataset, "__getitems__", None)
+    if get_many is not None:
+        return list(get_many(indices))
+    out = []
+    for i in indices:
+        if on_sample is not None:
+            on_sample(i)
+        out.append(dataset[i])
+    return out
+
+
+def fetch(
+    dataset: Any, indices: Sequence[int], cache: Any = None, on_sample: Callable[[int], None] | None = None
+) -> list[Any]:
+    """Raw samples for ``indices`` (batched read when the dataset offers ``get_many``).
+
+    ``on_sample(i)`` is told which sample is being read (so a dead worker can be named precisely).
+
+    A failing batched read is retried one sample at a time so one bad sample does not sink the
+    batch; failed positions hold a :class:`SampleFailure`.
+    """
+    idx = [int(i) for i in indices]
+    try:
+        out = _fetch_batch(dataset, idx, cache, on_sample)
+        if len(out) != len(idx):
+            raise RuntimeError(f"batched read returned {len(out)} samples for {len(idx)} indices")
+        return out
+    except Exception:  # noqa: BLE001 - fall back to per-sample reads to find the bad one(s)
+        logger.debug("batched read of %d samples failed; retrying one by one", len(idx), exc_info=True)
+    results: list[Any] = []
+    for i in idx:
+        try:
+            results.append(_fetch_batch(dataset, [i], cache, on_sample)[0])
+        except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
+            results.append(SampleFailure(i, str(i), "fetch", exc))
+    return results
+
+
+def apply_map(samples: list[Any], indices: Sequence[int], fn: Callable[[Any], Any] | None) -> list[Any]:
+    """``fn`` over each fetched sample; failures (from fetch or ``fn``) become SampleFailure."""
+    out: list[Any] = []
+    for s, i in zip(samples, indices, strict=False):
+        if isinstance(s, SampleFailure) or fn is None:
+            out.append(s)
+            continue
+        try:
+            out.append(fn(s))
+        except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
+            out.append(SampleFailure(int(i), sample_key(s, int(i)), "decode", exc))
+    return out
+
+
+def split_failures(
+    items: list[Any], indices: Sequence[int]
+) -> tuple[list[Any], list[int], list[SampleFailure]]:
+    """(good samples, their indices, failures) in batch order."""
+    good, good_idx, bad = [], [], []
+    for s, i in zip(items, indices, strict=False):
+        if isinstance(s, SampleFailure):
+            bad.append(s)
+        else:
+            good.append(s)
+            good_idx.append(int(i))
+    return good, good_idx, bad

@@ -1,0 +1,431 @@
+"""Main-process side of the fast path: the worker pool (:class:`Engine`) and one epoch's
+iterator (:class:`FastIterator`).
+
+An assembler thread dispatches each rank batch to its worker ahead of need, copies finished
+batches out of their shared slots (pinned when asked), runs ``decode_batch`` when given, starts
+the copy to ``device`` on a side CUDA stream, and keeps a bounded queue of ready batches. The
+consumer's ``__next__`` only takes from that queue, so the time it blocks is the data wait.
+Dead or silent workers become errors naming the worker and the sample; nothing waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import multiprocessing as mp
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from stallfree.loader import shm
+from stallfree.loader.errors import FailureBudgetExceeded, LoaderError, WorkerDiedError, WorkerHungError
+from stallfree.loader.stats import LoaderStats
+from stallfree.loader.workers import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ, WorkerSpec, worker_main
+from stallfree.shards.errors import BatchDecodeError
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.1
+
+
+class Engine:
+    """Workers and their queues; lives for one epoch, or for the loader when persistent."""
+
+    def __init__(self, spec: WorkerSpec, num_workers: int, mp_context: Any = None) -> None:
+        self.spec = spec
+        self.in_process = num_workers == 0
+        self.n = max(1, num_workers)
+        self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}
+        self.gen = 0
+        self.closed = False
+        if self.in_process:
+            spec.in_process, spec.use_shm = True, False
+            self.task_qs = [queue.Queue()]
+            self.free_qs = [queue.Queue()]
+            self.result_q: Any = queue.Queue()
+            self.progress = [[-1, -1, -1, -1]]
+            self.procs: list[Any] = [
+                threading.Thread(
+                    target=worker_main,
+                    args=(0, spec, self.task_qs[0], self.free_qs[0], self.result_q, self.progress[0]),
+                    daemon=True,
+                    name="stallfree-worker",
+                )
+            ]
+        else:
+            import torch.multiprocessing  # noqa: F401 - registers tensor/storage reductions
+
+            ctx = _context(mp_context)
+            self.task_qs = [ctx.Queue() for _ in range(self.n)]
+            self.free_qs = [ctx.Queue() for _ in range(self.n)]
+            self.result_q = ctx.Queue()
+            self.progress = [ctx.RawArray("q", 4) for _ in range(self.n)]
+            for p in self.progress:
+                p[:] = [-1, -1, -1, -1]
+            self.procs = [
+                ctx.Process(
+                    target=worker_main,
+                    args=(w, spec, self.task_qs[w], self.free_qs[w], self.result_q, self.progress[w]),
+                    daemon=True,
+                    name=f"stallfree-worker-{w}",
+                )
+                for w in range(self.n)
+            ]
+        for p in self.procs:
+            p.start()
+
+    def doing(self, wid: int) -> str:
+        """What worker ``wid`` is busy with, for error messages (reading beats decoding: it is earlier)."""
+        p = self.progress[wid]
+        if p[FETCH_IDX] >= 0:
+            return f"while reading sample {p[FETCH_IDX]} (batch {p[FETCH_SEQ]})"
+        if p[MAP_IDX] >= 0:
+            return f"while loading sample {p[MAP_IDX]} (batch {p[MAP_SEQ]})"
+        return "while idle"
+
+    def pid(self, wid: int) -> int | None:
+        return getattr(self.procs[wid], "pid", None)
+
+    def dead(self, wid: int) -> tuple[bool, int | None]:
+        p = self.procs[wid]
+        if self.in_process:
+            return (not p.is_alive(), None)
+        return (not p.is_alive(), p.exitcode)
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for q in self.task_qs:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                logger.debug("task queue already closed")
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
+        for p in self.procs:
+            if not self.in_process and p.is_alive():
+                p.terminate()
+                p.join(timeout=1.0)
+        if not self.in_process:
+            for q in [*self.task_qs, *self.free_qs, self.result_q]:
+                q.cancel_join_thread()
+                q.close()
+        self.storages.clear()
+
+
+def _context(mp_context: Any) -> Any:
+    if mp_context is None:
+        return mp.get_context()
+    if isinstance(mp_context, str):
+        return mp.get_context(mp_context)
+    return mp_context
+
+
+class FastIterator:
+    """One epoch of one rank: yields batches in order; tracks what the consumer received."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        batches: list[np.ndarray],
+        *,
+        prefetch_factor: int,
+        in_order: bool,
+        pin_memory: bool,
+        device: torch.device | None,
+        decode_batch: Any,
+        decode_seed: Callable[[int], int],
+        on_error: str,
+        budget: int | None,
+        timeout: float,
+        worker_timeout: float | None,
+        stats: LoaderStats,
+        on_batch: Callable[[int], None],
+        on_end: Callable[[], None],
+        owns_engine: bool,
+    ) -> None:
+        self.engine = engine
+        engine.gen += 1
+        self.gen = engine.gen
+        self.batches = batches
+        self.pf = prefetch_factor
+        self.in_order = in_order
+        self.pin = pin_memory
+        self.device = device
+        self.decode_batch = decode_batch
+        self.decode_seed = decode_seed
+        self.on_error = on_error
+        self.budget = budget
+        self.timeout = timeout
+        self.worker_timeout = worker_timeout
+        self.stats = stats
+        self.on_batch = on_batch
+        self.on_end = on_end
+        self.owns_engine = owns_engine
+        depth = max(2, prefetch_factor)
+        self.out_q: queue.Queue = queue.Queue(maxsize=depth)
+        stats.queue_capacity = depth
+        self.stop = threading.Event()
+        self.finished = False
+        self.stream = torch.cuda.Stream() if device is not None and device.type == "cuda" else None
+        stats.iteration_started()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="stallfree-assembler")
+        self.thread.start()
+
+    # -- consumer side -------------------------------------------------------------------
+    def __iter__(self) -> FastIterator:
+        return self
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __next__(self) -> Any:
+        if self.finished:
+            raise StopIteration
+        while True:
+            t0 = self.stats.before_next(self.out_q.qsize())
+            item = self._get()
+            kind = item[0]
+            if kind == "batch":
+                _, batch, positions, samples, event = item
+                if event is not None:
+                    torch.cuda.current_stream().wait_event(event)
+                self.on_batch(positions)
+                self.stats.after_next(t0, samples)
+                return batch
+            if kind == "skip":
+                self.on_batch(item[1])
+                continue
+            self.close()
+            if kind == "end":
+                self.stats.epochs += 1
+                self.on_end()
+                raise StopIteration
+            raise item[1]
+
+    def _get(self) -> tuple:
+        start = time.monotonic()
+        while True:
+            try:
+                return self.out_q.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not self.thread.is_alive() and self.out_q.empty():
+                    return ("error", LoaderError("the loader's assembler thread stopped unexpectedly"))
+                if self.timeout and time.monotonic() - start > self.timeout:
+                    return (
+                        "error",
+                        RuntimeError(
+                            f"DataLoader timed out after {self.timeout} seconds ({self._waiting_on()})"
+                        ),
+                    )
+
+    def _waiting_on(self) -> str:
+        return "; ".join(f"worker {wid} {self.engine.doing(wid)}" for wid in range(self.engine.n))
+
+    def close(self) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        self.stop.set()
+        self.thread.join(timeout=5.0)
+        if self.owns_engine:
+            self.engine.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to report to
+            logger.debug("error closing iterator", exc_info=True)
+
+    # -- assembler thread ----------------------------------------------------------------
+    def _put(self, item: tuple) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.out_q.put(item, timeout=_POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _run(self) -> None:
+        try:
+            self._assemble()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._put(("error", exc))
+
+    def _assemble(self) -> None:
+        eng = self.engine
+        todo = [deque(s for s in range(len(self.batches)) if s % eng.n == w) for w in range(eng.n)]
+        outstanding = [0] * eng.n
+        last_seen = [time.monotonic()] * eng.n
+        pending: dict[int, tuple] = {}
+        next_emit = 0
+        failures: list[tuple[int, str, str]] = []
+
+        def dispatch(w: int) -> None:
+            while outstanding[w] < self.pf and todo[w]:
+                seq = todo[w].popleft()
+                eng.task_qs[w].put((self.gen, seq, [int(i) for i in self.batches[seq]]))
+                outstanding[w] += 1
+
+        for w in range(eng.n):
+            dispatch(w)
+        while next_emit < len(self.batches):
+            if self.stop.is_set():
+                return
+            try:
+                msg = eng.result_q.get(timeout=_POLL_S)
+            except queue.Empty:
+                self._check_workers(outstanding, last_seen)
+                continue
+            kind, gen, seq, wid = msg[0], msg[1], msg[2], msg[3]
+            if kind == "error" and gen == -1:
+                msg[6].reraise()
+            if gen != self.gen:
+                if kind == "batch" and msg[4] is not None:
+                    self._adopt(wid, msg[4], msg[5])
+                    eng.free_qs[wid].put(msg[4])
+                continue
+            last_seen[wid] = time.monotonic()
+            outstanding[wid] -= 1
+            if kind == "error":
+                msg[6].reraise()
+            t0 = time.perf_counter()
+            _, _, _, _, slot, new_storage, desc, fails, timing, cache_stats, n_good = msg
+            if slot is not None:
+                storage = self._adopt(wid, slot, new_storage)
+                batch = shm.materialise(desc, storage, pin=self.pin)
+                eng.free_qs[wid].put(slot)
+            else:
+                batch = desc
+            timing = dict(timing, transfer_s=time.perf_counter() - t0)
+            self.stats.add_stages(timing)
+            if cache_stats is not None:
+                self.stats.worker_cache[wid] = cache_stats
+            dispatch(wid)
+            self._count_failures(failures, fails)
+            pending[seq] = (batch, n_good)
+            if not self.in_order:
+                for s in list(pending):
+                    self._emit(s, *pending.pop(s), failures)
+                    next_emit += 1
+                continue
+            while next_emit in pending:
+                self._emit(next_emit, *pending.pop(next_emit), failures)
+                next_emit += 1
+        self._put(("end",))
+
+    def _adopt(self, wid: int, slot: int, new_storage: Any) -> torch.UntypedStorage:
+        if new_storage is not None:
+            self.engine.storages[(wid, slot)] = new_storage
+        return self.engine.storages[(wid, slot)]
+
+    def _count_failures(self, failures: list, fails: list[tuple[int, str, str, str]]) -> None:
+        for index, key, stage, reason in fails:
+            failures.append((index, key, f"{stage}: {reason}"))
+            self.stats.failures += 1
+            self.stats.failed.append((index, key, reason))
+            if self.on_error == "warn":
+                logger.warning("skipping sample %d (key %r): %s failed: %s", index, key, stage, reason)
+        if self.budget is not None and len(failures) > self.budget:
+            raise FailureBudgetExceeded(
+                f"{len(failures)} samples failed, more than max_failures allows ({self.budget})", failures
+            )
+
+    def _emit(self, seq: int, batch: Any, n_good: int, failures: list) -> None:
+        positions = len(self.batches[seq])
+        if self.decode_batch is not None and n_good:
+            batch, n_good = self._decode(seq, batch, failures)
+        if not n_good:
+            self._put(("skip", positions))
+            return
+        event = None
+        if self.device is not None:
+            t0 = time.perf_counter()
+            if self.stream is not None:
+                with torch.cuda.stream(self.stream):
+                    batch = _to_device(batch, self.device, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self.stream)
+            else:
+                batch = _to_device(batch, self.device, non_blocking=False)
+            self.stats.add_stages({"device_s": time.perf_counter() - t0})
+        self._put(("batch", batch, positions, n_good, event))
+
+    def _decode(self, seq: int, samples: list, failures: list) -> tuple[Any, int]:
+        t0 = time.perf_counter()
+        samples = list(samples)
+        try:
+            while samples:
+                try:
+                    out = self.decode_batch.decode_batch(samples, seed=self.decode_seed(seq))
+                    if self.pin and torch.cuda.is_available():
+                        out = _pin(out)
+                    return out, len(samples)
+                except BatchDecodeError as exc:
+                    if self.on_error == "raise":
+                        raise
+                    bad = {pos for pos, _, _ in exc.failures}
+                    fails = [
+                        (-1, key, "decode_batch", f"{type(e).__name__}: {e}") for _, key, e in exc.failures
+                    ]
+                    self._count_failures(failures, fails)
+                    samples = [s for p, s in enumerate(samples) if p not in bad]
+                    if not bad:
+                        raise
+            return None, 0
+        finally:
+            self.stats.add_stages({"decode_batch_s": time.perf_counter() - t0})
+
+    def _check_workers(self, outstanding: list[int], last_seen: list[float]) -> None:
+        eng = self.engine
+        now = time.monotonic()
+        for wid in range(eng.n):
+            dead, code = eng.dead(wid)
+            if dead and outstanding[wid] > 0:
+                raise WorkerDiedError(
+                    f"DataLoader worker (pid {eng.pid(wid)}) exited unexpectedly: worker {wid}, exit code {code}, "
+                    f"{eng.doing(wid)}; {outstanding[wid]} batch(es) outstanding"
+                )
+            if self.worker_timeout and outstanding[wid] > 0 and now - last_seen[wid] > self.worker_timeout:
+                raise WorkerHungError(
+                    f"DataLoader worker {wid} (pid {eng.pid(wid)}) made no progress for {self.worker_timeout:.1f} s "
+                    f"{eng.doing(wid)}"
+                )
+
+
+def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device, non_blocking) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_to_device(v, device, non_blocking) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(v, device, non_blocking) for v in obj)
+    return obj
+
+
+def _pin(obj: Any) -> Any:
+    from torch.utils.data._utils.pin_memory import pin_memory
+
+    return pin_memory(obj)
+
+
+def failure_budget(max_failures: int | float | None, rank_samples: int) -> int | None:
+    """The number of failures allowed this epoch: a count, or a fraction of the rank's share."""
+    if max_failures is None:
+        return None
+    if isinstance(max_failures, float) and 0 <= max_failures < 1:
+        return math.floor(max_failures * rank_samples)
+    if max_failures < 0:
+        raise ValueError(f"max_failures must be >= 0, got {max_failures}")
+    return int(max_failures)

@@ -1,0 +1,151 @@
+"""Batches across the process boundary through reusable shared-memory slots.
+
+A worker collates straight into a slot (a shared ``UntypedStorage`` sent to the main process
+once) and sends only a small description: the batch's structure with every tensor replaced by
+``(offset, dtype, shape)``. The main process copies the tensors out (into pinned memory when
+asked) and hands the slot back. No tensor is pickled; no shared-memory file is created per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+ALIGN = 64
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    numpy: bool = False
+
+
+class Arena:
+    """Bump allocator over one shared storage (a slot); tensors allocated here need no copy."""
+
+    def __init__(self, storage: torch.UntypedStorage | None) -> None:
+        self.storage = storage
+        self.capacity = storage.nbytes() if storage is not None else 0
+        self.base = storage.data_ptr() if storage is not None else 0
+        self.used = 0
+        self._bytes = torch.empty(0, dtype=torch.uint8)
+        if storage is not None:
+            self._bytes = torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def alloc(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor | None:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        start = -(-self.used // ALIGN) * ALIGN
+        if start + nbytes > self.capacity:
+            return None
+        self.used = start + nbytes
+        return self._bytes[start : start + nbytes].view(dtype).view(tuple(shape))
+
+    def owns(self, t: torch.Tensor) -> bool:
+        return self.storage is not None and t.untyped_storage().data_ptr() == self.base
+
+
+def _collate_tensor_into(arena: Arena) -> Callable[..., torch.Tensor]:
+    def fn(batch: Sequence[torch.Tensor], *, collate_fn_map: Mapping | None = None) -> torch.Tensor:
+        elem = batch[0]
+        shape = (len(batch), *elem.shape)
+        out = arena.alloc(shape, elem.dtype)
+        if out is None or any(b.shape != elem.shape for b in batch):
+            return torch.stack(list(batch), 0)
+        return torch.stack(list(batch), 0, out=out)
+
+    return fn
+
+
+def default_collate_into(batch: list[Any], arena: Arena) -> Any:
+    """torch's ``default_collate``, but stacking tensors straight into ``arena`` when they fit."""
+    fn_map = dict(default_collate_fn_map)
+    fn_map[torch.Tensor] = _collate_tensor_into(arena)
+    return collate(batch, collate_fn_map=fn_map)
+
+
+def _walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    if isinstance(obj, (torch.Tensor, np.ndarray)):
+        return leaf(obj)
+    if isinstance(obj, dict):
+        return {k: _walk(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_walk(v, leaf) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_walk(v, leaf) for v in obj)
+    return obj
+
+
+def _nbytes(t: torch.Tensor | np.ndarray) -> int:
+    return int(t.nbytes) if isinstance(t, np.ndarray) else t.numel() * t.element_size()
+
+
+def describe(batch: Any, arena: Arena) -> tuple[Any, int]:
+    """Replace tensors by TensorRefs, copying any tensor not already in the arena into it.
+
+    Returns (description, bytes needed). When the arena is too small the description is None and
+    the caller grows the slot to the returned size and calls again.
+    """
+    needed = [0]
+
+    def count(t: Any) -> Any:
+        needed[0] = -(-needed[0] // ALIGN) * ALIGN + _nbytes(t)
+        return t
+
+    _walk(batch, count)
+    total = needed[0]
+
+    def leaf(t: Any) -> Any:
+        is_np = isinstance(t, np.ndarray)
+        tt = torch.from_numpy(np.ascontiguousarray(t)) if is_np else t
+        if not is_np and arena.owns(tt) and tt.is_contiguous():
+            off = tt.data_ptr() - arena.base
+            return TensorRef(off, _nbytes(tt), tt.dtype, tuple(tt.shape), False)
+        dst = arena.alloc(tuple(tt.shape), tt.dtype)
+        if dst is None:
+            raise _NoRoom
+        dst.copy_(tt)
+        return TensorRef(dst.data_ptr() - arena.base, _nbytes(tt), tt.dtype, tuple(tt.shape), is_np)
+
+    try:
+        return _walk(batch, leaf), total
+    except _NoRoom:
+        return None, total + ALIGN * 64
+
+
+class _NoRoom(Exception):
+    pass
+
+
+def materialise(desc: Any, storage: torch.UntypedStorage, pin: bool = False) -> Any:
+    """Copy a described batch out of its slot into fresh (optionally pinned) tensors."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def leaf(ref: Any) -> Any:
+        if not isinstance(ref, TensorRef):
+            return ref
+        src = raw[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).view(ref.shape)
+        out = torch.empty(ref.shape, dtype=ref.dtype, pin_memory=pin)
+        out.copy_(src)
+        return out.numpy() if ref.numpy else out
+
+    return _walk_refs(desc, leaf)
+
+
+def _walk_refs(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    if isinstance(obj, TensorRef):
+        return leaf(obj)
+    if isinstance(obj, dict):
+        return {k: _walk_refs(v, leaf) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_walk_refs(v, leaf) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_walk_refs(v, leaf) for v in obj)
+    return obj

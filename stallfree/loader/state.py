@@ -1,0 +1,61 @@
+"""Resume state: a tiny JSON-serialisable dict of what the consumer has received.
+
+Only (seed, epoch, global position) are needed because the order is a pure function of them;
+the world size and worker count at save time are kept for information and never required to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+FORMAT = "stallfree.loader.state"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    seed: int
+    epoch: int
+    consumed: int  # global positions of the epoch's order consumed (all ranks together)
+    dataset_len: int
+    mode: str = "fast"  # "fast": our order; "generic": torch's sampler, resumed by skipping batches
+    batches: int = 0  # batches this rank received in the epoch (used by the generic mode)
+    world_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "mode": self.mode,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "consumed": self.consumed,
+            "dataset_len": self.dataset_len,
+            "batches": self.batches,
+            "world_size": self.world_size,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> LoaderState:
+        if not isinstance(d, Mapping) or d.get("format") != FORMAT:
+            raise ValueError(
+                f"not a stallfree loader state (format {d.get('format') if isinstance(d, Mapping) else d!r})"
+            )
+        if d.get("version") != VERSION:
+            raise ValueError(
+                f"unsupported loader state version {d.get('version')!r} (this build reads {VERSION})"
+            )
+        try:
+            return cls(
+                seed=int(d["seed"]),
+                epoch=int(d["epoch"]),
+                consumed=int(d["consumed"]),
+                dataset_len=int(d["dataset_len"]),
+                mode=str(d.get("mode", "fast")),
+                batches=int(d.get("batches", 0)),
+                world_size=int(d.get("world_size", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed loader state: {exc}") from exc

@@ -1,0 +1,274 @@
+"""Worker processes (or, with ``num_workers=0``, one in-process thread) of the fast path.
+
+Each worker reads its batches' raw samples ahead on a fetch thread (it knows its tasks in
+advance), decodes/transforms them on its main thread, collates straight into a shared-memory slot
+and sends a small description to the main process. Errors carry the worker id and the sample.
+
+``get_worker_info`` is torch's: our workers set torch's worker info, so user code calling
+``torch.utils.data.get_worker_info()`` sees the same thing as with torch's DataLoader.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch._utils import ExceptionWrapper
+from torch.utils.data._utils import worker as _torch_worker
+
+from stallfree.loader import pipeline, shm
+
+__all__ = ["get_worker_info", "WorkerSpec", "worker_main"]
+
+
+def get_worker_info() -> Any:
+    """Inside a loader worker: its ``WorkerInfo`` (id, num_workers, seed, dataset); else None."""
+    return _torch_worker.get_worker_info()
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a worker needs (pickled once per worker under spawn/forkserver)."""
+
+    dataset: Any
+    num_workers: int
+    collate_fn: Any = None  # None: default collate straight into the slot
+    map_fn: Any = None  # per-sample decode/transform
+    cache: Any = None
+    stage: str | None = None  # cache stage of map_fn's output (its cache_stage attribute)
+    fingerprint: str | None = None
+    raw_only: bool = False  # decode_batch mode: send raw sample lists, no map/collate
+    on_error: str = "raise"
+    worker_init_fn: Any = None
+    base_seed: int = 0
+    use_shm: bool = True
+    max_slots: int = 3
+    in_process: bool = False
+    parent_pid: int = field(default_factory=os.getpid)
+
+
+def _seed_worker(spec: WorkerSpec, wid: int) -> int:
+    seed = (spec.base_seed + wid) % 2**63
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(_torch_worker._generate_state(spec.base_seed, wid))
+    return seed
+
+
+def _map_with_stage_cache(spec: WorkerSpec, indices: list[int], raw_fetch) -> tuple[list[Any], dict]:
+    """Stage-cached map: hits skip fetch and decode; misses are fetched, decoded and stored."""
+    from stallfree.cache.base import CacheKey
+
+    t0 = time.perf_counter()
+    keys = [CacheKey(spec.fingerprint, i, spec.stage) for i in indices]
+    try:
+        cached = spec.cache.get_many(keys)
+    except Exception:  # noqa: BLE001 - a broken tier is a miss
+        cached = [None] * len(keys)
+    miss_pos = [p for p, v in enumerate(cached) if v is None]
+    out = list(cached)
+    t1 = time.perf_counter()
+    if miss_pos:
+        miss_idx = [indices[p] for p in miss_pos]
+        raw = raw_fetch(miss_idx)
+        t2 = time.perf_counter()
+        mapped = pipeline.apply_map(raw, miss_idx, spec.map_fn)
+        fresh = []
+        for p, v in zip(miss_pos, mapped, strict=False):
+            out[p] = v
+            if not isinstance(v, pipeline.SampleFailure):
+                fresh.append((keys[p], v))
+        if fresh:
+            try:
+                spec.cache.put_many(fresh)
+            except Exception:  # noqa: BLE001 - caching is best effort; the batch is still good
+                pass
+        t3 = time.perf_counter()
+    else:
+        t2 = t3 = t1
+    return out, {"fetch_s": (t1 - t0) + (t2 - t1), "map_s": t3 - t2}
+
+
+# progress slots, shared with the main process: which batch/sample each stage is on (-1: idle)
+MAP_SEQ, MAP_IDX, FETCH_SEQ, FETCH_IDX = range(4)
+
+
+def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.Event, progress: Any) -> None:
+    """Fetch thread: reads each task's raw samples ahead while the main thread decodes."""
+    while not stop.is_set():
+        try:
+            task = task_q.get(timeout=1.0)
+        except queue.Empty:
+            if not spec.in_process and os.getppid() != spec.parent_pid:
+                break  # the main process is gone
+            continue
+        if task is None:
+            break
+        gen, seq, indices = task
+        t0 = time.perf_counter()
+        progress[FETCH_SEQ] = seq
+
+        def on_sample(i: int) -> None:
+            progress[FETCH_IDX] = i
+
+        if spec.stage is not None and spec.cache is not None and not spec.raw_only:
+            items, timing = _map_with_stage_cache(
+                spec, indices, lambda idx: pipeline.fetch(spec.dataset, idx, spec.cache, on_sample)
+            )
+            mapped = True
+        else:
+            items = pipeline.fetch(spec.dataset, indices, spec.cache, on_sample)
+            timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
+        progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
+        ready.put((gen, seq, indices, items, timing, mapped))
+    ready.put(None)
+
+
+class _Slots:
+    """The worker's ring of shared slots; a slot is reused once the main process frees it."""
+
+    def __init__(self, max_slots: int, free_q: Any) -> None:
+        self.storages: list[torch.UntypedStorage | None] = []
+        self.free: list[int] = []
+        self.max_slots = max_slots
+        self.free_q = free_q
+
+    def acquire(self) -> int:
+        while True:
+            try:
+                while True:
+                    self.free.append(self.free_q.get_nowait())
+            except queue.Empty:
+                pass
+            if self.free:
+                return self.free.pop()
+            if len(self.storages) < self.max_slots:
+                self.storages.append(None)
+                return len(self.storages) - 1
+            self.free.append(self.free_q.get())
+
+    def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
+        storage = torch.UntypedStorage._new_shared(max(nbytes, 1 << 16))
+        self.storages[slot] = storage
+        return storage
+
+
+def _failure_tuple(f: pipeline.SampleFailure) -> tuple[int, str, str, str]:
+    return (f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}")
+
+
+def _wrap(exc: BaseException, wid: int, index: int | None, key: str | None) -> ExceptionWrapper:
+    where = f"in DataLoader worker process {wid}"
+    if index is not None:
+        where += f" while loading sample {index} (key {key!r})"
+    return ExceptionWrapper(exc_info=(type(exc), exc, exc.__traceback__), where=where)
+
+
+def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: Any, progress: Any) -> None:
+    """Entry point of one worker (a process, or a thread when ``spec.in_process``)."""
+    if not spec.in_process:
+        torch.set_num_threads(1)
+        seed = _seed_worker(spec, wid)
+        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+            id=wid, num_workers=spec.num_workers, seed=seed, dataset=spec.dataset
+        )
+        if spec.worker_init_fn is not None:
+            try:
+                spec.worker_init_fn(wid)
+            except Exception as exc:  # noqa: BLE001 - reported to the main process
+                result_q.put(("error", -1, -1, wid, None, None, _wrap(exc, wid, None, None)))
+                return
+    stop = threading.Event()
+    ready: queue.Queue = queue.Queue(maxsize=2)
+    reader = threading.Thread(
+        target=_reader, args=(spec, task_q, ready, stop, progress), daemon=True, name=f"fetch-{wid}"
+    )
+    reader.start()
+    slots = _Slots(spec.max_slots, free_q)
+    try:
+        while True:
+            item = ready.get()
+            if item is None:
+                break
+            gen, seq, indices, items, timing, mapped = item
+            progress[MAP_SEQ], progress[MAP_IDX] = seq, indices[0] if indices else -1
+            msg = _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress)
+            progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
+            result_q.put(msg)
+    except KeyboardInterrupt:
+        return
+    finally:
+        stop.set()
+
+
+def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress) -> tuple:
+    t0 = time.perf_counter()
+    if not mapped and not spec.raw_only and spec.map_fn is not None:
+        items = _map_tracking(items, indices, spec.map_fn, progress)
+    t1 = time.perf_counter()
+    good, good_idx, bad = pipeline.split_failures(items, indices)
+    if bad and spec.on_error == "raise":
+        f = bad[0]
+        return ("error", gen, seq, wid, f.index, f.key, _wrap(f.cause, wid, f.index, f.key))
+    timing = dict(timing, map_s=timing.get("map_s", 0.0) + (t1 - t0))
+    failures = [_failure_tuple(f) for f in bad]
+    cache_stats = _cache_stats(spec.cache)
+    if spec.raw_only or not good:
+        return ("batch", gen, seq, wid, None, None, good, failures, timing, cache_stats, len(good))
+    try:
+        if not spec.use_shm:
+            batch = (
+                spec.collate_fn(good)
+                if spec.collate_fn is not None
+                else torch.utils.data.default_collate(good)
+            )
+            timing["collate_s"] = time.perf_counter() - t1
+            return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good))
+        slot = slots.acquire()
+        storage = slots.storages[slot]
+        new_storage = None
+        arena = shm.Arena(storage)
+        batch = (
+            spec.collate_fn(good) if spec.collate_fn is not None else shm.default_collate_into(good, arena)
+        )
+        desc, needed = shm.describe(batch, arena)
+        if desc is None:
+            storage = new_storage = slots.grow(slot, int(needed * 1.25))
+            desc, _ = shm.describe(batch, shm.Arena(storage))
+        timing["collate_s"] = time.perf_counter() - t1
+        return ("batch", gen, seq, wid, slot, new_storage, desc, failures, timing, cache_stats, len(good))
+    except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
+        return (
+            "error",
+            gen,
+            seq,
+            wid,
+            good_idx[0],
+            pipeline.sample_key(good[0], good_idx[0]),
+            _wrap(exc, wid, good_idx[0], None),
+        )
+
+
+def _map_tracking(items, indices, fn, progress) -> list[Any]:
+    out = []
+    for s, i in zip(items, indices, strict=False):
+        progress[MAP_IDX] = int(i)
+        out.extend(pipeline.apply_map([s], [i], fn))
+    return out
+
+
+def _cache_stats(cache: Any) -> dict | None:
+    if cache is None:
+        return None
+    try:
+        stats = cache.stats()
+    except Exception:  # noqa: BLE001 - stats are informational
+        return None
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}

@@ -1,0 +1,90 @@
+"""Small map-style datasets for the loader tests (module-level so spawn/fork workers can pickle them)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.utils.data as tud
+
+
+class Numbers(tud.Dataset):
+    """Sample i is {"i": i, "x": a small tensor filled with i}."""
+
+    def __init__(self, n: int, width: int = 4) -> None:
+        self.n, self.width = n, width
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict:
+        if not 0 <= i < self.n:
+            raise IndexError(i)
+        return {"i": i, "x": torch.full((self.width,), float(i))}
+
+
+class Failing(Numbers):
+    """Raises ValueError for the indices in ``bad``."""
+
+    def __init__(self, n: int, bad: set[int]) -> None:
+        super().__init__(n)
+        self.bad = set(bad)
+
+    def __getitem__(self, i: int) -> dict:
+        if i in self.bad:
+            raise ValueError(f"bad sample {i}")
+        return {"__key__": f"k{i:04d}", **super().__getitem__(i)}
+
+
+class Dies(Numbers):
+    """The worker process exits abruptly on index ``at``."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.at and tud.get_worker_info() is not None:
+            os._exit(7)
+        return super().__getitem__(i)
+
+
+class Hangs(Numbers):
+    """Sleeps (far longer than the tests wait) on index ``at``."""
+
+    def __init__(self, n: int, at: int, seconds: float = 60.0) -> None:
+        super().__init__(n)
+        self.at, self.seconds = at, seconds
+
+    def __getitem__(self, i: int) -> dict:
+        if i == self.at:
+            time.sleep(self.seconds)
+        return super().__getitem__(i)
+
+
+class WhoAmI(Numbers):
+    """Each sample records the worker id that produced it (-1 in the main process)."""
+
+    def __getitem__(self, i: int) -> dict:
+        info = torch.utils.data.get_worker_info()
+        return {
+            "i": i,
+            "worker": -1 if info is None else info.id,
+            "nworkers": 0 if info is None else info.num_workers,
+        }
+
+
+class Big(Numbers):
+    """Samples of ``nbytes`` bytes each, to watch memory."""
+
+    def __init__(self, n: int, nbytes: int) -> None:
+        super().__init__(n)
+        self.nbytes = nbytes
+
+    def __getitem__(self, i: int) -> dict:
+        return {"i": i, "x": torch.full((self.nbytes // 4,), float(i))}
+
+
+def indices(loader) -> list[int]:
+    return [i for b in loader for i in b["i"].tolist()]

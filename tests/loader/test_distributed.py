@@ -1,0 +1,38 @@
+"""Two real processes with a gloo process group: the loader reads rank/world from torch.distributed."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.multiprocessing as tmp
+
+from stallfree.loader.dataloader import DataLoader
+from tests.loader.helpers import Numbers
+
+
+def _run(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        dl = DataLoader(Numbers(41), batch_size=4, shuffle=True, num_workers=1)  # no seed: ranks agree on 0
+        assert dl.world.rank == rank and dl.world.size == world
+        mine = [i for b in dl for i in b["i"].tolist()]
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, {"indices": mine, "batches": dl.stats()["batches"]})
+        if rank == 0:
+            import json
+
+            with open(f"{out_dir}/result.json", "w") as f:
+                json.dump(gathered, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_get_disjoint_equal_shares(tmp_path):
+    tmp.spawn(_run, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    import json
+
+    r0, r1 = json.loads((tmp_path / "result.json").read_text())
+    assert r0["batches"] == r1["batches"] == 6
+    assert len(r0["indices"]) == len(r1["indices"]) == 21
+    assert set(r0["indices"]) | set(r1["indices"]) == set(range(41))
+    overlap = set(r0["indices"]) & set(r1["indices"])
+    assert len(overlap) == 1  # pad: 41 is odd, one sample is repeated so both ranks get 21
