@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -138,6 +139,10 @@ class ClusterCache(BaseCache):
     own; ``tls=True`` (or ``rediss://`` URLs) encrypts, with optional CA and client certificates.
     With ``configure_servers`` the servers' ``maxmemory-policy`` is set to match ``policy``
     (and, under ``lru``, an unlimited ``maxmemory`` to ``capacity_bytes`` above current use).
+    ``connect_timeout_s``/``timeout_s`` bound every call (a slow server becomes misses);
+    a failing server is skipped for ``backoff_s`` doubling up to ``max_backoff_s``. ``spill``
+    (minio only) lets a full owner hand keys to the next server in the key's ranking; ``parallel``
+    talks to the servers of one batch concurrently.
     """
 
     name = "cluster"
@@ -162,6 +167,7 @@ class ClusterCache(BaseCache):
         full_recheck_s: float = 30.0,
         configure_servers: bool = True,
         spill: bool = True,
+        parallel: bool = True,
     ) -> None:
         super().__init__()
         if isinstance(servers, str):
@@ -194,11 +200,14 @@ class ClusterCache(BaseCache):
             raise ValueError(f"duplicate cache servers in {self.servers}")
         self._lock = threading.Lock()
         self._pid = os.getpid()
+        self.parallel = parallel
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_pid = -1
 
     def _config(self) -> dict[str, Any]:
         names = (
             "servers capacity_bytes password username tls tls_ca_certs tls_certfile tls_keyfile tls_verify "
-            "connect_timeout_s timeout_s backoff_s max_backoff_s full_recheck_s configure_servers"
+            "connect_timeout_s timeout_s backoff_s max_backoff_s full_recheck_s configure_servers parallel"
         ).split()
         cfg = {n: getattr(self, n) for n in names}
         cfg["policy"] = self.policy.name
@@ -337,18 +346,38 @@ class ClusterCache(BaseCache):
             return [[0]] * len(keys)
         return [rendezvous_rank(k, self._idents) for k in keys]
 
+    def _each_server(self, groups: dict[int, list[int]], fn: Any) -> dict[int, Any]:
+        """``fn(server, positions)`` for every group, concurrently when several servers are involved
+        (one network round trip of wall time per level instead of one per server)."""
+        if len(groups) <= 1 or not self.parallel:
+            return {server: fn(server, positions) for server, positions in groups.items()}
+        pool = self._executor()
+        futures = {server: pool.submit(fn, server, positions) for server, positions in groups.items()}
+        return {server: future.result() for server, future in futures.items()}
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None or self._pool_pid != os.getpid():
+                self._pool = ThreadPoolExecutor(len(self._nodes), thread_name_prefix="stallfree-cluster")
+                self._pool_pid = os.getpid()
+            return self._pool
+
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = [None] * len(keys)
         ranks = self._ranks(keys)
         pending = list(range(len(keys)))
+
+        def fetch(server: int, positions: list[int]) -> Any:
+            return self._call(self._nodes[server], lambda c: _mget_and_full(c, [keys[p] for p in positions]))
+
         for level in range(len(self._nodes) if self.spill else 1):
             groups: dict[int, list[int]] = {}
             for pos in pending:
                 groups.setdefault(ranks[pos][level], []).append(pos)
             pending = []
+            replies = self._each_server(groups, fetch)
             for server, positions in groups.items():
-                node = self._nodes[server]
-                reply = self._call(node, lambda c, ps=positions: _mget_and_full(c, [keys[p] for p in ps]))
+                node, reply = self._nodes[server], replies[server]
                 if reply is None:
                     node.counts["misses"] += len(positions)
                     continue
@@ -368,26 +397,29 @@ class ClusterCache(BaseCache):
 
     def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         ranks = self._ranks([k for k, _ in items])
-        admitted = nbytes = rejected = 0
+        admitted = nbytes = 0
         pending = list(range(len(items)))
+
+        def store(server: int, positions: list[int]) -> list[tuple[list[int], list[int] | None]]:
+            node = self._nodes[server]
+            if node.down_until > time.monotonic():
+                return []  # its keys are misses until it is back; never move them elsewhere
+            return [
+                (chunk, self._call(node, lambda c, ch=chunk: self._store(c, node, [items[p] for p in ch])))
+                for chunk in _chunks(positions, items)
+            ]
+
         for level in range(len(self._nodes) if self.spill else 1):
             groups: dict[int, list[int]] = {}
             for pos in pending:
                 server = ranks[pos][level]
-                if self.spill and level + 1 < len(self._nodes) and self._is_full(self._nodes[server]):
-                    pending_next = True
-                else:
-                    pending_next = False
-                groups.setdefault(-1 if pending_next else server, []).append(pos)
-            pending = groups.pop(-1, [])
-            for server, positions in groups.items():
+                skip = self.spill and level + 1 < len(self._nodes) and self._is_full(self._nodes[server])
+                groups.setdefault(-1 if skip else server, []).append(pos)
+            pending = groups.pop(-1, [])  # owners known to be full: straight to the next in line
+            results = self._each_server(groups, store)
+            for server in groups:
                 node = self._nodes[server]
-                if node.down_until > time.monotonic():
-                    continue  # its keys are misses until it is back; never move them elsewhere
-                for chunk in _chunks(positions, items):
-                    status = self._call(
-                        node, lambda c, ch=chunk, n=node: self._store(c, n, [items[p] for p in ch])
-                    )
+                for chunk, status in results[server]:
                     if status is None:
                         if self._is_full(node) and node.down_until <= time.monotonic():
                             pending.extend(chunk)  # "OOM": try the next server in the chain
@@ -402,7 +434,7 @@ class ClusterCache(BaseCache):
                             pending.append(pos)
             if not pending:
                 break
-        return PutResult(admitted, nbytes, rejected + len(pending))
+        return PutResult(admitted, nbytes, len(pending))
 
     def _store(self, client: Any, node: _Server, batch: list[tuple[bytes, bytes]]) -> list[int]:
         if self.policy.evicts:
@@ -432,6 +464,9 @@ class ClusterCache(BaseCache):
         return False
 
     def _close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True)
         for node in self._nodes:
             client, node.client = node.client, None
             node.configured = False
