@@ -191,6 +191,18 @@ class ShardedDataset:
         return out
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        """In order. Remote: batches of neighbours in one ranged read. Local: one sample at a time,
+        so each sample's memory is freed before the next is read (holding a batch makes glibc hand
+        memory back to the OS and fault it in again, which halved throughput when profiled)."""
+        if self._len and not self._local:
+            self._reader(0)  # resolves the filesystem, so _local is known
+        if self._local:
+            for s, size in enumerate(self.shard_sizes):
+                if size:
+                    get = self._reader(s).get
+                    for row in range(size):
+                        yield get(row)
+            return
         for start in range(0, self._len, _ITER_CHUNK):
             yield from self.get_many(range(start, min(self._len, start + _ITER_CHUNK)))
 
