@@ -171,7 +171,9 @@ def test_batch_size_none_yields_converted_samples(num_workers):
 
 @pytest.mark.parametrize("num_workers", WORKERS)
 def test_custom_collate_fn(num_workers):
-    loader = DataLoader(CountingDataset(10), batch_size=4, num_workers=num_workers, collate_fn=lambda b: [s[1] for s in b])
+    loader = DataLoader(
+        CountingDataset(10), batch_size=4, num_workers=num_workers, collate_fn=lambda b: [s[1] for s in b]
+    )
     assert list(loader) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
@@ -198,7 +200,9 @@ def test_torch_random_sampler_with_generator_is_reproducible(num_workers):
     def run():
         g = torch.Generator().manual_seed(123)
         sampler = tud.RandomSampler(CountingDataset(30), generator=g)
-        return _flatten(DataLoader(CountingDataset(30), batch_size=4, sampler=sampler, num_workers=num_workers))
+        return _flatten(
+            DataLoader(CountingDataset(30), batch_size=4, sampler=sampler, num_workers=num_workers)
+        )
 
     first = run()
     assert sorted(first) == list(range(30))
@@ -218,7 +222,11 @@ def test_shuffle_covers_every_sample_once_and_reshuffles_each_epoch(num_workers)
 
 def test_shuffle_with_same_generator_seed_is_reproducible():
     def run():
-        return _flatten(DataLoader(CountingDataset(40), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7)))
+        return _flatten(
+            DataLoader(
+                CountingDataset(40), batch_size=5, shuffle=True, generator=torch.Generator().manual_seed(7)
+            )
+        )
 
     assert run() == run()
 
@@ -293,7 +301,9 @@ class InitCheckDataset(tud.Dataset):
 
 
 def test_worker_init_fn_runs_in_each_worker():
-    values = _flatten_plain(DataLoader(InitCheckDataset(), batch_size=1, num_workers=2, worker_init_fn=_init_fn))
+    values = _flatten_plain(
+        DataLoader(InitCheckDataset(), batch_size=1, num_workers=2, worker_init_fn=_init_fn)
+    )
     assert set(values) == {0, 1}
 
 
@@ -371,7 +381,9 @@ def test_persistent_workers_run_init_once_across_epochs(tmp_path):
         with open(marker, "a") as f:
             f.write(f"{worker_id}\n")
 
-    loader = DataLoader(CountingDataset(8), batch_size=2, num_workers=2, persistent_workers=True, worker_init_fn=init)
+    loader = DataLoader(
+        CountingDataset(8), batch_size=2, num_workers=2, persistent_workers=True, worker_init_fn=init
+    )
     for _ in range(3):
         assert sorted(_flatten(loader)) == list(range(8))
     assert sorted(marker.read_text().split()) == ["0", "1"]
