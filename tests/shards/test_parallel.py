@@ -243,3 +243,24 @@ def test_fsspec_destination_and_overwrite(folder: Path, tmp_path: Path) -> None:
         "shard-000000.tar",
     ]
     fs.rm("/stallfree-test", recursive=True)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_shard_bytes_and_hash_match_plain_tar_writer(
+    folder: Path, tmp_path: Path, monkeypatch, overlap: bool
+) -> None:
+    import hashlib
+
+    from stallfree.shards import parallel
+    from stallfree.shards.tar import TarShardWriter
+
+    monkeypatch.setattr(parallel, "_OVERLAP_HASH", overlap)
+    source = open_source(folder)
+    summary = shard_dataset(source, str(tmp_path / "ours"), max_bytes=10**9)
+    with TarShardWriter(str(tmp_path / "plain.tar")) as w:
+        for sample in source.read_many(source.items()):
+            w.write(sample)
+    ours = (tmp_path / "ours" / "shard-000000.tar").read_bytes()
+    assert ours == (tmp_path / "plain.tar").read_bytes()
+    assert summary.manifest.shards[0].sha256 == hashlib.sha256(ours).hexdigest() == w.info.sha256
+    assert (tmp_path / "ours" / "shard-000000.idx").read_bytes() == (tmp_path / "plain.idx").read_bytes()
