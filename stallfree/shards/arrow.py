@@ -231,21 +231,43 @@ class ArrowShardWriter:
             self.abort()
 
 
+def _is_numeric_list(t: pa.DataType) -> bool:
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
+        return False
+    vt = t.value_type
+    return pa.types.is_integer(vt) or pa.types.is_floating(vt) or pa.types.is_boolean(vt)
+
+
+def row_converter(schema: pa.Schema, shard: str):
+    """``(batch, row) -> sample dict`` for one schema: binary -> bytes, numeric lists -> np.ndarray,
+    the rest -> Python values. Built once per shard so the per-row work is one pass over columns."""
+    names = list(schema.names)
+    arrays = {j for j, f in enumerate(schema) if _is_numeric_list(f.type)}
+    has_key = KEY in names
+    stem = posixpath.splitext(shard)[0]
+
+    def convert(batch: pa.RecordBatch, row: int) -> dict[str, Any]:
+        try:
+            if arrays:
+                values = []
+                for j, col in enumerate(batch.columns):
+                    v = col[row]
+                    if j in arrays and v.is_valid:
+                        values.append(v.values.to_numpy(zero_copy_only=False))
+                    else:
+                        values.append(v.as_py())
+            else:
+                values = [col[row].as_py() for col in batch.columns]
+        except (pa.ArrowException, IndexError) as exc:
+            raise CorruptShardError(f"cannot decode Arrow row {row}: {exc}", shard=shard) from exc
+        out = dict(zip(names, values, strict=True))
+        if not has_key:
+            out[KEY] = f"{stem}/{row}"
+        return out
+
+    return convert
+
+
 def row_to_sample(batch: pa.RecordBatch, row: int, shard: str) -> dict[str, Any]:
-    """One row as a sample dict: binary -> bytes, numeric lists -> np.ndarray, the rest -> Python."""
-    out: dict[str, Any] = {}
-    try:
-        for name, col in zip(batch.schema.names, batch.columns, strict=True):
-            value = col[row]
-            t = col.type
-            if (pa.types.is_list(t) or pa.types.is_large_list(t)) and value.is_valid:
-                vt = t.value_type
-                if pa.types.is_integer(vt) or pa.types.is_floating(vt) or pa.types.is_boolean(vt):
-                    out[name] = value.values.to_numpy(zero_copy_only=False)
-                    continue
-            out[name] = value.as_py()
-    except (pa.ArrowException, IndexError) as exc:
-        raise CorruptShardError(f"cannot decode Arrow row {row}: {exc}", shard=shard) from exc
-    if KEY not in out:
-        out[KEY] = f"{posixpath.splitext(shard)[0]}/{row}"
-    return out
+    """One row as a sample dict (see ``row_converter``; use that for many rows)."""
+    return row_converter(batch.schema, shard)(batch, row)

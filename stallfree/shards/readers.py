@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from bisect import bisect_right
 from typing import Any
 
 import fsspec
@@ -319,6 +320,9 @@ class ArrowShardReader:
                 total += self._batch(b).num_rows
             self._starts = starts
             self.rows = total
+        from stallfree.shards.arrow import row_converter
+
+        self._convert = row_converter(self._reader.schema, shard)
         if expected is not None and self.rows != expected:
             raise IndexMismatchError(
                 f"the file holds {self.rows} rows, the manifest says {expected}", shard=shard
@@ -328,9 +332,9 @@ class ArrowShardReader:
         import pyarrow as pa
 
         try:
-            if self.local:
+            if self.local:  # memory-mapped reads are thread-safe
                 return self._reader.get_batch(b)
-            with self._lock:
+            with self._lock:  # a Python file underneath: one seek+read at a time
                 return self._reader.get_batch(b)
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorruptShardError(f"cannot read record batch {b}: {exc}", shard=self.shard) from None
@@ -339,14 +343,10 @@ class ArrowShardReader:
         return self.rows
 
     def get(self, row: int) -> dict[str, Any]:
-        from bisect import bisect_right
-
-        from stallfree.shards.arrow import row_to_sample
-
         if self._starts is None:
-            return row_to_sample(self._batch(row), 0, self.shard)
+            return self._convert(self._batch(row), 0)
         b = bisect_right(self._starts, row) - 1
-        return row_to_sample(self._batch(b), row - self._starts[b], self.shard)
+        return self._convert(self._batch(b), row - self._starts[b])
 
     def get_many(self, rows: list[int]) -> list[dict[str, Any]]:
         return [self.get(r) for r in rows]
