@@ -18,9 +18,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-pytest.importorskip("stallfree.loader.dataloader", reason="loader not built yet")
-
-from stallfree import DataLoader, get_worker_info  # noqa: E402
+from stallfree import DataLoader, get_worker_info
 
 WORKERS = [0, 2]
 
