@@ -19,11 +19,11 @@ import os
 import struct
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import lmdb
 
+from stallfree.cache import lmdbenv
 from stallfree.cache.base import BaseCache, PutResult
 from stallfree.cache.policy import Policy, get_policy
 
@@ -33,48 +33,6 @@ _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 _MAX_TOUCHED = 65536
 _DEFAULT_MAP = 1 << 36  # 64 GiB of address space when unbounded (sparse; costs nothing unused)
-
-# LMDB must not be opened twice on one path in one process (its locks are per process), so
-# environments are shared by every NodeCache of a process, keyed by (pid, path).
-_envs_lock = threading.Lock()
-_envs: dict[tuple[int, str], list[Any]] = {}
-
-
-def _acquire_env(path: str, map_size: int) -> lmdb.Environment:
-    key = (os.getpid(), path)
-    with _envs_lock:
-        entry = _envs.get(key)
-        if entry is None:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            env = lmdb.open(
-                path,
-                map_size=map_size,
-                subdir=True,
-                max_dbs=4,
-                max_readers=2048,
-                readahead=False,
-                meminit=False,
-                sync=False,
-                metasync=False,
-            )
-            env.reader_check()  # free reader slots left by crashed processes
-            entry = _envs[key] = [env, 0]
-        elif entry[0].info()["map_size"] < map_size:
-            entry[0].set_mapsize(map_size)
-        entry[1] += 1
-        return entry[0]
-
-
-def _release_env(path: str) -> None:
-    key = (os.getpid(), path)
-    with _envs_lock:
-        entry = _envs.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _envs[key]
-            entry[0].close()
 
 
 class NodeCache(BaseCache):
@@ -96,7 +54,7 @@ class NodeCache(BaseCache):
         self.policy = get_policy(policy)
         # B-tree pages and per-value page rounding cost space beyond the payload bytes
         self.map_size = _DEFAULT_MAP if capacity_bytes is None else int(capacity_bytes * 2) + (64 << 20)
-        self._env: lmdb.Environment | None = None
+        self._handle: lmdbenv.Handle | None = None
         self._pid = -1
         self._lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
@@ -106,32 +64,47 @@ class NodeCache(BaseCache):
 
     # -- LMDB plumbing ---------------------------------------------------------------------------
     def _open(self) -> tuple[lmdb.Environment, Any, Any, Any, Any]:
+        """This process's environment and tables; call inside ``lmdbenv.using()``."""
         with self._lock:
-            if self._env is None or self._pid != os.getpid():
-                # after fork the parent's handle must not be used (or closed) here
-                self._env = _acquire_env(self.path, self.map_size)
+            handle = self._handle
+            if handle is None or self._pid != os.getpid() or handle.generation != lmdbenv.generation():
+                self._handle = handle = lmdbenv.acquire(self.path, self.map_size)
                 self._pid = os.getpid()
-                self._dbs = (
-                    self._env.open_db(b"data"),
-                    self._env.open_db(b"meta"),
-                    self._env.open_db(b"atime"),
-                    self._env.open_db(b"order"),
-                )
-            return (self._env, *self._dbs)
+            return (handle.env, *handle.dbs)
 
     def _close(self) -> None:
         with self._lock:
-            if self._env is not None and self._pid == os.getpid():
-                _release_env(self.path)
-            self._env = None
+            if self._handle is not None and self._pid == os.getpid():
+                lmdbenv.release(self.path, self._handle)
+            self._handle = None
 
     @staticmethod
     def _meta(txn: Any, meta: Any, name: bytes) -> int:
         raw = txn.get(name, db=meta)
         return _U64.unpack(raw)[0] if raw is not None else 0
 
-    # -- primitives --------------------------------------------------------------------------------
+    # -- primitives: each holds lmdbenv.using() so a fork in another thread waits for it -------------
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        with lmdbenv.using():
+            return self._get(keys)
+
+    def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        with lmdbenv.using():
+            return self._put(items)
+
+    def _delete_raw(self, keys: Sequence[bytes]) -> None:
+        with lmdbenv.using():
+            self._delete(keys)
+
+    def _contains_raw(self, key: bytes) -> bool:
+        with lmdbenv.using():
+            return self._contains(key)
+
+    def _tier_stats(self) -> dict[str, Any]:
+        with lmdbenv.using():
+            return self._stats_inner()
+
+    def _get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         env, data, _, _, _ = self._open()
         with env.begin(db=data) as txn:
             out = [txn.get(k) for k in keys]
@@ -142,10 +115,10 @@ class NodeCache(BaseCache):
                         self._touched[k] = None
                 overflow = len(self._touched) > _MAX_TOUCHED
             if overflow:
-                self._put_raw([])
+                self._put([])
         return out
 
-    def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+    def _put(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         env, data, meta, atime, order = self._open()
         with self._lock:
             touched, self._touched = list(self._touched), {}
@@ -215,7 +188,7 @@ class NodeCache(BaseCache):
                 n += 1
         return freed, n
 
-    def _delete_raw(self, keys: Sequence[bytes]) -> None:
+    def _delete(self, keys: Sequence[bytes]) -> None:
         env, data, meta, atime, order = self._open()
         with env.begin(write=True) as txn:
             used = self._meta(txn, meta, b"used")
@@ -228,12 +201,12 @@ class NodeCache(BaseCache):
                     txn.delete(stamp, db=order)
             txn.put(b"used", _U64.pack(max(used, 0)), db=meta)
 
-    def _contains_raw(self, key: bytes) -> bool:
+    def _contains(self, key: bytes) -> bool:
         env, data, _, _, _ = self._open()
         with env.begin(db=data) as txn:
             return txn.cursor().set_key(key)
 
-    def _tier_stats(self) -> dict[str, Any]:
+    def _stats_inner(self) -> dict[str, Any]:
         env, data, meta, _, _ = self._open()
         with env.begin() as txn:
             used = self._meta(txn, meta, b"used")

@@ -215,3 +215,38 @@ def test_close_is_idempotent(make_cache):
     cache.put_many([(key(1), b"x")])
     cache.close()
     cache.close()
+
+
+def _share_worker(cache, rank: int, conn) -> None:
+    keys = [key(i) for i in range(4 * 10)]
+    cache.put_many([(keys[i], blob_sample(i, 300)) for i in range(rank * 10, rank * 10 + 10)])
+    conn.send(rank)
+    conn.recv()  # wait until every process has written
+    got = cache.get_many(keys)
+    conn.send(sum(g == blob_sample(i, 300) for i, g in enumerate(got)))
+
+
+def test_processes_share_one_cache(make_cache):
+    """Four forked processes each write a quarter; each then reads all (shared tiers only)."""
+    if not make_cache.shared and make_cache.tier != "tiered":
+        pytest.skip("a MemoryCache is private to its process")
+    import multiprocessing as mp
+
+    cache = make_cache()
+    cache.get_many([key(0)])  # open connections/handles in the parent before forking
+    ctx = mp.get_context("fork")
+    pipes, procs = [], []
+    for rank in range(4):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_share_worker, args=(cache, rank, child))
+        proc.start()
+        pipes.append(parent)
+        procs.append(proc)
+    assert sorted(p.recv() for p in pipes) == [0, 1, 2, 3]
+    for p in pipes:
+        p.send("go")
+    counts = [p.recv() for p in pipes]
+    for proc in procs:
+        proc.join(30)
+    assert counts == [40, 40, 40, 40]
+    assert cache.get_many([key(i) for i in range(40)]) == [blob_sample(i, 300) for i in range(40)]
