@@ -556,7 +556,9 @@ def _chunks(positions: list[int], items: Sequence[tuple[bytes, bytes]]) -> list[
     return out
 
 
-def server_status(url: str, password: str | None = None, timeout_s: float = 2.0) -> dict[str, Any]:
+def server_status(
+    url: str, password: str | None = None, timeout_s: float = 2.0, tls_ca_certs: str | None = None
+) -> dict[str, Any]:
     """Usage and hit counters of one cache server (``stallfree cache stats``).
 
     Raises ``ClusterCacheError`` with the reason when the server cannot be reached or refuses us.
@@ -566,6 +568,8 @@ def server_status(url: str, password: str | None = None, timeout_s: float = 2.0)
     _, kwargs = parse_server(url)
     if password is not None:
         kwargs.setdefault("password", password)
+    if kwargs.get("ssl") and tls_ca_certs is not None:
+        kwargs["ssl_ca_certs"] = tls_ca_certs
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
@@ -74,6 +75,9 @@ class RedisServer:
         password: str | None = None,
         workdir: str | os.PathLike | None = None,
         executable: str = "redis-server",
+        tls_cert_file: str | os.PathLike | None = None,
+        tls_key_file: str | os.PathLike | None = None,
+        tls_ca_cert_file: str | os.PathLike | None = None,
     ) -> None:
         self.bind = bind
         self.port = port or free_port(bind if bind not in ("0.0.0.0", "::") else "127.0.0.1")
@@ -86,19 +90,40 @@ class RedisServer:
         )
         self.executable = shutil.which(executable) or executable
         self.process: subprocess.Popen | None = None
+        self.tls_cert_file = tls_cert_file
+        self.tls_key_file = tls_key_file
+        self.tls_ca_cert_file = tls_ca_cert_file
+        if (tls_cert_file is None) != (tls_key_file is None):
+            raise ValueError("TLS needs both tls_cert_file and tls_key_file")
+
+    @property
+    def tls(self) -> bool:
+        return self.tls_cert_file is not None
 
     @property
     def url(self) -> str:
         host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
-        return f"redis://{host}:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://{host}:{self.port}"
 
     @property
     def logfile(self) -> Path:
         return self.workdir / "redis.log"
 
     def config_text(self) -> str:
+        if self.tls:
+            listen = [
+                "port 0",
+                f"tls-port {self.port}",
+                f"tls-cert-file {self.tls_cert_file}",
+                f"tls-key-file {self.tls_key_file}",
+                "tls-auth-clients optional",
+            ]
+            if self.tls_ca_cert_file is not None:
+                listen.append(f"tls-ca-cert-file {self.tls_ca_cert_file}")
+        else:
+            listen = [f"port {self.port}"]
         lines = [
-            f"port {self.port}",
+            *listen,
             f"bind {self.bind}",
             "protected-mode yes",
             "daemonize no",
@@ -144,12 +169,17 @@ class RedisServer:
         )
 
     def _ping(self) -> bool:
+        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
         try:
-            with socket.create_connection(
-                ("127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind, self.port), 0.2
-            ) as s:
-                s.sendall(b"PING\r\n")
-                reply = s.recv(64)
+            with socket.create_connection((host, self.port), 0.2) as raw:
+                sock = raw
+                if self.tls:  # readiness only: checking the server's identity is the client's job
+                    ctx = ssl.create_default_context()
+                    ctx.check_hostname = False
+                    ctx.verify_mode = ssl.CERT_NONE
+                    sock = ctx.wrap_socket(raw)
+                sock.sendall(b"PING\r\n")
+                reply = sock.recv(64)
             return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
         except OSError:
             return False

@@ -46,6 +46,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--dir", default=None, help="working directory for the server's config and log")
+    serve.add_argument(
+        "--tls-cert", default=None, help="serve TLS only (rediss://) with this certificate (PEM)"
+    )
+    serve.add_argument("--tls-key", default=None, help="private key of --tls-cert (PEM)")
+    serve.add_argument("--tls-ca", default=None, help="CA certificate for verifying client certificates")
     serve.add_argument("--redis-server", default="redis-server", help="redis-server executable")
     serve.set_defaults(func=run_serve)
 
@@ -79,6 +84,9 @@ def run_serve(args: argparse.Namespace) -> int:
             f"warning: listening on {args.bind} without a password; anyone who can reach it can read the cache",
             file=sys.stderr,
         )
+    if (args.tls_cert is None) != (args.tls_key is None):
+        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
+        return 2
     server = RedisServer(
         args.port or None,
         bind=args.bind,
@@ -87,6 +95,9 @@ def run_serve(args: argparse.Namespace) -> int:
         password=password,
         workdir=args.dir,
         executable=args.redis_server,
+        tls_cert_file=args.tls_cert,
+        tls_key_file=args.tls_key,
+        tls_ca_cert_file=args.tls_ca,
     )
     try:
         server.start()
@@ -116,7 +127,9 @@ def run_stats(args: argparse.Namespace) -> int:
     rows, failed = [], 0
     for url in args.urls:
         try:
-            rows.append(server_status(url, password=password, timeout_s=args.timeout))
+            rows.append(
+                server_status(url, password=password, timeout_s=args.timeout, tls_ca_certs=args.tls_ca)
+            )
         except (ClusterCacheError, ValueError) as exc:
             rows.append({"url": url, "error": str(exc)})
             failed += 1
