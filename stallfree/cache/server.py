@@ -116,10 +116,11 @@ class RedisServer:
                 f"tls-port {self.port}",
                 f"tls-cert-file {self.tls_cert_file}",
                 f"tls-key-file {self.tls_key_file}",
-                "tls-auth-clients optional",
             ]
-            if self.tls_ca_cert_file is not None:
-                listen.append(f"tls-ca-cert-file {self.tls_ca_cert_file}")
+            if self.tls_ca_cert_file is not None:  # clients may then present certificates it signed
+                listen += [f"tls-ca-cert-file {self.tls_ca_cert_file}", "tls-auth-clients optional"]
+            else:
+                listen.append("tls-auth-clients no")
         else:
             listen = [f"port {self.port}"]
         lines = [

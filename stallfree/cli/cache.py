@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  stallfree cache stats redis://127.0.0.1:6380 --json",
     )
+    stats.add_argument("--tls-ca", default=None, help="CA certificate to verify rediss:// servers")
     stats.add_argument("urls", nargs="+", metavar="URL", help="cache servers, redis://host:port")
     stats.add_argument("--password", default=None, help=f"server password; or set ${_PASSWORD_ENV}")
     stats.add_argument(
