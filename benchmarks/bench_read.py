@@ -54,7 +54,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("tar", "arrow"), default="tar")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    ap.add_argument(
+        "--retain-freed-memory",
+        action="store_true",
+        help="call stallfree.shards.memory.retain_freed_memory() first (glibc thresholds; see its docstring)",
+    )
     args = ap.parse_args(argv)
+    retained = False
+    if args.retain_freed_memory:
+        from stallfree.shards.memory import retain_freed_memory
+
+        retained = retain_freed_memory()
 
     with tempfile.TemporaryDirectory(prefix="bench_read_") as tmp:
         root = Path(tmp) / "ds"
@@ -131,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{args.format} shards: {n} samples x {size / 1000:.0f} KB, {total_bytes / 1e6:.0f} MB on disk, page-cached"
     )
-    if malloc_env:
-        print(f"glibc malloc settings: {malloc_env}")
+    if malloc_env or retained:
+        print(f"glibc malloc settings: env {malloc_env}, retain_freed_memory() {retained}")
     print(f"{'reader':<12} {'samples/s':>11} {'MB/s':>9} {'vs cat':>7}")
     print(f"{'cat':<12} {'':>11} {results['cat']['MB/s']:>9.0f} {'1.00':>7}")
     for name, r in results.items():
