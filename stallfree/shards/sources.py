@@ -12,6 +12,7 @@ import glob
 import json
 import logging
 import os
+import re
 import tarfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ TABLE_SUFFIXES = {
 }
 SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
 KEY_COLUMNS = ("__key__", "key")
+_SPACE = re.compile(r"\s")
 
 
 class SourceError(ShardError):
@@ -88,9 +90,10 @@ def _safe_key(stem: str) -> str:
     """Sample keys may hold no dot after the last '/' (WebDataset reads the first dot as the
     start of the field) and no whitespace; those characters become '_'."""
     head, _, base = stem.rpartition("/")
-    base = base.replace(".", "_")
+    if "." in base:
+        base = base.replace(".", "_")
     out = f"{head}/{base}" if head else base
-    return "".join("_" if c.isspace() else c for c in out)
+    return _SPACE.sub("_", out) if _SPACE.search(out) else out
 
 
 def _read_file(path: str, key: str | None = None) -> bytes:
@@ -187,11 +190,16 @@ class ImageFolderSource(Source):
         items: list[Item] = []
         seen: dict[str, str] = {}
         for idx, cls in enumerate(self.classes):
-            for rel in _walk_files(self.root / cls):
+            base = os.path.join(str(self.root), cls)
+            field_for: dict[str, str] = {}
+            for rel in _walk_files(Path(base)):
                 stem, ext = os.path.splitext(rel)
-                if ext.lower() not in IMAGE_EXTENSIONS:
-                    continue
-                path = str(self.root / cls / rel)
+                fieldname = field_for.get(ext)
+                if fieldname is None:
+                    if ext.lower() not in IMAGE_EXTENSIONS:
+                        continue
+                    fieldname = field_for[ext] = normalize_field(ext)
+                path = f"{base}/{rel}"
                 size = _stat_size(path, self.on_error, self)
                 if size is None:
                     continue
@@ -199,7 +207,7 @@ class ImageFolderSource(Source):
                 if key in seen:
                     raise SourceError(f"{path} and {seen[key]} map to the same sample key {key!r}")
                 seen[key] = path
-                items.append(Item(path, (size, len(str(idx))), (key, normalize_field(ext), path, idx)))
+                items.append(Item(path, (size, len(str(idx))), (key, fieldname, path, idx)))
         return items
 
     def read(self, item: Item) -> dict[str, Any]:
