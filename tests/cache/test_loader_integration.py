@@ -9,6 +9,7 @@ import pytest
 
 from stallfree.cache.cluster import ClusterCache
 from stallfree.cache.memory import MemoryCache
+from stallfree.cache.node import NodeCache
 from stallfree.cache.tiered import TieredCache
 from stallfree.testing.httpserve import serve_directory
 from stallfree.testing.images import jpeg_bytes
@@ -38,11 +39,18 @@ def tar_requests(server) -> int:
     return sum(n for path, n in server.stats.paths.items() if path.endswith(".tar"))
 
 
-def test_warm_epoch_reads_no_shard_bytes(http_shards, redis_servers):
-    servers = redis_servers(3)
+@pytest.mark.parametrize("tiers", ["memory+cluster", "node", "memory+node+cluster"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_warm_epoch_reads_no_shard_bytes(http_shards, redis_servers, tmp_path, tiers, num_workers):
+    servers = redis_servers(3) if "cluster" in tiers else []
     ds = open_dataset(http_shards.url + "/ds")
-    cache = TieredCache([MemoryCache(1 << 20), ClusterCache([s.url for s in servers])])
-    loader = DataLoader(ds, batch_size=8, cache=cache, seed=1, collate_fn=keys_of)
+    make = {
+        "memory": lambda: MemoryCache(1 << 20),
+        "node": lambda: NodeCache(tmp_path / "node", 1 << 30),
+        "cluster": lambda: ClusterCache([s.url for s in servers]),
+    }
+    cache = TieredCache([make[t]() for t in tiers.split("+")])
+    loader = DataLoader(ds, batch_size=8, cache=cache, seed=1, collate_fn=keys_of, num_workers=num_workers)
     epochs = []
     for _ in range(3):
         http_shards.stats.reset()
@@ -52,14 +60,16 @@ def test_warm_epoch_reads_no_shard_bytes(http_shards, redis_servers):
     assert [e[0] for e in epochs] == [expected] * 3
     assert epochs[0][1] > 0
     assert epochs[1][1] == 0 and epochs[2][1] == 0
-    assert loader.stats()["cache"]["misses"] == N
+    if num_workers == 0:  # (with workers, per-process memory tiers see their own misses)
+        assert loader.stats()["cache"]["misses"] == N
 
 
-def test_server_killed_mid_epoch_through_the_loader(http_shards, redis_servers):
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_server_killed_mid_epoch_through_the_loader(http_shards, redis_servers, num_workers):
     servers = redis_servers(3)
     ds = open_dataset(http_shards.url + "/ds")
     cache = ClusterCache([s.url for s in servers], backoff_s=0.05, max_backoff_s=0.2)
-    loader = DataLoader(ds, batch_size=8, cache=cache, seed=1, collate_fn=keys_of)
+    loader = DataLoader(ds, batch_size=8, cache=cache, seed=1, collate_fn=keys_of, num_workers=num_workers)
     assert len([k for b in loader for k in b]) == N  # epoch 1 fills the cluster
     http_shards.stats.reset()
     keys = []
