@@ -266,6 +266,15 @@ class DataLoader(tud.DataLoader):
                 out["decode"] = None
         return out
 
+    def close(self) -> None:
+        """Stop any workers now (they also stop when the loader is garbage collected)."""
+        if self._active is not None:
+            self._active.close()
+            self._active = None
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+
     # -- fast path ----------------------------------------------------------------------
     def _order_for(self, epoch: int) -> np.ndarray:
         return order_mod.epoch_order(

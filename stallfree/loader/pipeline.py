@@ -28,14 +28,18 @@ def sample_key(sample: Any, index: int) -> str:
 
 
 def _fetch_batch(
-    dataset: Any, indices: list[int], cache: Any, on_sample: Callable[[int], None] | None
+    dataset: Any,
+    indices: list[int],
+    cache: Any,
+    on_sample: Callable[[int], None] | None,
+    read_stats: Any = None,
 ) -> list[Any]:
     if on_sample is not None and indices:
         on_sample(indices[0])
     if cache is not None:
         from stallfree.cache.readthrough import read_through
 
-        return list(read_through(dataset, indices, cache, stage="raw"))
+        return list(read_through(dataset, indices, cache, stage="raw", stats=read_stats))
     get_many = getattr(dataset, "get_many", None) or getattr(dataset, "__getitems__", None)
     if get_many is not None:
         return list(get_many(indices))
@@ -48,7 +52,11 @@ def _fetch_batch(
 
 
 def fetch(
-    dataset: Any, indices: Sequence[int], cache: Any = None, on_sample: Callable[[int], None] | None = None
+    dataset: Any,
+    indices: Sequence[int],
+    cache: Any = None,
+    on_sample: Callable[[int], None] | None = None,
+    read_stats: Any = None,
 ) -> list[Any]:
     """Raw samples for ``indices`` (batched read when the dataset offers ``get_many``).
 
@@ -59,7 +67,7 @@ def fetch(
     """
     idx = [int(i) for i in indices]
     try:
-        out = _fetch_batch(dataset, idx, cache, on_sample)
+        out = _fetch_batch(dataset, idx, cache, on_sample, read_stats)
         if len(out) != len(idx):
             raise RuntimeError(f"batched read returned {len(out)} samples for {len(idx)} indices")
         return out
@@ -68,7 +76,7 @@ def fetch(
     results: list[Any] = []
     for i in idx:
         try:
-            results.append(_fetch_batch(dataset, [i], cache, on_sample)[0])
+            results.append(_fetch_batch(dataset, [i], cache, on_sample, read_stats)[0])
         except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
             results.append(SampleFailure(i, str(i), "fetch", exc))
     return results

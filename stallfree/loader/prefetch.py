@@ -98,7 +98,9 @@ class Engine:
             return (not p.is_alive(), None)
         return (not p.is_alive(), p.exitcode)
 
-    def shutdown(self) -> None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the workers: ask politely (draining their output so none blocks on a full pipe),
+        and terminate whoever is still there after a grace period (at once when not graceful)."""
         if self.closed:
             return
         self.closed = True
@@ -107,14 +109,19 @@ class Engine:
                 q.put(None)
             except (OSError, ValueError):
                 logger.debug("task queue already closed")
-        deadline = time.monotonic() + 5.0
-        for p in self.procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in self.procs:
-            if not self.in_process and p.is_alive():
-                p.terminate()
-                p.join(timeout=1.0)
+        deadline = time.monotonic() + (3.0 if graceful else 0.0)
+        while time.monotonic() < deadline and any(p.is_alive() for p in self.procs):
+            try:
+                while True:
+                    self.result_q.get_nowait()
+            except (queue.Empty, OSError, ValueError, EOFError):
+                time.sleep(0.01)
         if not self.in_process:
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+            for p in self.procs:
+                p.join(timeout=1.0)
             for q in [*self.task_qs, *self.free_qs, self.result_q]:
                 q.cancel_join_thread()
                 q.close()
@@ -204,7 +211,7 @@ class FastIterator:
             if kind == "skip":
                 self.on_batch(item[1])
                 continue
-            self.close()
+            self.close(graceful=kind == "end")
             if kind == "end":
                 self.stats.epochs += 1
                 self.on_end()
@@ -230,14 +237,16 @@ class FastIterator:
     def _waiting_on(self) -> str:
         return "; ".join(f"worker {wid} {self.engine.doing(wid)}" for wid in range(self.engine.n))
 
-    def close(self) -> None:
+    def close(self, graceful: bool = True) -> None:
         if self.finished:
             return
         self.finished = True
         self.stop.set()
         self.thread.join(timeout=5.0)
         if self.owns_engine:
-            self.engine.shutdown()
+            self.engine.shutdown(graceful)
+        elif not graceful:  # a persistent pool after a worker failure: start afresh next epoch
+            self.engine.shutdown(False)
 
     def __del__(self) -> None:
         try:
@@ -309,7 +318,7 @@ class FastIterator:
             timing = dict(timing, transfer_s=time.perf_counter() - t0)
             self.stats.add_stages(timing)
             if cache_stats is not None:
-                self.stats.worker_cache[wid] = cache_stats
+                self.stats.add_cache(cache_stats)
             dispatch(wid)
             self._count_failures(failures, fails)
             pending[seq] = (batch, n_good)

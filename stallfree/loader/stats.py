@@ -28,7 +28,7 @@ class LoaderStats:
         self.stages: dict[str, float] = {}
         self.failures = 0
         self.failed: list[tuple[int, str, str]] = []
-        self.worker_cache: dict[int, dict[str, float]] = {}
+        self.cache: dict[str, float] = {}
         self.epochs = 0
 
     def iteration_started(self) -> None:
@@ -55,6 +55,10 @@ class LoaderStats:
         self.samples += samples
         self.last_return = now
 
+    def add_cache(self, delta: Mapping[str, float]) -> None:
+        for k, v in delta.items():
+            self.cache[k] = self.cache.get(k, 0) + v
+
     def add_stages(self, timing: Mapping[str, float]) -> None:
         for k, v in timing.items():
             self.stages[k] = self.stages.get(k, 0.0) + float(v)
@@ -62,10 +66,7 @@ class LoaderStats:
     def as_dict(self) -> dict[str, Any]:
         elapsed = (time.perf_counter() - self.started) if self.started is not None else 0.0
         busy = self.wait_s + self.compute_s
-        cache: dict[str, float] = {}
-        for snap in self.worker_cache.values():
-            for k, v in snap.items():
-                cache[k] = cache.get(k, 0) + v
+        cache = dict(self.cache)
         return {
             "batches": self.batches,
             "samples": self.samples,

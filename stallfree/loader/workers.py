@@ -10,6 +10,7 @@ and sends a small description to the main process. Errors carry the worker id an
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import random
@@ -24,6 +25,8 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as _torch_worker
 
 from stallfree.loader import pipeline, shm
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["get_worker_info", "WorkerSpec", "worker_main"]
 
@@ -52,6 +55,8 @@ class WorkerSpec:
     max_slots: int = 3
     in_process: bool = False
     parent_pid: int = field(default_factory=os.getpid)
+    read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
+    cache_baseline: dict | None = None  # cache counters at the worker's last report
 
 
 def _seed_worker(spec: WorkerSpec, wid: int) -> int:
@@ -89,7 +94,7 @@ def _map_with_stage_cache(spec: WorkerSpec, indices: list[int], raw_fetch) -> tu
             try:
                 spec.cache.put_many(fresh)
             except Exception:  # noqa: BLE001 - caching is best effort; the batch is still good
-                pass
+                logger.warning("could not cache %d decoded samples", len(fresh), exc_info=True)
         t3 = time.perf_counter()
     else:
         t2 = t3 = t1
@@ -120,11 +125,13 @@ def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.E
 
         if spec.stage is not None and spec.cache is not None and not spec.raw_only:
             items, timing = _map_with_stage_cache(
-                spec, indices, lambda idx: pipeline.fetch(spec.dataset, idx, spec.cache, on_sample)
+                spec,
+                indices,
+                lambda idx: pipeline.fetch(spec.dataset, idx, spec.cache, on_sample, spec.read_stats),
             )
             mapped = True
         else:
-            items = pipeline.fetch(spec.dataset, indices, spec.cache, on_sample)
+            items = pipeline.fetch(spec.dataset, indices, spec.cache, on_sample, spec.read_stats)
             timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
         progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
         ready.put((gen, seq, indices, items, timing, mapped))
@@ -140,13 +147,16 @@ class _Slots:
         self.max_slots = max_slots
         self.free_q = free_q
 
+    def _drain(self) -> None:
+        try:
+            while True:
+                self.free.append(self.free_q.get_nowait())
+        except queue.Empty:
+            return
+
     def acquire(self) -> int:
         while True:
-            try:
-                while True:
-                    self.free.append(self.free_q.get_nowait())
-            except queue.Empty:
-                pass
+            self._drain()
             if self.free:
                 return self.free.pop()
             if len(self.storages) < self.max_slots:
@@ -185,6 +195,11 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             except Exception as exc:  # noqa: BLE001 - reported to the main process
                 result_q.put(("error", -1, -1, wid, None, None, _wrap(exc, wid, None, None)))
                 return
+    if spec.cache is not None:
+        from stallfree.cache.readthrough import ReadStats
+
+        spec.read_stats = ReadStats()
+        spec.cache_baseline = _cache_stats(spec.cache, spec.read_stats)
     stop = threading.Event()
     ready: queue.Queue = queue.Queue(maxsize=2)
     reader = threading.Thread(
@@ -219,7 +234,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         return ("error", gen, seq, wid, f.index, f.key, _wrap(f.cause, wid, f.index, f.key))
     timing = dict(timing, map_s=timing.get("map_s", 0.0) + (t1 - t0))
     failures = [_failure_tuple(f) for f in bad]
-    cache_stats = _cache_stats(spec.cache)
+    cache_stats = _cache_delta(spec)
     if spec.raw_only or not good:
         return ("batch", gen, seq, wid, None, None, good, failures, timing, cache_stats, len(good))
     try:
@@ -239,6 +254,10 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             spec.collate_fn(good) if spec.collate_fn is not None else shm.default_collate_into(good, arena)
         )
         desc, needed = shm.describe(batch, arena)
+        if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
+            slots.free.append(slot)
+            timing["collate_s"] = time.perf_counter() - t1
+            return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good))
         if desc is None:
             storage = new_storage = slots.grow(slot, int(needed * 1.25))
             desc, _ = shm.describe(batch, shm.Arena(storage))
@@ -264,11 +283,24 @@ def _map_tracking(items, indices, fn, progress) -> list[Any]:
     return out
 
 
-def _cache_stats(cache: Any) -> dict | None:
+def _cache_delta(spec: WorkerSpec) -> dict | None:
+    """Cache counters gained since this worker's last report (deltas add up across workers/epochs)."""
+    now = _cache_stats(spec.cache, spec.read_stats)
+    if now is None:
+        return None
+    last = spec.cache_baseline or {}
+    spec.cache_baseline = now
+    return {k: v - last.get(k, 0) for k, v in now.items()}
+
+
+def _cache_stats(cache: Any, read_stats: Any) -> dict | None:
+    """This worker's cache counters: the cache's own numeric stats plus read_through's counts."""
     if cache is None:
         return None
     try:
-        stats = cache.stats()
+        stats = dict(cache.stats())
     except Exception:  # noqa: BLE001 - stats are informational
-        return None
+        stats = {}
+    if read_stats is not None:
+        stats.update({f"read_{k}": v for k, v in read_stats.as_dict().items() if k != "hit_rate"})
     return {k: v for k, v in stats.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
