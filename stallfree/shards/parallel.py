@@ -28,7 +28,7 @@ import fsspec
 from stallfree.shards.atomic import AtomicFile, check_writable, is_local
 from stallfree.shards.errors import WriteError
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
-from stallfree.shards.sources import Item, Source, SourceReadError
+from stallfree.shards.sources import Item, Source, SourceError, SourceReadError
 
 log = logging.getLogger(__name__)
 
@@ -392,6 +392,14 @@ def shard_dataset(
 
     items = source.items()
     skipped: list[dict[str, Any]] = list(source.skipped)
+    if not items:
+        raise SourceError(
+            f"no samples to shard in the {source.kind} source"
+            + (f" ({len(skipped)} unreadable item(s) skipped)" if skipped else "")
+        )
+    if workers > 1 and "memory" in _protocols(fs):
+        log.warning("memory:// lives in one process: writing with 1 worker instead of %d", workers)
+        workers = 1
     plan = plan_shards(items, format, max_bytes=max_bytes, max_samples=max_samples, shuffle_seed=shuffle_seed)
     if on_plan is not None:
         on_plan(len(items), len(plan), sum(item_cost(it, format) for it in items))
@@ -532,5 +540,6 @@ def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, old: Manifest, new: 
                     fs.rm(p)
 
 
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    proto = fs.protocol
+    return (proto,) if isinstance(proto, str) else tuple(proto)

@@ -187,3 +187,34 @@ def test_index_existing_webdataset_tars(tmp_path: Path, capsys) -> None:
 def test_help_has_an_example(command: str) -> None:
     res = cli(command, "--help")
     assert res.returncode == 0 and "example" in res.stdout and f"stallfree {command}" in res.stdout
+
+
+def test_shard_output_read_by_dali_with_our_idx(folder: Path, sharded: Path) -> None:
+    pytest.importorskip("nvidia.dali")
+    import numpy as np
+    from nvidia.dali import fn, pipeline_def
+
+    files = [p for c in sorted(folder.iterdir()) for p in sorted(c.iterdir())]
+    paths = [str(p) for p in sorted(sharded.glob("*.tar"))]
+
+    @pipeline_def(batch_size=1, num_threads=1, device_id=None)
+    def pipe():
+        return tuple(
+            fn.readers.webdataset(
+                paths=paths,
+                index_paths=[p[: -len(".tar")] + ".idx" for p in paths],
+                ext=["jpg", "cls"],
+                missing_component_behavior="error",
+                random_shuffle=False,
+                name="reader",
+            )
+        )
+
+    p = pipe()
+    p.build()
+    assert p.epoch_size("reader") == 12
+    got = []
+    for _ in range(12):
+        jpg, cls = p.run()
+        got.append((np.array(jpg[0]).tobytes(), np.array(cls[0]).tobytes()))
+    assert got == [(f.read_bytes(), str(i // 4).encode()) for i, f in enumerate(files)]

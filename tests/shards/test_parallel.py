@@ -264,3 +264,19 @@ def test_shard_bytes_and_hash_match_plain_tar_writer(
     assert ours == (tmp_path / "plain.tar").read_bytes()
     assert summary.manifest.shards[0].sha256 == hashlib.sha256(ours).hexdigest() == w.info.sha256
     assert (tmp_path / "ours" / "shard-000000.idx").read_bytes() == (tmp_path / "plain.idx").read_bytes()
+
+
+def test_empty_source_is_an_error(tmp_path: Path) -> None:
+    from stallfree.shards.sources import SourceError
+
+    (tmp_path / "rows.jsonl").write_text("\n\n")
+    with pytest.raises(SourceError, match="no samples to shard in the jsonl source"):
+        shard_dataset(open_source(tmp_path / "rows.jsonl"), str(tmp_path / "out"))
+    assert not (tmp_path / "out" / "manifest.json").exists()
+
+
+def test_memory_destination_with_workers_falls_back_to_one(folder: Path) -> None:
+    fs = fsspec.filesystem("memory")
+    summary = shard_dataset(open_source(folder), "memory://stallfree-w/ds", max_samples=4, workers=3)
+    assert summary.samples == 15 and len(fs.ls("/stallfree-w/ds", detail=False)) == 9
+    fs.rm("/stallfree-w", recursive=True)
