@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import posixpath
 import queue
 import threading
