@@ -170,6 +170,10 @@ class ClusterCache(BaseCache):
         parallel: bool = True,
     ) -> None:
         super().__init__()
+        try:
+            import redis  # noqa: F401  (a missing client library is a setup error, not a cache miss)
+        except ImportError as exc:
+            raise ImportError("ClusterCache needs the redis client: pip install 'stallfree[redis]'") from exc
         if isinstance(servers, str):
             servers = [servers]
         if not servers:

@@ -6,6 +6,7 @@ import math
 import os
 import pickle
 import signal
+import sys
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ from stallfree.cache.base import CacheKey
 from stallfree.cache.cluster import ClusterCache, ClusterCacheError, rendezvous_rank
 from stallfree.cache.node import NodeCache
 from stallfree.cache.readthrough import ReadStats, read_through
+from stallfree.cache.server import free_port
 
 N = 300
 RANKS = 3
@@ -208,3 +210,28 @@ def test_full_server_reply_stops_admission(redis_servers):
     status = cache.stats()["servers"][server.url]
     assert status["state"] == "full" and status["last_error"] == ""
     assert cache.stats()["errors"] == 0
+
+
+def test_bad_configuration_is_a_clear_error(monkeypatch):
+    with pytest.raises(ValueError, match="at least one server"):
+        ClusterCache([])
+    with pytest.raises(ValueError, match="cannot read cache server 'http://x:1'"):
+        ClusterCache(["http://x:1"])
+    with pytest.raises(ValueError, match="duplicate cache servers"):
+        ClusterCache(["redis://127.0.0.1:7000", "127.0.0.1:7000"])
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        ClusterCache(["127.0.0.1:7000"], policy="random")
+    monkeypatch.setitem(sys.modules, "redis", None)
+    with pytest.raises(ImportError, match=r"pip install 'stallfree\[redis\]'"):
+        ClusterCache(["127.0.0.1:7000"])
+
+
+def test_unreachable_server_is_misses_not_exceptions():
+    cache = ClusterCache([f"127.0.0.1:{free_port()}"])
+    k = CacheKey("fp", 1, "raw")
+    assert cache.get_many([k]) == [None]
+    cache.put_many([(k, b"x")])
+    assert not cache.contains(k)
+    stats = cache.stats()
+    assert stats["errors"] >= 1 and stats["misses"] == 1
+    assert "Connection" in next(iter(stats["servers"].values()))["last_error"]
