@@ -24,6 +24,7 @@ import torch
 from PIL import Image
 
 from .augment import Box
+from .buffers import BufferPool
 from .header import BadImageError, ImageInfo
 
 try:  # optional: ``pip install stallfree[fast]``
@@ -48,6 +49,7 @@ class CpuDecoder:
         dtype: torch.dtype = torch.float32,
         num_threads: int = 2,
         jpeg_library: str = "auto",
+        reuse_buffers: int = 4,
     ) -> None:
         if jpeg_library not in ("auto", "simplejpeg", "pil"):
             raise ValueError(f"jpeg_library must be 'auto', 'simplejpeg' or 'pil', got {jpeg_library!r}")
@@ -63,6 +65,7 @@ class CpuDecoder:
         self._mean_np = np.asarray(mean, np.float32).reshape(3, 1, 1)
         self._inv_std_np = (1.0 / np.asarray(std, np.float32)).reshape(3, 1, 1)
         self._pool: ThreadPoolExecutor | None = None
+        self.buffers = BufferPool(reuse_buffers)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -79,9 +82,8 @@ class CpuDecoder:
     ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
         """(normalised batch, [(position, error)]); failed positions hold zeros."""
         n = len(datas)
-        # empty, not zeros: a batch is tens of MB of fresh pages, and zeroing them first costs as
-        # much as a third of the decoding (measured); each image's pages are touched in its thread.
-        out = torch.empty((n, 3, self.size, self.size), dtype=self.dtype)
+        # Uninitialised and, when the consumer has dropped an earlier batch, reused (buffers.py).
+        out = self.buffers.tensor((n, 3, self.size, self.size), self.dtype)
         failures: list[tuple[int, BaseException]] = []
 
         def one(i: int) -> None:

@@ -8,8 +8,10 @@ no random state: its output depends only on what it is fed, whatever the pipelin
 
 The pipeline runs synchronously (``exec_async=False, exec_pipelined=False``): the loader already
 calls ``decode_batch`` off the training thread, and a synchronous pipeline lets each call feed
-exactly one batch and get exactly that batch back. On a GPU the output is copied device-to-device
-into a torch tensor on the pipeline's stream (``feed_ndarray``): no host round trip.
+exactly one batch and get exactly that batch back. On a GPU, ``run()`` returns once the batch is
+complete (DALI's default: outputs synchronised with the host, which only blocks the decode
+thread), then ``feed_ndarray`` copies it device-to-device into a torch tensor on torch's current
+stream for that device: the pixels never travel through host memory.
 
 A DALI error invalidates the whole pipeline ("Current pipeline object is no longer valid"), so on
 an error we rebuild it and decode the batch's samples one at a time to find the bad ones; the
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from .augment import Box
+from .buffers import BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class DaliDecoder:
         num_threads: int = 2,
         hw_decoder_load: float = 0.65,
         max_batch_size: int = 256,
+        reuse_buffers: int = 4,
     ) -> None:
         if not dali_available():
             raise ImportError(INSTALL_HINT)
@@ -74,6 +78,7 @@ class DaliDecoder:
         self.max_batch_size = max(1, max_batch_size)
         self.rebuilds = 0
         self._pipe = None
+        self.buffers = BufferPool(reuse_buffers)
 
     @property
     def device(self) -> torch.device:
@@ -140,10 +145,11 @@ class DaliDecoder:
         pipe.feed_input("mirror", [np.array(int(b.flip), np.int32) for b in boxes])
         (out,) = pipe.run()
         dense = out.as_tensor()
-        result = torch.empty((n, 3, self.size, self.size), dtype=self.dtype, device=self.device)
         if self.device_id is None:
+            result = self.buffers.tensor((n, 3, self.size, self.size), self.dtype)
             feed_ndarray(dense, result)
         else:
+            result = torch.empty((n, 3, self.size, self.size), dtype=self.dtype, device=self.device)
             stream = torch.cuda.current_stream(self.device)
             feed_ndarray(dense, result, cuda_stream=stream)
         return result

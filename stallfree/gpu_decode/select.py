@@ -43,6 +43,12 @@ class ImageDecode:
     backend); ``label``: int64 ``[N]`` from ``label_field`` (-1 where a sample has none), on the
     same device; ``__key__``: the sample keys. ``train`` picks random-resized-crop + flip (random
     per ``seed`` passed by the loader and per sample key) or resize + centre crop.
+
+    ``device``: the GPU to decode on (default: torch's current device, which each rank sets with
+    ``torch.cuda.set_device(local_rank)``); ``"cpu"`` keeps everything on the CPU. ``num_threads``:
+    decode threads (default: the cores this process may use). ``hw_decoder_load``: share of JPEGs
+    sent to the GPU's hardware decoder (A100/H100 class), the rest to nvJPEG's CUDA decoder.
+    ``reuse_buffers``: CPU output batches kept for reuse once the consumer drops them (0: none).
     """
 
     def __init__(
@@ -64,6 +70,7 @@ class ImageDecode:
         num_threads: int | None = None,
         hw_decoder_load: float = 0.65,
         jpeg_library: str = "auto",
+        reuse_buffers: int = 4,
     ) -> None:
         if backend not in ("auto", "dali", "cpu"):
             raise ValueError(f"backend must be 'auto', 'dali' or 'cpu', got {backend!r}")
@@ -80,7 +87,13 @@ class ImageDecode:
         threads = num_threads if num_threads is not None else _cpu_count()
         gpu_id = _gpu_id(device)
         self.backend, self.reason = _choose(backend, gpu_id)
-        common = {"mean": mean, "std": std, "dtype": self.dtype, "num_threads": threads}
+        common = {
+            "mean": mean,
+            "std": std,
+            "dtype": self.dtype,
+            "num_threads": threads,
+            "reuse_buffers": reuse_buffers,
+        }
         if self.backend == "dali":
             dali_gpu = gpu_id if torch.cuda.is_available() else None
             self._decoder: DaliDecoder | CpuDecoder = DaliDecoder(
@@ -140,6 +153,9 @@ class ImageDecode:
         s["images_per_s"] = s["images"] / s["decode_s"] if s["decode_s"] > 0 else 0.0
         s.update(
             backend=self.backend, reason=self.reason, device=str(self.device), preset=self._preset_name()
+        )
+        s.update(
+            buffers_reused=self._decoder.buffers.reused, buffers_allocated=self._decoder.buffers.allocated
         )
         if isinstance(self._decoder, DaliDecoder):
             s.update(dali_rebuilds=self._decoder.rebuilds, hw_decoder_load=self._decoder.hw_decoder_load)
