@@ -495,14 +495,14 @@ class ClusterCache(BaseCache):
         evictions = 0
         now = time.monotonic()
         for node in self._nodes:
+            info = self._call(node, _server_info) if node.down_until <= now else None
             entry: dict[str, Any] = dict(node.counts)
-            entry["state"] = "down" if node.down_until > now else ("full" if node.full else "up")
+            down = node.down_until > time.monotonic()
+            entry["state"] = "down" if down else ("full" if node.full else "up")
             entry["last_error"] = node.last_error
-            if node.down_until <= now:
-                info = self._call(node, _server_info)
-                if info is not None:
-                    entry.update(info)
-                    evictions += info.get("evicted_keys", 0)
+            if info is not None:
+                entry.update(info)
+                evictions += info.get("evicted_keys", 0)
             servers[node.url] = entry
         return {
             "servers": servers,
