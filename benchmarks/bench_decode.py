@@ -10,6 +10,7 @@ torchvision-style baseline on both measures.
 Baselines (PIL decode + torchvision.transforms RandomResizedCrop / RandomHorizontalFlip / ToTensor
 / Normalize, or Resize / CenterCrop for eval), both ways people run them:
   tv-threads : the per-image transform in a thread pool of --threads threads, torch.stack per batch
+               (torch intra-op threads set to 1 meanwhile, so the baseline is not oversubscribed)
   tv-loader  : torch.utils.data.DataLoader(num_workers=--threads, persistent_workers=True)
 Ours: stallfree.gpu_decode.ImageDecode(backend=...).decode_batch per batch.
 
@@ -92,9 +93,16 @@ def make_pipelines(args: argparse.Namespace, datas: list[bytes]) -> dict[str, Ca
     pool = ThreadPoolExecutor(threads)
 
     def tv_threads(_round: int) -> int:
-        n = 0
-        for batch in batches:
-            n += torch.stack(list(pool.map(tv, batch))).shape[0]
+        # One intra-op thread per pool thread, as DataLoader workers run: torch ops started from
+        # several threads at once otherwise oversubscribe the cores and the baseline looks worse.
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            n = 0
+            for batch in batches:
+                n += torch.stack(list(pool.map(tv, batch))).shape[0]
+        finally:
+            torch.set_num_threads(before)
         return n
 
     pipes["tv-threads"] = tv_threads
