@@ -430,6 +430,54 @@ class TableSource(Source):
         rows = self._chunk_rows(fi, chunk)
         return self._sample(dict(rows[row]), row_number)
 
+    def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        if self.kind == "jsonl":
+            yield from self._read_jsonl_many(items)
+            return
+        chunks = [it.ref[:2] for it in items]
+        if all(a <= b for a, b in zip(chunks, chunks[1:], strict=False)):  # file order: stream by chunk
+            yield from super().read_many(items)
+            return
+        yield from self._read_shuffled(items)
+
+    def _read_shuffled(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        """Rows in any order: load each needed chunk once, keep only this shard's rows (as Arrow,
+        compact), then yield in the asked order. Shuffled input would otherwise re-read a whole
+        row group per row."""
+        wanted: dict[tuple[int, int], list[int]] = {}
+        for pos, it in enumerate(items):
+            wanted.setdefault(it.ref[:2], []).append(pos)
+        where: dict[int, Any] = {}
+        for (fi, chunk), positions in wanted.items():
+            try:
+                table = self._load_chunk(fi, chunk)
+                sub = table.take([items[pos].ref[2] for pos in positions])
+            except SourceReadError as exc:
+                for pos in positions:
+                    where[pos] = exc
+                continue
+            for j, pos in enumerate(positions):
+                where[pos] = (sub, j)
+        for pos, it in enumerate(items):
+            got = where.pop(pos)
+            if isinstance(got, SourceReadError):
+                yield got
+                continue
+            sub, j = got
+            yield self._sample(sub.slice(j, 1).to_pylist()[0], it.ref[3])
+
+    def _read_jsonl_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        handles: dict[int, Any] = {}
+        try:
+            for item in items:
+                try:
+                    yield self._read_jsonl(item, handles)
+                except SourceReadError as exc:
+                    yield exc
+        finally:
+            for f in handles.values():
+                f.close()
+
     def _sample(self, row: dict[str, Any], row_number: int) -> dict[str, Any]:
         key = row.pop("__key__", None)
         if key is None:
@@ -438,11 +486,18 @@ class TableSource(Source):
         sample.update((k, v) for k, v in row.items() if v is not None)
         return sample
 
-    def _read_jsonl(self, item: Item) -> dict[str, Any]:
+    def _read_jsonl(self, item: Item, handles: dict[int, Any] | None = None) -> dict[str, Any]:
         fi, offset, length, line_no, row_number = item.ref
         path = self.paths[fi]
         try:
-            with open(path, "rb") as f:
+            if handles is None:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    line = f.read(length)
+            else:
+                f = handles.get(fi)
+                if f is None:
+                    f = handles[fi] = open(path, "rb")  # noqa: SIM115 - closed by _read_jsonl_many
                 f.seek(offset)
                 line = f.read(length)
             row = json.loads(line)
@@ -456,21 +511,23 @@ class TableSource(Source):
             raise SourceReadError(f"line {line_no} is not a JSON object", path=path, offset=offset)
         return self._sample(row, row_number)
 
-    def _chunk_rows(self, fi: int, chunk: int) -> list[dict[str, Any]]:
-        if self._cache is not None and self._cache[0] == (fi, chunk):
-            return self._cache[1]
+    def _load_chunk(self, fi: int, chunk: int):
+        """One Parquet row group or Arrow record batch, as Arrow data."""
         path = self.paths[fi]
         try:
             if self.kind == "parquet":
                 import pyarrow.parquet as pq
 
-                table = pq.ParquetFile(path).read_row_group(chunk)
-            else:
-                with _open_ipc(path) as reader:
-                    table = reader.get_batch(chunk)
-            rows = table.to_pylist()
+                return pq.ParquetFile(path).read_row_group(chunk)
+            with _open_ipc(path) as reader:
+                return reader.get_batch(chunk)
         except (OSError, ValueError) as exc:
             raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path) from exc
+
+    def _chunk_rows(self, fi: int, chunk: int) -> list[dict[str, Any]]:
+        if self._cache is not None and self._cache[0] == (fi, chunk):
+            return self._cache[1]
+        rows = self._load_chunk(fi, chunk).to_pylist()
         self._cache = ((fi, chunk), rows)
         return rows
 

@@ -280,3 +280,30 @@ def test_memory_destination_with_workers_falls_back_to_one(folder: Path) -> None
     summary = shard_dataset(open_source(folder), "memory://stallfree-w/ds", max_samples=4, workers=3)
     assert summary.samples == 15 and len(fs.ls("/stallfree-w/ds", detail=False)) == 9
     fs.rm("/stallfree-w", recursive=True)
+
+
+def test_shuffled_parquet_rows_read_each_row_group_once_per_shard(tmp_path: Path, monkeypatch) -> None:
+    from stallfree.shards.sources import TableSource
+
+    table = pa.table({"x": pa.array(range(40), pa.int32()), "s": [f"v{i}" for i in range(40)]})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=8)
+    loads: list[tuple[int, int]] = []
+    original = TableSource._load_chunk
+    monkeypatch.setattr(
+        TableSource, "_load_chunk", lambda self, fi, c: loads.append((fi, c)) or original(self, fi, c)
+    )
+    summary = shard_dataset(
+        open_source(tmp_path / "t.parquet"),
+        str(tmp_path / "out"),
+        format="arrow",
+        max_samples=20,
+        shuffle_seed=1,
+    )
+    assert len(loads) <= 2 * 5 and summary.samples == 40
+    rows = []
+    for shard in summary.manifest.shards:
+        with pa.ipc.open_file(tmp_path / "out" / shard.path) as reader:
+            rows.extend(reader.read_all().to_pylist())
+    assert sorted((r["x"], r["s"]) for r in rows) == [(i, f"v{i}") for i in range(40)]
+    assert [r["x"] for r in rows] != list(range(40))
+    assert all(r["__key__"] == f"{r['x']:09d}" for r in rows)
