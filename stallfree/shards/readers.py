@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
+from array import array
 from bisect import bisect_right
 from typing import Any
 
@@ -30,7 +31,7 @@ from stallfree.shards.errors import (
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.scan import scan_tar, sha256_of
-from stallfree.shards.tar import BLOCK, parse_header
+from stallfree.shards.tar import BLOCK, parse_header, split_name
 
 log = logging.getLogger(__name__)
 
@@ -122,26 +123,31 @@ class TarShardReader:
             raise IndexMismatchError(
                 f"the index lists {len(samples)} samples, the manifest says {info.samples}", shard=shard
             )
-        # Per sample: (key, [(field, start, end, header_name)], span_start, span_end).
-        entries = []
-        for s in samples:
-            members = []
-            for field, off, length, name in s.members:
+        # Compact columns (a 1.2M-sample dataset must fit in every worker): keys, then per member
+        # (flattened, in order) field id, data start and end; ``first[r]:first[r+1]`` are row r's.
+        keys: list[str] = []
+        names: dict[str, int] = {}
+        fid, starts, ends, first = array("H"), array("q"), array("q"), array("q", [0])
+        for smp in samples:
+            keys.append(smp.key)
+            for field, off, length, name in smp.members:
                 end = off + length
                 if end > size:
                     raise CorruptShardError(
                         f"truncated tar: member {name!r} should span bytes {off}..{end} but the file ends at {size}",
                         shard=shard,
-                        key=s.key,
+                        key=smp.key,
                         offset=off - BLOCK,
                     )
-                raw = name.encode("utf-8", "surrogateescape")
-                members.append((field, off, end, raw if len(raw) <= 100 else None))
-            entries.append((s.key, members, members[0][1] - BLOCK, members[-1][2]))
-        self.entries = entries
-        if entries:
-            self._check_header(entries[0])
-            self._check_header(entries[-1])
+                fid.append(names.setdefault(field, len(names)))
+                starts.append(off)
+                ends.append(end)
+            first.append(len(starts))
+        self._keys, self._fid, self._starts, self._ends, self._first = keys, fid, starts, ends, first
+        self._names = list(names)
+        if keys:
+            self._check_header(0)
+            self._check_header(len(keys) - 1)
 
     def _load_index(self) -> list[IdxSample]:
         try:
@@ -158,63 +164,73 @@ class TarShardReader:
             return self._mm[start:end]
         return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard)[0]
 
-    def _check_header(self, entry: tuple) -> None:
-        key, members, _, _ = entry
-        field, off, end, raw = members[0]
+    def span(self, row: int) -> tuple[int, int]:
+        """Bytes ``[start, end)`` of row's members, from its first header to its last data byte."""
+        return self._starts[self._first[row]] - BLOCK, self._ends[self._first[row + 1] - 1]
+
+    def _check_header(self, row: int) -> None:
+        key, j = self._keys[row], self._first[row]
+        field, off, end = self._names[self._fid[j]], self._starts[j], self._ends[j]
         header = self._read(off - BLOCK, off)
         try:
             name, size, _ = parse_header(header, off - BLOCK, self.shard, key)
         except CorruptShardError as exc:
             raise IndexMismatchError(
-                f"the index points at byte {off} for {key}.{field}, but no valid tar header precedes it ({exc.reason})",
+                f"the index points at byte {off} for {key}.{field}, but no valid tar header precedes it "
+                f"({exc.reason})",
                 shard=self.shard,
                 key=key,
                 offset=off - BLOCK,
             ) from None
-        expected = f"{key}.{field}"
-        if name != expected and not name.endswith("/" + expected.rsplit("/", 1)[-1]):
+        long_name = len(f"{key}.{field}".encode("utf-8", "surrogateescape")) > 100  # pax/GNU: header holds a stub
+        if split_name(name) != (key, field) and not long_name:
             raise IndexMismatchError(
-                f"the index says {expected!r} is at byte {off}, the tar has {name!r} there",
+                f"the index says {key + '.' + field!r} is at byte {off}, the tar has {name!r} there",
                 shard=self.shard,
                 key=key,
                 offset=off - BLOCK,
             )
         if size != end - off:
             raise IndexMismatchError(
-                f"the index says {expected!r} is {end - off} bytes, its tar header says {size}",
+                f"the index says {key + '.' + field!r} is {end - off} bytes, its tar header says {size}",
                 shard=self.shard,
                 key=key,
                 offset=off - BLOCK,
             )
 
     def __len__(self) -> int:
-        return len(self.entries)
+        return len(self._keys)
 
     def get(self, row: int) -> dict[str, Any]:
-        key, members, start, end = self.entries[row]
         mm = self._mm
-        if mm is not None:
-            sample: dict[str, Any] = {"__key__": key}
-            for field, off, stop, _ in members:
-                sample[field] = mm[off:stop]
-            return sample
-        return self._slice(self.entries[row], self._read(start, end), start)
+        if mm is None:
+            start, end = self.span(row)
+            return self._slice(row, self._read(start, end), start)
+        sample: dict[str, Any] = {"__key__": self._keys[row]}
+        names, fid, starts, ends = self._names, self._fid, self._starts, self._ends
+        for j in range(self._first[row], self._first[row + 1]):
+            sample[names[fid[j]]] = mm[starts[j] : ends[j]]
+        return sample
 
-    def _slice(self, entry: tuple, data: bytes, base: int) -> dict[str, Any]:
-        key, members, _, _ = entry
+    def _slice(self, row: int, data: bytes, base: int) -> dict[str, Any]:
+        """Row's fields out of ``data`` (bytes from ``base``), checking each member's header name."""
+        key = self._keys[row]
         sample: dict[str, Any] = {"__key__": key}
         view = memoryview(data)
-        for field, off, stop, raw in members:
-            if raw is not None:
-                h = off - BLOCK - base
-                if data[h : h + len(raw)] != raw or (len(raw) < 100 and data[h + len(raw)] != 0):
-                    found = bytes(view[h : h + 100]).split(b"\0", 1)[0]
-                    raise IndexMismatchError(
-                        f"the index says {raw.decode(errors='replace')!r} is at byte {off}, the tar has {found!r}",
-                        shard=self.shard,
-                        key=key,
-                        offset=off - BLOCK,
-                    )
+        for j in range(self._first[row], self._first[row + 1]):
+            field, off, stop = self._names[self._fid[j]], self._starts[j], self._ends[j]
+            raw = f"{key}.{field}".encode("utf-8", "surrogateescape")
+            h = off - BLOCK - base
+            if len(raw) <= 100 and (
+                data[h : h + len(raw)] != raw or (len(raw) < 100 and data[h + len(raw)] != 0)
+            ):
+                found = bytes(view[h : h + 100]).split(b"\0", 1)[0]
+                raise IndexMismatchError(
+                    f"the index says {raw.decode(errors='replace')!r} is at byte {off}, the tar has {found!r}",
+                    shard=self.shard,
+                    key=key,
+                    offset=off - BLOCK,
+                )
             sample[field] = bytes(view[off - base : stop - base])
         return sample
 
@@ -222,13 +238,12 @@ class TarShardReader:
         """Samples for ``rows`` (in that order); remotely, neighbours share one ranged read."""
         if self._mm is not None:
             return [self.get(r) for r in rows]
-        entries = self.entries
-        groups = coalesce([(entries[r][2], entries[r][3], r) for r in set(rows)])
+        groups = coalesce([(*self.span(r), r) for r in set(rows)])
         blobs = _fetch_ranges(self.fs, self.path, [(g[0], g[1]) for g in groups], self.shard)
         found: dict[int, dict[str, Any]] = {}
         for (start, _, tags), blob in zip(groups, blobs, strict=True):
             for r in tags:
-                found[r] = self._slice(entries[r], blob, start)
+                found[r] = self._slice(r, blob, start)
         out, handed = [], set()
         for r in rows:  # a row asked for twice gets its own dict the second time (callers may mutate)
             out.append(found[r] if r not in handed else dict(found[r]))
@@ -240,14 +255,16 @@ class TarShardReader:
         problems: list[ShardError] = []
         if data is None:
             data = self._mm if self._mm is not None else self.fs.cat_file(self.path)
-        for key, members, _, _ in self.entries:
-            for field, off, end, _ in members:
+        for row, key in enumerate(self._keys):
+            for j in range(self._first[row], self._first[row + 1]):
+                field, off, end = self._names[self._fid[j]], self._starts[j], self._ends[j]
                 try:
                     name, size, _ = parse_header(data[off - BLOCK : off], off - BLOCK, self.shard, key)
                 except CorruptShardError as exc:
                     problems.append(exc)
                     continue
-                if split_key(name) != (key, field) or size != end - off:
+                long_name = len(f"{key}.{field}".encode("utf-8", "surrogateescape")) > 100
+                if (split_name(name) != (key, field) and not long_name) or size != end - off:
                     problems.append(
                         IndexMismatchError(
                             f"the index says {key}.{field} ({end - off} bytes) is at byte {off}, "
@@ -263,12 +280,6 @@ class TarShardReader:
         if self._mm is not None:
             self._mm.close()
             self._mm = None
-
-
-def split_key(name: str) -> tuple[str, str]:
-    from stallfree.shards.tar import split_name
-
-    return split_name(name)
 
 
 class ArrowShardReader:
