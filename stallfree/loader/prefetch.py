@@ -295,9 +295,17 @@ class FastIterator:
             except queue.Empty:
                 self._check_workers(outstanding, last_seen)
                 continue
+            except (ConnectionError, EOFError, OSError):
+                # a slot's file descriptor comes from its worker: if that worker died mid-send, say so
+                time.sleep(_POLL_S)
+                self._check_workers(outstanding, last_seen)
+                raise
             kind, gen, seq, wid = msg[0], msg[1], msg[2], msg[3]
             if kind == "error" and gen == -1:
                 msg[6].reraise()
+            if kind == "batch":
+                for k in msg[11]:  # slots the worker gave up: let go of our reference too
+                    eng.storages.pop((wid, k), None)
             if gen != self.gen:
                 if kind == "batch" and msg[4] is not None:
                     self._adopt(wid, msg[4], msg[5])
@@ -308,11 +316,12 @@ class FastIterator:
             if kind == "error":
                 msg[6].reraise()
             t0 = time.perf_counter()
-            _, _, _, _, slot, new_storage, desc, fails, timing, cache_stats, n_good = msg
+            _, _, _, _, slot, new_storage, desc, fails, timing, cache_stats, n_good, _ = msg
             if slot is not None:
                 storage = self._adopt(wid, slot, new_storage)
-                batch = shm.materialise(desc, storage, pin=self.pin)
-                eng.free_qs[wid].put(slot)
+                batch = shm.materialise(
+                    desc, storage, pin=self.pin, release=_releaser(eng.free_qs[wid], slot)
+                )
             else:
                 batch = desc
             timing = dict(timing, transfer_s=time.perf_counter() - t0)
@@ -409,6 +418,16 @@ class FastIterator:
                     f"DataLoader worker {wid} (pid {eng.pid(wid)}) made no progress for {self.worker_timeout:.1f} s "
                     f"{eng.doing(wid)}"
                 )
+
+
+def _releaser(free_q: Any, slot: int) -> Callable[[], None]:
+    def release() -> None:
+        try:
+            free_q.put(slot)
+        except (ValueError, OSError, AssertionError):  # the pool is already shut down
+            logger.debug("slot %d released after shutdown", slot)
+
+    return release
 
 
 def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -124,19 +124,61 @@ class _NoRoom(Exception):
     pass
 
 
-def materialise(desc: Any, storage: torch.UntypedStorage, pin: bool = False) -> Any:
-    """Copy a described batch out of its slot into fresh (optionally pinned) tensors."""
+class _Lease:
+    """Keeps a slot's storage mapped while any tensor of its batch lives; hands it back after."""
+
+    def __init__(self, storage: torch.UntypedStorage, release: Callable[[], None]) -> None:
+        self.storage = storage
+        self.release = release
+
+    def __del__(self) -> None:
+        self.release()
+
+
+class _View:
+    """A numpy-visible window onto a leased slot (numpy keeps it as the array's base)."""
+
+    def __init__(self, lease: _Lease, ptr: int, shape: tuple[int, ...], typestr: str) -> None:
+        self.lease = lease
+        self.__array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr, "version": 3}
+
+
+def _typestr(dtype: torch.dtype) -> str | None:
+    try:
+        return np.dtype(torch.empty((), dtype=dtype).numpy().dtype).str
+    except (TypeError, RuntimeError):
+        return None  # bfloat16 and friends have no numpy twin: copied out instead
+
+
+def materialise(
+    desc: Any, storage: torch.UntypedStorage, pin: bool = False, release: Callable[[], None] | None = None
+) -> Any:
+    """The batch a description stands for.
+
+    With ``release`` (and no pinning) the tensors are zero-copy views of the slot and
+    ``release()`` runs once the consumer has dropped all of them; otherwise they are copied out
+    (into pinned memory when ``pin``) and ``release()`` runs at once.
+    """
     raw = torch.empty(0, dtype=torch.uint8).set_(storage)
+    lease = _Lease(storage, release) if release is not None and not pin else None
+    base = storage.data_ptr()
 
     def leaf(ref: Any) -> Any:
         if not isinstance(ref, TensorRef):
             return ref
+        typestr = _typestr(ref.dtype) if lease is not None else None
+        if typestr is not None:
+            arr = np.asarray(_View(lease, base + ref.offset, ref.shape, typestr))
+            return arr if ref.numpy else torch.from_numpy(arr)
         src = raw[ref.offset : ref.offset + ref.nbytes].view(ref.dtype).view(ref.shape)
         out = torch.empty(ref.shape, dtype=ref.dtype, pin_memory=pin)
         out.copy_(src)
         return out.numpy() if ref.numpy else out
 
-    return _walk_refs(desc, leaf)
+    out = _walk_refs(desc, leaf)
+    if lease is None and release is not None:
+        release()
+    return out
 
 
 def _walk_refs(obj: Any, leaf: Callable[[Any], Any]) -> Any:

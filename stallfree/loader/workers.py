@@ -139,11 +139,20 @@ def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.E
 
 
 class _Slots:
-    """The worker's ring of shared slots; a slot is reused once the main process frees it."""
+    """The worker's shared slots. A slot is leased to the main process with a batch and comes
+    back (on ``free_q``) once the consumer has dropped every tensor of that batch. In-flight
+    batches are bounded by the main process's dispatching, so a missing free slot means the
+    consumer is keeping batches: then a new slot is made rather than waiting (no deadlock), and
+    slots beyond ``max_slots`` are given up again once they come back.
+    """
+
+    HARD_CAP = 256
 
     def __init__(self, max_slots: int, free_q: Any) -> None:
         self.storages: list[torch.UntypedStorage | None] = []
         self.free: list[int] = []
+        self.vacant: list[int] = []
+        self.dropped: list[int] = []
         self.max_slots = max_slots
         self.free_q = free_q
 
@@ -155,14 +164,24 @@ class _Slots:
             return
 
     def acquire(self) -> int:
-        while True:
-            self._drain()
-            if self.free:
-                return self.free.pop()
-            if len(self.storages) < self.max_slots:
-                self.storages.append(None)
-                return len(self.storages) - 1
-            self.free.append(self.free_q.get())
+        self._drain()
+        while len(self.free) > self.max_slots:  # a burst of kept batches is over: shrink back
+            k = self.free.pop()
+            self.storages[k] = None
+            self.vacant.append(k)
+            self.dropped.append(k)
+        if self.free:
+            return self.free.pop()
+        if self.vacant:
+            return self.vacant.pop()
+        if len(self.storages) < self.HARD_CAP:
+            self.storages.append(None)
+            return len(self.storages) - 1
+        return self.free_q.get()
+
+    def take_dropped(self) -> list[int]:
+        out, self.dropped = self.dropped, []
+        return out
 
     def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1 << 16))
@@ -236,7 +255,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
     failures = [_failure_tuple(f) for f in bad]
     cache_stats = _cache_delta(spec)
     if spec.raw_only or not good:
-        return ("batch", gen, seq, wid, None, None, good, failures, timing, cache_stats, len(good))
+        return ("batch", gen, seq, wid, None, None, good, failures, timing, cache_stats, len(good), [])
     try:
         if not spec.use_shm:
             batch = (
@@ -245,7 +264,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
                 else torch.utils.data.default_collate(good)
             )
             timing["collate_s"] = time.perf_counter() - t1
-            return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good))
+            return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good), [])
         slot = slots.acquire()
         storage = slots.storages[slot]
         new_storage = None
@@ -257,12 +276,38 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
             slots.free.append(slot)
             timing["collate_s"] = time.perf_counter() - t1
-            return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good))
+            return (
+                "batch",
+                gen,
+                seq,
+                wid,
+                None,
+                None,
+                batch,
+                failures,
+                timing,
+                cache_stats,
+                len(good),
+                slots.take_dropped(),
+            )
         if desc is None:
             storage = new_storage = slots.grow(slot, int(needed * 1.25))
             desc, _ = shm.describe(batch, shm.Arena(storage))
         timing["collate_s"] = time.perf_counter() - t1
-        return ("batch", gen, seq, wid, slot, new_storage, desc, failures, timing, cache_stats, len(good))
+        return (
+            "batch",
+            gen,
+            seq,
+            wid,
+            slot,
+            new_storage,
+            desc,
+            failures,
+            timing,
+            cache_stats,
+            len(good),
+            slots.take_dropped(),
+        )
     except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
         return (
             "error",

@@ -284,3 +284,17 @@ def test_memory_bounded_over_twenty_epochs():
     # one batch is 1 MiB; steady state must not climb epoch after epoch
     assert rss[-1] - rss[2] < 16 * 2**20, [r // 2**20 for r in rss]
     assert dl.stats()["epochs_completed"] == 20
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+def test_kept_batches_stay_intact_while_slots_are_recycled(persistent):
+    dl = DataLoader(
+        Big(40, 64 * 1024), batch_size=2, shuffle=True, seed=0, num_workers=2, persistent_workers=persistent
+    )
+    for _ in range(2):
+        kept = list(dl)  # the consumer keeps every batch: no slot may be reused under it
+        assert len(kept) == 20
+        for b in kept:
+            for i, row in zip(b["i"].tolist(), b["x"], strict=True):
+                assert torch.equal(row, torch.full_like(row, float(i)))
+        del kept

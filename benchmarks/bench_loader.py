@@ -1,0 +1,212 @@
+"""torch.utils.data.DataLoader vs stallfree.DataLoader, side by side in one run (issue 3).
+
+Same dataset (real-photo JPEGs from stallfree.testing.images in tar shards written by ShardWriter),
+same per-sample work (PIL decode, resize shorter side to 256, random 224 crop, random flip, to a
+float tensor in [0, 1]; written here, no torchvision), same batch size, same number of workers.
+torch reads ``dataset[i]`` per sample in its workers; stallfree gets ``decode=`` and reads batches
+ahead with ``get_many``. Rounds alternate torch / stallfree to spread machine noise.
+
+Reports images/s (ratio ours/torch), time to first batch, peak RSS of the process tree (psutil,
+main + workers). ``--remote-latency S`` serves the shards over the loopback HTTP server with S
+seconds added per request (an object store), where batched ranged reads matter.
+
+    .venv/bin/python benchmarks/bench_loader.py [--images 256] [--workers 2] [--epochs 2] [--rounds 2]
+        [--remote-latency 0.005] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+import torch.utils.data as tud
+from PIL import Image
+
+from stallfree.loader.dataloader import DataLoader as StallfreeLoader
+from stallfree.shards.open import open_dataset
+from stallfree.shards.writer import ShardWriter
+from stallfree.testing.httpserve import serve_directory
+from stallfree.testing.images import jpeg_bytes
+
+CROP = 224
+
+
+def decode_augment(sample: dict) -> dict:
+    """PIL decode -> shorter side 256 -> random 224 crop -> random flip -> float CHW tensor."""
+    img = Image.open(io.BytesIO(sample["jpg"])).convert("RGB")
+    w, h = img.size
+    s = 256 / min(w, h)
+    img = img.resize((max(CROP, round(w * s)), max(CROP, round(h * s))), Image.Resampling.BILINEAR)
+    x, y = random.randint(0, img.width - CROP), random.randint(0, img.height - CROP)
+    img = img.crop((x, y, x + CROP, y + CROP))
+    if random.random() < 0.5:
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    t = torch.from_numpy(np.array(img, dtype=np.uint8)).permute(2, 0, 1).float().div_(255)
+    return {"image": t, "label": int(sample["cls"])}
+
+
+class TorchStyle(tud.Dataset):
+    """What a torch user writes: the decode in ``__getitem__``, one sample read at a time."""
+
+    def __init__(self, ds) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        return decode_augment(self.ds[i])
+
+
+class PeakRSS:
+    """Samples the RSS of this process and its children every 10 ms; keeps the peak."""
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        me = psutil.Process()
+        while not self._stop.is_set():
+            total = 0
+            with contextlib.suppress(psutil.Error):
+                total = me.memory_info().rss
+                for c in me.children(recursive=True):
+                    with contextlib.suppress(psutil.Error):
+                        total += c.memory_info().rss
+            self.peak = max(self.peak, total)
+            time.sleep(0.01)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def run_one(make, epochs: int) -> dict:
+    with PeakRSS() as rss:
+        t0 = time.perf_counter()
+        loader = make()
+        first = None
+        images = 0
+        for _ in range(epochs):
+            for batch in loader:
+                if first is None:
+                    first = time.perf_counter() - t0
+                images += batch["image"].shape[0]
+        elapsed = time.perf_counter() - t0
+        del loader
+    return {
+        "images": images,
+        "seconds": elapsed,
+        "images_per_s": images / elapsed,
+        "first_batch_s": first,
+        "peak_rss_mb": rss.peak / 2**20,
+    }
+
+
+def build_dataset(root: Path, n: int) -> str:
+    jpgs = jpeg_bytes(n, seed=0)
+    with ShardWriter(str(root / "shards"), format="tar", max_samples=64) as w:
+        for i, jpg in enumerate(jpgs):
+            w.write({"__key__": f"img{i:06d}", "jpg": jpg, "cls": str(i % 10).encode()})
+    return str(root / "shards")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--remote-latency", type=float, default=None, help="serve shards over loopback HTTP")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_dataset(Path(tmp), args.images)
+        server = (
+            serve_directory(path, latency_s=args.remote_latency)
+            if args.remote_latency is not None
+            else contextlib.nullcontext()
+        )
+        with server as srv:
+            url = srv.url if srv is not None else path
+            ds = open_dataset(url)
+            bs, nw = args.batch_size, args.workers
+
+            def torch_loader():
+                return tud.DataLoader(TorchStyle(ds), batch_size=bs, shuffle=True, num_workers=nw)
+
+            def our_loader():
+                return StallfreeLoader(
+                    ds, batch_size=bs, shuffle=True, num_workers=nw, decode=decode_augment, seed=0
+                )
+
+            rows: dict[str, list[dict]] = {"torch": [], "stallfree": []}
+            for _ in range(args.rounds):
+                rows["torch"].append(run_one(torch_loader, args.epochs))
+                rows["stallfree"].append(run_one(our_loader, args.epochs))
+
+    def best(name: str, key: str, fn=max) -> float:
+        return fn(r[key] for r in rows[name])
+
+    summary = {
+        "settings": vars(args),
+        "torch": {
+            "images_per_s": best("torch", "images_per_s"),
+            "first_batch_s": best("torch", "first_batch_s", min),
+            "peak_rss_mb": best("torch", "peak_rss_mb"),
+        },
+        "stallfree": {
+            "images_per_s": best("stallfree", "images_per_s"),
+            "first_batch_s": best("stallfree", "first_batch_s", min),
+            "peak_rss_mb": best("stallfree", "peak_rss_mb"),
+        },
+        "rounds": rows,
+    }
+    summary["ratio_images_per_s"] = summary["stallfree"]["images_per_s"] / summary["torch"]["images_per_s"]
+    summary["round_ratios"] = [
+        s["images_per_s"] / t["images_per_s"] for t, s in zip(rows["torch"], rows["stallfree"], strict=True)
+    ]
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    where = (
+        f"HTTP, {args.remote_latency * 1000:.0f} ms/request" if args.remote_latency is not None else "local"
+    )
+    sys.stdout.write(
+        f"{args.images} JPEGs ({where}), batch {bs}, {nw} workers, {args.epochs} epochs, best of {args.rounds}\n"
+    )
+    sys.stdout.write(f"{'loader':<10} {'images/s':>9} {'first batch s':>14} {'peak RSS MiB':>13}\n")
+    for name in ("torch", "stallfree"):
+        r = summary[name]
+        sys.stdout.write(
+            f"{name:<10} {r['images_per_s']:>9.1f} {r['first_batch_s']:>14.3f} {r['peak_rss_mb']:>13.0f}\n"
+        )
+    ratios = ", ".join(f"{x:.2f}" for x in summary["round_ratios"])
+    sys.stdout.write(
+        f"ratio stallfree/torch images/s: {summary['ratio_images_per_s']:.2f}x (per round: {ratios})\n"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
