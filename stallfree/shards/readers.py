@@ -182,7 +182,8 @@ class TarShardReader:
                 key=key,
                 offset=off - BLOCK,
             ) from None
-        long_name = len(f"{key}.{field}".encode("utf-8", "surrogateescape")) > 100  # pax/GNU: header holds a stub
+        # a name over 100 bytes came from a pax/GNU long-name record; the header holds only a stub
+        long_name = len(f"{key}.{field}".encode("utf-8", "surrogateescape")) > 100
         if split_name(name) != (key, field) and not long_name:
             raise IndexMismatchError(
                 f"the index says {key + '.' + field!r} is at byte {off}, the tar has {name!r} there",

@@ -135,3 +135,17 @@ def test_remote_missing_shard(served, tmp_path):
     with pytest.raises(MissingShardError) as info:
         ds[12]
     assert info.value.shard == "shard-000001.tar"
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_concurrent_reads_from_threads(served, fmt):
+    """The loader fetches from several threads at once; every sample must still come back whole."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server, _, samples = served
+    ds = open_dataset(f"{server.url}/{fmt}")
+    batches = [[(i * 7 + j) % N for j in range(5)] for i in range(12)]
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(ds.get_many, batches))
+    for batch, got in zip(batches, results, strict=True):
+        assert [g["jpg"] for g in got] == [samples[i]["jpg"] for i in batch]
