@@ -208,7 +208,8 @@ def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
         return "dali", f"auto: CUDA device {gpu_id} and DALI present -> DALI mixed (GPU) decode"
     if not has_dali:
         return "cpu", "auto: DALI not installed -> CPU decoder (pip install stallfree[dali] for DALI)"
-    return "cpu", "auto: no CUDA -> CPU decoder (measured faster than DALI's CPU operators; see RESULTS.md)"
+    why = "device is the CPU" if torch.cuda.is_available() else "no CUDA"
+    return "cpu", f"auto: {why} -> CPU decoder (measured faster than DALI's CPU operators; see RESULTS.md)"
 
 
 def _gpu_id(device: str | torch.device | int | None) -> int | None:
