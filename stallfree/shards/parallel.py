@@ -375,6 +375,14 @@ def shard_dataset(
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
+    if format not in ("tar", "arrow"):
+        raise ValueError(f"format must be 'tar' or 'arrow', not {format!r}")
+    try:
+        first, second = name.format(index=0), name.format(index=1)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(f"bad shard name pattern {name!r}: {exc!r}") from None
+    if first == second or not first or first.startswith("/") or "/" in first:
+        raise ValueError(f"shard name pattern {name!r} must be a plain file name containing '{{index}}'")
     t0 = time.perf_counter()
     fs, root = fsspec.core.url_to_fs(dst, **storage_options)
     root = root.rstrip("/") or root

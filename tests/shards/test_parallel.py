@@ -307,3 +307,16 @@ def test_shuffled_parquet_rows_read_each_row_group_once_per_shard(tmp_path: Path
     assert sorted((r["x"], r["s"]) for r in rows) == [(i, f"v{i}") for i in range(40)]
     assert [r["x"] for r in rows] != list(range(40))
     assert all(r["__key__"] == f"{r['x']:09d}" for r in rows)
+
+
+def test_bad_settings_are_rejected_before_writing(folder: Path, tmp_path: Path) -> None:
+    for kwargs, message in (
+        ({"name": "shard-{i}"}, "bad shard name pattern"),
+        ({"name": "fixed"}, "must be a plain file name containing '{index}'"),
+        ({"workers": 0}, "workers must be >= 1"),
+        ({"on_error": "ignore"}, "on_error"),
+        ({"format": "zip"}, "format must be 'tar' or 'arrow'"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            shard_dataset(open_source(folder), str(tmp_path / "out"), **kwargs)
+    assert not (tmp_path / "out").exists()
