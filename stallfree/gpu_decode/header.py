@@ -76,7 +76,7 @@ def _probe_jpeg(data: bytes | memoryview) -> ImageInfo:
         if marker == 0xDA:  # start of scan: entropy-coded data follows
             if size is None:
                 raise BadImageError("corrupt JPEG: scan before frame header")
-            if buf.find(b"\xff\xd9", pos + 2 + length) < 0:
+            if buf.rfind(b"\xff\xd9", pos + 2 + length) < 0:  # from the end: O(1) when complete
                 raise BadImageError("truncated JPEG: no end-of-image marker after the scan data")
             w, h, comps = size
             if w == 0 or h == 0:

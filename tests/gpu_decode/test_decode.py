@@ -162,3 +162,20 @@ def test_forcing_dali_without_dali_says_how_to_install(monkeypatch):
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
         ImageDecode(**{"backend": "cpu", **kwargs})
+
+
+def test_pickles_after_use_and_decodes_the_same(backend, rgb_jpegs):
+    """Spawned workers or a resumed job get a working copy (no thread pool or DALI pipeline in the pickle)."""
+    import pickle
+
+    samples = samples_from(rgb_jpegs[:4])
+    dec = _decoder(backend, train=True)
+    before = dec.decode_batch(samples, seed=5)["image"]
+    clone = pickle.loads(pickle.dumps(dec))
+    assert torch.equal(clone.decode_batch(samples, seed=5)["image"], before)
+
+
+def test_top_level_export():
+    import stallfree
+
+    assert stallfree.ImageDecode is ImageDecode
