@@ -12,7 +12,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
         help="summarise a sharded dataset: format, samples, shards, bytes, fields, classes",
-        description="Summarise a dataset from its manifest and first sample (reads no shard data beyond that).",
+        description=(
+            "Summarise a dataset from its manifest and first sample (reads no other shard data). Plain "
+            "WebDataset tars without a manifest are indexed on the fly."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example:\n  stallfree inspect ./in1k-train\n  stallfree inspect s3://bucket/in1k-train --json",
     )
@@ -39,52 +42,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=run_verify)
 
 
-def _first_sample_sizes(url: str, manifest: Any) -> tuple[str | None, dict[str, Any]]:
-    """Key and per-field sizes (bytes; or the value type for non-binary Arrow columns) of the first
-    sample, from the first non-empty shard's .idx or Arrow file."""
-    import fsspec
-
-    from stallfree.shards.manifest import join
-
-    fs, path = fsspec.core.url_to_fs(url)
-    root = path.rsplit("/", 1)[0] if path.endswith(".json") else path.rstrip("/")
-    shard = next((s for s in manifest.shards if s.samples), None)
-    if shard is None:
-        return None, {}
-    shard_path = join(root, shard.path)
-    if manifest.format == "tar":
-        from stallfree.shards.idx import idx_path_for, parse_idx
-
-        entries = parse_idx(fs.cat_file(idx_path_for(shard_path)), shard=shard.path)
-        first = entries[0]
-        return first.key, {f: size for f, _, size, _ in first.members}
-    import pyarrow as pa
-
-    with fs.open(shard_path, "rb") as f:
-        batch = pa.ipc.open_file(f).get_batch(0)
-        row = {name: col[0].as_py() for name, col in zip(batch.schema.names, batch.columns, strict=True)}
-    key = row.pop("__key__", None)
-    sizes: dict[str, Any] = {}
-    for name, value in row.items():
-        if isinstance(value, (bytes, str)):
-            sizes[name] = len(value)
-        elif isinstance(value, list):
-            sizes[name] = f"list[{len(value)}]"
-        else:
-            sizes[name] = type(value).__name__
-    return key, sizes
+def _field_size(value: Any) -> Any:
+    """Bytes for binary/text fields; a short type description for the rest."""
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    shape = getattr(value, "shape", None)
+    if shape is not None:
+        return f"array{list(shape)} {value.dtype}"
+    if isinstance(value, list):
+        return f"list[{len(value)}]"
+    return type(value).__name__
 
 
 def run_inspect(args: argparse.Namespace) -> int:
     from stallfree.shards.errors import ShardError
-    from stallfree.shards.manifest import Manifest
+    from stallfree.shards.open import open_dataset
 
     try:
-        manifest = Manifest.load(args.dataset)
-        key, sizes = _first_sample_sizes(args.dataset, manifest)
+        ds = open_dataset(args.dataset)  # plain tars without a manifest are indexed on the fly
+        manifest = ds.manifest
+        first = ds[0] if len(ds) else {}
     except (ShardError, OSError, ValueError) as exc:
         print(f"stallfree inspect: error: {exc}", file=sys.stderr)
         return 1
+    key = first.get("__key__")
+    sizes = {f: _field_size(v) for f, v in first.items() if not f.startswith("__")}
     info = {
         "dataset": args.dataset,
         "format": manifest.format,

@@ -120,7 +120,10 @@ def test_parquet_to_arrow_and_inspect_json(tmp_path: Path, capsys) -> None:
     info = json.loads(capsys.readouterr().out)
     assert info["format"] == "arrow" and info["samples"] == 2 and info["shards"] == 1
     assert info["field_types"] == {"ids": "list<element: int64>", "label": "int8"}
-    assert info["first_sample"] == {"key": "000000000", "field_sizes": {"ids": "list[2]", "label": "int"}}
+    assert info["first_sample"] == {
+        "key": "000000000",
+        "field_sizes": {"ids": "array[2] int64", "label": "int"},
+    }
 
 
 def test_inspect_text_and_json(sharded: Path, folder: Path) -> None:
@@ -171,6 +174,9 @@ def test_index_existing_webdataset_tars(tmp_path: Path, capsys) -> None:
             for i in range(3):
                 w.write({"__key__": f"k{part}{i}", "txt": f"text {part}{i}", "cls": i})
     tars = [str(p) for p in sorted(tmp_path.glob("*.tar"))]
+    assert main(["inspect", str(tmp_path), "--json"]) == 0  # no manifest yet: indexed on the fly
+    info = json.loads(capsys.readouterr().out)
+    assert (info["samples"], info["shards"], info["first_sample"]["key"]) == (6, 2, "k00")
     assert main(["index", *tars, "--json", "--no-progress"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["samples"] == 6 and summary["shards"] == 2 and sorted(summary["fields"]) == ["cls", "txt"]
