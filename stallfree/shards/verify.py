@@ -469,6 +469,12 @@ def verify_dataset(
         manifest = Manifest.load(
             path if path.endswith(".json") else posixpath.join(root, MANIFEST_NAME), fs=fs
         )
+    except MissingShardError as exc:
+        exc.reason += (
+            " (nothing to verify against; for plain WebDataset tars write one with `stallfree index`)"
+        )
+        report.problems.append(Problem.from_error(exc))
+        return report
     except ShardError as exc:
         report.problems.append(Problem.from_error(exc))
         return report

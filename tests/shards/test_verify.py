@@ -142,3 +142,9 @@ def test_arrow_truncated_and_count(copy) -> None:
         "HashMismatchError",
         "shard-000001.arrow",
     ) in got
+
+
+def test_no_manifest_points_to_stallfree_index(tmp_path: Path) -> None:
+    report = verify_dataset(str(tmp_path))
+    assert errors(report) == [("MissingShardError", "manifest.json")]
+    assert "stallfree index" in report.problems[0].message
