@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import math
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -65,12 +66,24 @@ class CpuDecoder:
         self._mean_np = np.asarray(mean, np.float32).reshape(3, 1, 1)
         self._inv_std_np = (1.0 / np.asarray(std, np.float32)).reshape(3, 1, 1)
         self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
         self.buffers = BufferPool(reuse_buffers)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_pool"] = None
+        del state["_pool_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pool_lock = threading.Lock()
+
+    def _thread_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="stallfree-decode")
+            return self._pool
 
     def close(self) -> None:
         if self._pool is not None:
@@ -96,9 +109,7 @@ class CpuDecoder:
             self.normalise_into(out[i], arr)
 
         if n > 1 and self.num_threads > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="stallfree-decode")
-            list(self._pool.map(one, range(n)))
+            list(self._thread_pool().map(one, range(n)))
         else:
             for i in range(n):
                 one(i)

@@ -22,6 +22,7 @@ caller turns those into a ``BatchDecodeError``. Bad input is rare and mostly cau
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -78,6 +79,7 @@ class DaliDecoder:
         self.max_batch_size = max(1, max_batch_size)
         self.rebuilds = 0
         self._pipe = None
+        self._lock = threading.Lock()
         self.buffers = BufferPool(reuse_buffers)
 
     @property
@@ -87,7 +89,12 @@ class DaliDecoder:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_pipe"] = None
+        del state["_lock"]
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     def close(self) -> None:
         self._pipe = None
@@ -159,6 +166,12 @@ class DaliDecoder:
     ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
         """(normalised batch, [(position, error)]); failed positions hold zeros."""
         arrays = [np.frombuffer(d, np.uint8) for d in datas]
+        with self._lock:  # one pipeline: feed and run must not interleave between threads
+            return self._decode_locked(arrays, boxes)
+
+    def _decode_locked(
+        self, arrays: list[np.ndarray], boxes: Sequence[Box]
+    ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
         try:
             return self._run(arrays, boxes), []
         except RuntimeError as batch_exc:

@@ -113,12 +113,14 @@ class ImageDecode:
         datas: list[bytes] = []
         infos: list[ImageInfo] = []
         boxes: list[Box] = []
+        labels: list[int] = []
         good: list[int] = []
         for i, (sample, key) in enumerate(zip(samples, keys, strict=True)):
             try:
+                labels.append(self._label(sample))
                 data = self._image_bytes(sample)
                 info = probe(data)
-            except (BadImageError, KeyError, TypeError) as exc:
+            except (BadImageError, KeyError, TypeError, ValueError) as exc:
                 failures.append((i, key, SampleDecodeError(str(exc).strip("'\""), key=key)))
                 continue
             datas.append(data)
@@ -140,13 +142,13 @@ class ImageDecode:
             images = torch.empty(
                 (0, 3, self.preset.size, self.preset.size), dtype=self.dtype, device=self.device
             )
-        labels = torch.tensor([self._label(s) for s in samples], dtype=torch.int64)
+        label_t = torch.tensor(labels, dtype=torch.int64)
         if self.device.type != "cpu":
-            labels = labels.to(self.device, non_blocking=True)
+            label_t = label_t.to(self.device, non_blocking=True)
         self._stats["batches"] += 1
         self._stats["images"] += len(samples)
         self._stats["decode_s"] += time.perf_counter() - t0
-        return {"image": images, "label": labels, "__key__": keys}
+        return {"image": images, "label": label_t, "__key__": keys}
 
     def stats(self) -> dict[str, Any]:
         s = dict(self._stats)
@@ -190,9 +192,12 @@ class ImageDecode:
         value = sample.get(self.label_field)
         if value is None:
             return -1
-        if isinstance(value, (bytes, bytearray)):
-            value = value.decode("ascii").strip()
-        return int(value)
+        try:
+            if isinstance(value, (bytes, bytearray)):
+                value = value.decode("ascii").strip()
+            return int(value)
+        except (ValueError, TypeError, UnicodeDecodeError):
+            raise ValueError(f"label field {self.label_field!r} is not an integer: {value!r:.40}") from None
 
 
 def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:

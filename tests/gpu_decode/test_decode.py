@@ -179,3 +179,22 @@ def test_top_level_export():
     import stallfree
 
     assert stallfree.ImageDecode is ImageDecode
+
+
+def test_bad_label_is_a_sample_failure(backend, rgb_jpegs):
+    samples = samples_from(rgb_jpegs[:3])
+    samples[1]["cls"] = b"cat"
+    with pytest.raises(BatchDecodeError, match="not an integer") as info:
+        _decoder(backend).decode_batch(samples, seed=0)
+    assert [(p, k) for p, k, _ in info.value.failures] == [(1, "s0001")]
+
+
+def test_concurrent_calls_from_two_threads(backend, rgb_jpegs):
+    from concurrent.futures import ThreadPoolExecutor
+
+    samples = samples_from(rgb_jpegs)
+    dec = _decoder(backend, train=True)
+    expected = {s: dec.decode_batch(samples, seed=s)["image"] for s in range(4)}
+    with ThreadPoolExecutor(2) as pool:
+        got = dict(enumerate(pool.map(lambda s: dec.decode_batch(samples, seed=s)["image"], range(4))))
+    assert all(torch.equal(got[s], expected[s]) for s in range(4))
