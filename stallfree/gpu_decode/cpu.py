@@ -1,12 +1,13 @@
-"""DALI-free decoder: decode, crop, resize, flip in a thread pool; normalise the batch in one op.
+"""DALI-free decoder: decode, crop, resize, flip and normalise each image in a thread pool.
 
 Speed comes from decoding less, not from more threads: a JPEG is decoded at the smallest DCT
 scale (1/1, 1/2, 1/4, 1/8) that still covers the crop box at the output size, and the crop and
 the resize are one resampling call. JPEG goes through PIL with ``Image.draft`` (default), or
 through simplejpeg (``jpeg_library="simplejpeg"``: libjpeg-turbo straight into a numpy array, DCT
 scaling via ``min_width``/``min_height``; measured no faster, so not the default); CMYK JPEGs,
-PNGs and other formats always through PIL. Both libraries release the
-GIL while decoding and resampling, so a thread pool scales across cores.
+PNGs and other formats always through PIL. Both libraries, and numpy's normalisation, release the
+GIL, so a thread pool scales across cores; each image is normalised straight into its slot of a
+(reused, see buffers.py) batch tensor by the thread that decoded it.
 
 Interpolation is PIL's antialiased bilinear; DALI uses its own antialiased linear filter (and no
 DCT scaling), so outputs differ slightly — measured in tests/gpu_decode/test_agreement.py.
