@@ -81,6 +81,31 @@ class _BytesDataset(torch.utils.data.Dataset):
         return self.fn(self.datas[i])
 
 
+def check_crop_params(draws: int = 20000) -> None:
+    """Print quantiles of our RandomResizedCrop boxes next to torchvision's own get_params."""
+    import torchvision.transforms as T
+    from PIL import Image
+
+    from stallfree.gpu_decode.augment import random_resized_crop
+
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    q = [0.1, 0.5, 0.9]
+    print("crop-box quantiles (10/50/90%), torchvision vs ours:")
+    for w, h in [(500, 375), (1000, 1000), (1024, 200)]:
+        img = Image.new("RGB", (w, h))
+        tv = np.array(
+            [T.RandomResizedCrop.get_params(img, (0.08, 1.0), (3 / 4, 4 / 3)) for _ in range(draws)]
+        )
+        ours = np.array([random_resized_crop(w, h, rng) for _ in range(draws)])
+        tv_area, ours_area = tv[:, 2] * tv[:, 3] / (w * h), ours[:, 2] * ours[:, 3] / (w * h)
+        tv_ar, ours_ar = tv[:, 3] / tv[:, 2], ours[:, 2] / ours[:, 3]
+        print(
+            f"  {w}x{h}: area {np.round(np.quantile(tv_area, q), 3)} vs {np.round(np.quantile(ours_area, q), 3)}; "
+            f"aspect {np.round(np.quantile(tv_ar, q), 3)} vs {np.round(np.quantile(ours_ar, q), 3)}"
+        )
+
+
 def make_pipelines(args: argparse.Namespace, datas: list[bytes]) -> dict[str, Callable[[int], int]]:
     """name -> run(round) decoding every image once in batches; returns images produced."""
     from concurrent.futures import ThreadPoolExecutor
@@ -164,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpu", action="store_true", help="also run DALI mixed decode on cuda (needs a GPU)")
     ap.add_argument("--gpu-fp16", action="store_true", help="with --gpu: also float16 output")
     ap.add_argument("--json", help="write results to this JSON file")
+    ap.add_argument("--check-params", action="store_true", help="only compare crop boxes with torchvision's")
     args = ap.parse_args(argv)
+    if args.check_params:
+        check_crop_params()
+        return 0
 
     datas = jpeg_bytes(args.images, seed=2024, sizes=IMAGENET_SIZES, quality=90)
     mean_px = np.mean([len(d) for d in datas])
