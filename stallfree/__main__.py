@@ -1,3 +1,4 @@
 from stallfree.cli import main
 
-raise SystemExit(main())
+if __name__ == "__main__":  # guard: spawned worker processes re-import __main__
+    raise SystemExit(main())

@@ -1,0 +1,37 @@
+"""The Quick start's main job, end to end at a small size."""
+
+import re
+
+from stallfree.cli import main
+
+
+def test_demo_shards_loads_and_prints_bench_table(tmp_path, capsys):
+    rc = main(
+        [
+            "demo",
+            "--images",
+            "32",
+            "--workdir",
+            str(tmp_path),
+            "--batch-size",
+            "8",
+            "--size",
+            "64",
+            "--bench-steps",
+            "3",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert (tmp_path / "shards" / "manifest.json").is_file()
+    assert (
+        len(list((tmp_path / "shards").glob("*.idx"))) == len(list((tmp_path / "shards").glob("*.tar"))) > 0
+    )
+    assert re.search(r"32 samples in [\d.]+s = \d+ samples/s", out)
+    assert "image (8, 3, 64, 64) torch.float32" in out
+    rows = {
+        line.split()[0]
+        for line in out.splitlines()
+        if line.split()[:2] in (["stallfree", "job"], ["torch", "job"])
+    }
+    assert rows == {"stallfree", "torch"}
