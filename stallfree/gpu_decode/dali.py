@@ -159,6 +159,9 @@ class DaliDecoder:
             result = torch.empty((n, 3, self.size, self.size), dtype=self.dtype, device=self.device)
             stream = torch.cuda.current_stream(self.device)
             feed_ndarray(dense, result, cuda_stream=stream)
+            # The next run() may reuse DALI's output buffer: let the copy finish first (this blocks
+            # only the decode thread, never the training step).
+            stream.synchronize()
         return result
 
     def decode(
