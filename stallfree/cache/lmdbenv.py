@@ -35,6 +35,15 @@ class Handle:
     dbs: tuple[Any, ...]  # data, meta, atime, order
     generation: int
     refs: int = 0
+    checked_at: float = 0.0
+
+    def check_readers(self, every_s: float = 5.0) -> None:
+        """Free reader slots of processes that died (killed workers), at most every ``every_s``:
+        a stale slot would pin old pages and make the store grow without bound."""
+        now = time.monotonic()
+        if now - self.checked_at >= every_s:
+            self.checked_at = now
+            self.env.reader_check()
 
 
 _cond = threading.Condition()
@@ -83,8 +92,8 @@ def acquire(path: str, map_size: int) -> Handle:
                 sync=False,  # a cache: durable across process crashes (the OS has the pages), not power loss
                 metasync=False,
             )
-            env.reader_check()  # free reader slots left by crashed processes
             handle = _envs[path] = Handle(env, tuple(env.open_db(n) for n in _DB_NAMES), _generation)
+            handle.check_readers(0.0)  # free reader slots left by crashed processes
         elif handle.env.info()["map_size"] < map_size:
             handle.env.set_mapsize(map_size)
         handle.refs += 1

@@ -120,6 +120,7 @@ class NodeCache(BaseCache):
 
     def _put(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         env, data, meta, atime, order = self._open()
+        self._handle.check_readers()
         with self._lock:
             touched, self._touched = list(self._touched), {}
         cap = self.capacity_bytes

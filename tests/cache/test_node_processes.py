@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import time
 
 import numpy as np
 
@@ -139,3 +140,47 @@ def test_crashed_writer_leaves_no_corrupt_entry(tmp_path):
     # and the store is writable again
     cache.put_many([(CacheKey("fp", 10**6, "raw"), b"after crash")])
     assert cache.get_many([CacheKey("fp", 10**6, "raw")]) == [b"after crash"]
+
+
+def _reader_that_dies(path: str, conn) -> None:
+    from stallfree.cache import lmdbenv
+
+    cache = NodeCache(path)
+    cache.get_many([CacheKey("fp", 0, "raw")])
+    with lmdbenv.using():  # hold a read transaction open, then get killed
+        txn = lmdbenv.acquire(path, cache.map_size).env.begin()
+        conn.send(txn.id())
+        time.sleep(60)
+
+
+def test_killed_worker_leaves_no_stale_reader(tmp_path):
+    path = str(tmp_path / "node")
+    NodeCache(path).put_many([(CacheKey("fp", 0, "raw"), b"x")])
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_reader_that_dies, args=(path, child))
+    proc.start()
+    assert parent.poll(30), "reader process did not start"
+    parent.recv()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    # a restarted worker (a fresh process) opens the store: stale reader slots are cleared
+    parent2, child2 = ctx.Pipe(duplex=False)
+    fresh = ctx.Process(target=_restarted_worker, args=(path, child2))
+    fresh.start()
+    assert parent2.poll(30), "restarted worker did not report"
+    got, readers = parent2.recv()
+    fresh.join(10)
+    assert got == [b"x", b"y"]
+    assert f" {proc.pid} " not in readers
+
+
+def _restarted_worker(path: str, conn) -> None:
+    from stallfree.cache import lmdbenv
+
+    cache = NodeCache(path)
+    cache.put_many([(CacheKey("fp", 1, "raw"), b"y")])
+    got = cache.get_many([CacheKey("fp", 0, "raw"), CacheKey("fp", 1, "raw")])
+    with lmdbenv.using():
+        readers = lmdbenv.acquire(path, cache.map_size).env.readers()
+    conn.send((got, readers))
