@@ -497,6 +497,8 @@ class ClusterCache(BaseCache):
         for node in self._nodes:
             info = self._call(node, _server_info) if node.down_until <= now else None
             entry: dict[str, Any] = dict(node.counts)
+            lookups = entry["hits"] + entry["misses"]
+            entry["hit_rate"] = entry["hits"] / lookups if lookups else 0.0  # this client's lookups
             down = node.down_until > time.monotonic()
             entry["state"] = "down" if down else ("full" if node.full else "up")
             entry["last_error"] = node.last_error

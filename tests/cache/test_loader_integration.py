@@ -5,6 +5,8 @@ Storage reads are counted by the HTTP server itself: a warm epoch must not touch
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from stallfree.cache.cluster import ClusterCache
@@ -80,3 +82,12 @@ def test_server_killed_mid_epoch_through_the_loader(http_shards, redis_servers, 
     assert sorted(keys) == sorted(f"s{i:04d}" for i in range(N))  # each sample exactly once
     assert tar_requests(http_shards) > 0  # the dead node's share came from storage
     assert loader.stats()["cache"]["errors"] >= 1
+
+    servers[0].start()  # restarted on the same port, empty
+    time.sleep(0.3)  # past the breaker's backoff
+    assert sorted(k for b in loader for k in b) == sorted(f"s{i:04d}" for i in range(N))  # refills it
+    http_shards.stats.reset()
+    assert sorted(k for b in loader for k in b) == sorted(f"s{i:04d}" for i in range(N))
+    assert tar_requests(http_shards) == 0  # the restarted node serves its share again
+    probe = ClusterCache([servers[0].url])
+    assert probe.stats()["servers"][servers[0].url]["keys"] > 1
