@@ -6,6 +6,9 @@ float tensor in [0, 1]; written here, no torchvision), same batch size, same num
 torch reads ``dataset[i]`` per sample in its workers; stallfree gets ``decode=`` and reads batches
 ahead with ``get_many``. Rounds alternate torch / stallfree to spread machine noise.
 
+A third row runs ours with ``decode_threads=1`` (by default each of our workers decodes on as
+many threads as there are cores per worker, since PIL releases the GIL; torch's worker uses one).
+
 Reports images/s (ratio ours/torch), time to first batch, peak RSS of the process tree (psutil,
 main + workers). ``--remote-latency S`` serves the shards over the loopback HTTP server with S
 seconds added per request (an object store), where batched ranged reads matter.
@@ -18,9 +21,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import json
+import os
 import random
+import resource
+import statistics
 import sys
 import tempfile
 import threading
@@ -98,7 +105,15 @@ class PeakRSS:
         self._thread.join()
 
 
+def _cpu_s() -> float:
+    """CPU seconds of this process plus its exited (reaped) children: workers included."""
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def run_one(make, epochs: int) -> dict:
+    gc.collect()
+    cpu0 = _cpu_s()
     with PeakRSS() as rss:
         t0 = time.perf_counter()
         loader = make()
@@ -111,12 +126,14 @@ def run_one(make, epochs: int) -> dict:
                 images += batch["image"].shape[0]
         elapsed = time.perf_counter() - t0
         del loader
+        gc.collect()
     return {
         "images": images,
         "seconds": elapsed,
         "images_per_s": images / elapsed,
         "first_batch_s": first,
         "peak_rss_mb": rss.peak / 2**20,
+        "cpu_ms_per_image": (_cpu_s() - cpu0) * 1000 / images,
     }
 
 
@@ -154,34 +171,39 @@ def main(argv: list[str] | None = None) -> int:
             def torch_loader():
                 return tud.DataLoader(TorchStyle(ds), batch_size=bs, shuffle=True, num_workers=nw)
 
-            def our_loader():
-                return StallfreeLoader(
-                    ds, batch_size=bs, shuffle=True, num_workers=nw, decode=decode_augment, seed=0
+            def our_loader(threads=None):
+                return lambda: StallfreeLoader(
+                    ds,
+                    batch_size=bs,
+                    shuffle=True,
+                    num_workers=nw,
+                    decode=decode_augment,
+                    seed=0,
+                    decode_threads=threads,
                 )
 
-            rows: dict[str, list[dict]] = {"torch": [], "stallfree": []}
+            rows: dict[str, list[dict]] = {"torch": [], "stallfree": [], "stallfree_1thread": []}
             for _ in range(args.rounds):
                 rows["torch"].append(run_one(torch_loader, args.epochs))
-                rows["stallfree"].append(run_one(our_loader, args.epochs))
+                rows["stallfree"].append(run_one(our_loader(), args.epochs))
+                rows["stallfree_1thread"].append(run_one(our_loader(1), args.epochs))
 
     def best(name: str, key: str, fn=max) -> float:
         return fn(r[key] for r in rows[name])
 
-    summary = {
-        "settings": vars(args),
-        "torch": {
-            "images_per_s": best("torch", "images_per_s"),
-            "first_batch_s": best("torch", "first_batch_s", min),
-            "peak_rss_mb": best("torch", "peak_rss_mb"),
-        },
-        "stallfree": {
-            "images_per_s": best("stallfree", "images_per_s"),
-            "first_batch_s": best("stallfree", "first_batch_s", min),
-            "peak_rss_mb": best("stallfree", "peak_rss_mb"),
-        },
-        "rounds": rows,
-    }
+    names = list(rows)
+    summary: dict = {"settings": vars(args), "cores": len(os.sched_getaffinity(0)), "rounds": rows}
+    for name in names:
+        summary[name] = {
+            "images_per_s": best(name, "images_per_s"),
+            "first_batch_s": best(name, "first_batch_s", min),
+            "peak_rss_mb": best(name, "peak_rss_mb"),
+            "cpu_ms_per_image": best(name, "cpu_ms_per_image", min),
+        }
     summary["ratio_images_per_s"] = summary["stallfree"]["images_per_s"] / summary["torch"]["images_per_s"]
+    summary["ratio_1thread_images_per_s"] = (
+        summary["stallfree_1thread"]["images_per_s"] / summary["torch"]["images_per_s"]
+    )
     summary["round_ratios"] = [
         s["images_per_s"] / t["images_per_s"] for t, s in zip(rows["torch"], rows["stallfree"], strict=True)
     ]
@@ -193,17 +215,25 @@ def main(argv: list[str] | None = None) -> int:
         f"HTTP, {args.remote_latency * 1000:.0f} ms/request" if args.remote_latency is not None else "local"
     )
     sys.stdout.write(
-        f"{args.images} JPEGs ({where}), batch {bs}, {nw} workers, {args.epochs} epochs, best of {args.rounds}\n"
+        f"{args.images} JPEGs ({where}), batch {bs}, {nw} workers, {args.epochs} epochs, best of {args.rounds}, "
+        f"{summary['cores']} cores\n"
     )
-    sys.stdout.write(f"{'loader':<10} {'images/s':>9} {'first batch s':>14} {'peak RSS MiB':>13}\n")
-    for name in ("torch", "stallfree"):
+    sys.stdout.write(
+        f"{'loader':<18} {'images/s':>9} {'first batch s':>14} {'peak RSS MiB':>13} {'CPU ms/image':>13}\n"
+    )
+    for name in names:
         r = summary[name]
         sys.stdout.write(
-            f"{name:<10} {r['images_per_s']:>9.1f} {r['first_batch_s']:>14.3f} {r['peak_rss_mb']:>13.0f}\n"
+            f"{name:<18} {r['images_per_s']:>9.1f} {r['first_batch_s']:>14.3f} {r['peak_rss_mb']:>13.0f} "
+            f"{r['cpu_ms_per_image']:>13.2f}\n"
         )
     ratios = ", ".join(f"{x:.2f}" for x in summary["round_ratios"])
     sys.stdout.write(
-        f"ratio stallfree/torch images/s: {summary['ratio_images_per_s']:.2f}x (per round: {ratios})\n"
+        f"ratio stallfree/torch images/s (best of rounds): {summary['ratio_images_per_s']:.2f}x; "
+        f"median of per-round ratios {statistics.median(summary['round_ratios']):.2f}x ({ratios})\n"
+    )
+    sys.stdout.write(
+        f"ratio stallfree (decode_threads=1)/torch: {summary['ratio_1thread_images_per_s']:.2f}x\n"
     )
     return 0
 

@@ -11,6 +11,7 @@ exact resume, and a per-sample error policy.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -54,7 +55,9 @@ class DataLoader(tud.DataLoader):
     ``on_error`` (raise|skip|warn), ``max_failures`` (count, or fraction of the rank's epoch),
     ``order`` (auto|global|block|sequential), ``world`` (override rank/size), ``uneven`` (pad|drop:
     how ranks equalise an uneven tail), ``window`` (shards per block in block order),
-    ``worker_timeout`` (seconds a worker may spend on one batch before it counts as hung).
+    ``worker_timeout`` (seconds a worker may spend on one batch before it counts as hung),
+    ``decode_threads`` (threads per worker running the per-sample ``decode``; default: the cores
+    left per worker, 1 to 4 — PIL-style decoders release the GIL).
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class DataLoader(tud.DataLoader):
         uneven: str = "pad",
         window: int = 8,
         worker_timeout: float | None = 300.0,
+        decode_threads: int | None = None,
     ) -> None:
         super().__init__(
             dataset,
@@ -124,6 +128,9 @@ class DataLoader(tud.DataLoader):
         self._uneven = uneven
         self._window = window
         self._worker_timeout = worker_timeout
+        if decode_threads is not None and decode_threads < 1:
+            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
+        self._decode_threads = decode_threads
         self._world = resolve_world(world)
         self._device = self._resolve_device(device)
         ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
@@ -322,7 +329,17 @@ class DataLoader(tud.DataLoader):
             worker_init_fn=self.worker_init_fn,
             base_seed=base_seed,
             max_slots=(self.prefetch_factor or 2) + 1,
+            threads=self._threads(),
         )
+
+    def _threads(self) -> int:
+        """Decode threads per worker: as asked, else the cores left per worker (1 to 4)."""
+        if self._decode_threads is not None:
+            return self._decode_threads
+        if self._decode is None or hasattr(self._decode, "decode_batch"):
+            return 1  # no per-sample decode of ours to spread
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(4, cores // max(1, self.num_workers)))
 
     def _fast_iter(self) -> FastIterator:
         epoch, start = self._next_epoch, self._resume_from

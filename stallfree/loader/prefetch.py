@@ -16,7 +16,6 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -177,9 +176,14 @@ class FastIterator:
         self.on_batch = on_batch
         self.on_end = on_end
         self.owns_engine = owns_engine
-        depth = max(2, prefetch_factor)
-        self.out_q: queue.Queue = queue.Queue(maxsize=depth)
+        # like torch: at most prefetch_factor x workers batches between dispatch and the consumer
+        depth = max(1, prefetch_factor) * engine.n
+        self.out_q: queue.Queue = queue.Queue()
         stats.queue_capacity = depth
+        self._credits = depth
+        self._lock = threading.Lock()
+        self._next_dispatch = 0
+        self.outstanding = [0] * engine.n
         self.stop = threading.Event()
         self.finished = False
         self.stream = torch.cuda.Stream() if device is not None and device.type == "cuda" else None
@@ -206,10 +210,12 @@ class FastIterator:
                 if event is not None:
                     torch.cuda.current_stream().wait_event(event)
                 self.on_batch(positions)
+                self._dispatch(credit=1)
                 self.stats.after_next(t0, samples)
                 return batch
             if kind == "skip":
                 self.on_batch(item[1])
+                self._dispatch(credit=1)
                 continue
             self.close(graceful=kind == "end")
             if kind == "end":
@@ -233,6 +239,19 @@ class FastIterator:
                             f"DataLoader timed out after {self.timeout} seconds ({self._waiting_on()})"
                         ),
                     )
+
+    def _dispatch(self, credit: int = 0) -> None:
+        """Send tasks while credit lasts (a credit comes back when the consumer takes a batch)."""
+        eng = self.engine
+        with self._lock:
+            self._credits += credit
+            while self._credits > 0 and self._next_dispatch < len(self.batches) and not self.stop.is_set():
+                seq = self._next_dispatch
+                w = seq % eng.n
+                eng.task_qs[w].put((self.gen, seq, [int(i) for i in self.batches[seq]]))
+                self.outstanding[w] += 1
+                self._next_dispatch += 1
+                self._credits -= 1
 
     def _waiting_on(self) -> str:
         return "; ".join(f"worker {wid} {self.engine.doing(wid)}" for wid in range(self.engine.n))
@@ -272,21 +291,12 @@ class FastIterator:
 
     def _assemble(self) -> None:
         eng = self.engine
-        todo = [deque(s for s in range(len(self.batches)) if s % eng.n == w) for w in range(eng.n)]
-        outstanding = [0] * eng.n
+        outstanding = self.outstanding
         last_seen = [time.monotonic()] * eng.n
         pending: dict[int, tuple] = {}
         next_emit = 0
         failures: list[tuple[int, str, str]] = []
-
-        def dispatch(w: int) -> None:
-            while outstanding[w] < self.pf and todo[w]:
-                seq = todo[w].popleft()
-                eng.task_qs[w].put((self.gen, seq, [int(i) for i in self.batches[seq]]))
-                outstanding[w] += 1
-
-        for w in range(eng.n):
-            dispatch(w)
+        self._dispatch()
         while next_emit < len(self.batches):
             if self.stop.is_set():
                 return
@@ -312,7 +322,8 @@ class FastIterator:
                     eng.free_qs[wid].put(msg[4])
                 continue
             last_seen[wid] = time.monotonic()
-            outstanding[wid] -= 1
+            with self._lock:
+                outstanding[wid] -= 1
             if kind == "error":
                 msg[6].reraise()
             t0 = time.perf_counter()
@@ -328,7 +339,6 @@ class FastIterator:
             self.stats.add_stages(timing)
             if cache_stats is not None:
                 self.stats.add_cache(cache_stats)
-            dispatch(wid)
             self._count_failures(failures, fails)
             pending[seq] = (batch, n_good)
             if not self.in_order:

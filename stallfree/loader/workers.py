@@ -16,6 +16,7 @@ import queue
 import random
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,7 @@ class WorkerSpec:
     use_shm: bool = True
     max_slots: int = 3
     in_process: bool = False
+    threads: int = 1  # decode threads in each worker
     parent_pid: int = field(default_factory=os.getpid)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
     cache_baseline: dict | None = None  # cache counters at the worker's last report
@@ -155,6 +157,8 @@ class _Slots:
         self.dropped: list[int] = []
         self.max_slots = max_slots
         self.free_q = free_q
+        self.last_size = 0
+        self.fresh: list[int] = []  # slots made ahead whose storage the main process has not seen
 
     def _drain(self) -> None:
         try:
@@ -176,7 +180,11 @@ class _Slots:
             return self.vacant.pop()
         if len(self.storages) < self.HARD_CAP:
             self.storages.append(None)
-            return len(self.storages) - 1
+            k = len(self.storages) - 1
+            if self.last_size:  # size a new slot like the last batch: collate goes straight in
+                self.grow(k, self.last_size)
+                self.fresh.append(k)
+            return k
         return self.free_q.get()
 
     def take_dropped(self) -> list[int]:
@@ -186,7 +194,15 @@ class _Slots:
     def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1 << 16))
         self.storages[slot] = storage
+        self.last_size = max(self.last_size, nbytes)
         return storage
+
+    def announce(self, slot: int) -> torch.UntypedStorage | None:
+        """The slot's storage if the main process has not been sent it yet."""
+        if slot in self.fresh:
+            self.fresh.remove(slot)
+            return self.storages[slot]
+        return None
 
 
 def _failure_tuple(f: pipeline.SampleFailure) -> tuple[int, str, str, str]:
@@ -245,7 +261,7 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
 def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress) -> tuple:
     t0 = time.perf_counter()
     if not mapped and not spec.raw_only and spec.map_fn is not None:
-        items = _map_tracking(items, indices, spec.map_fn, progress)
+        items = _map_tracking(items, indices, spec.map_fn, progress, spec.threads)
     t1 = time.perf_counter()
     good, good_idx, bad = pipeline.split_failures(items, indices)
     if bad and spec.on_error == "raise":
@@ -267,7 +283,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good), [])
         slot = slots.acquire()
         storage = slots.storages[slot]
-        new_storage = None
+        new_storage = slots.announce(slot)
         arena = shm.Arena(storage)
         batch = (
             spec.collate_fn(good) if spec.collate_fn is not None else shm.default_collate_into(good, arena)
@@ -275,6 +291,8 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         desc, needed = shm.describe(batch, arena)
         if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
             slots.free.append(slot)
+            if new_storage is not None:
+                slots.fresh.append(slot)
             timing["collate_s"] = time.perf_counter() - t1
             return (
                 "batch",
@@ -291,7 +309,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
                 slots.take_dropped(),
             )
         if desc is None:
-            storage = new_storage = slots.grow(slot, int(needed * 1.25))
+            storage = new_storage = slots.grow(slot, needed + (1 << 16))
             desc, _ = shm.describe(batch, shm.Arena(storage))
         timing["collate_s"] = time.perf_counter() - t1
         return (
@@ -320,9 +338,24 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         )
 
 
-def _map_tracking(items, indices, fn, progress) -> list[Any]:
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _map_tracking(items, indices, fn, progress, threads: int = 1) -> list[Any]:
+    """Map a batch, sample by sample; with ``threads`` > 1 on a thread pool (PIL and most
+    decoders release the GIL while they work, so one worker process can keep several cores busy)."""
+    global _POOL
+    if threads > 1 and len(items) > 1:
+        if _POOL is None or _POOL._max_workers != threads:
+            _POOL = ThreadPoolExecutor(threads, thread_name_prefix="stallfree-decode")
+
+        def one(pair: tuple[Any, int]) -> Any:
+            progress[MAP_IDX] = int(pair[1])
+            return pipeline.apply_map([pair[0]], [pair[1]], fn)[0]
+
+        return list(_POOL.map(one, zip(items, indices, strict=True)))
     out = []
-    for s, i in zip(items, indices, strict=False):
+    for s, i in zip(items, indices, strict=True):
         progress[MAP_IDX] = int(i)
         out.extend(pipeline.apply_map([s], [i], fn))
     return out
