@@ -62,7 +62,7 @@ class SlowDataset(tud.Dataset):
         self.delay = delay
 
     def __len__(self) -> int:
-        return 4
+        return 1
 
     def __getitem__(self, i: int):
         time.sleep(self.delay)
@@ -343,7 +343,7 @@ def test_worker_error_message_names_the_worker():
 
 
 def test_timeout_raises_instead_of_hanging():
-    loader = DataLoader(SlowDataset(delay=3.0), batch_size=1, num_workers=1, timeout=0.5)
+    loader = DataLoader(SlowDataset(delay=2.0), batch_size=1, num_workers=1, timeout=0.5)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="timed out"):
         next(iter(loader))
