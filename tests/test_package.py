@@ -28,3 +28,22 @@ def test_shard_error_names_shard_key_and_offset():
 
     again = pickle.loads(pickle.dumps(err))
     assert (again.shard, again.key, again.offset, str(again)) == (err.shard, err.key, err.offset, str(err))
+
+
+def test_public_api_names_resolve():
+    import stallfree.cache
+    import stallfree.gpu_decode
+    import stallfree.shards
+
+    for name in stallfree.__all__:
+        assert getattr(stallfree, name) is not None
+    assert stallfree.DataLoader.__module__ == "stallfree.loader.dataloader"
+    assert stallfree.gpu_decode.ImageDecode is stallfree.ImageDecode
+    assert stallfree.shards.open_dataset is stallfree.open_dataset
+    assert stallfree.cache.TieredCache is stallfree.TieredCache
+
+
+def test_importing_the_package_does_not_import_torch():
+    code = "import sys, stallfree, stallfree.cache, stallfree.shards, stallfree.gpu_decode; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
