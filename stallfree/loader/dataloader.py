@@ -57,7 +57,8 @@ class DataLoader(tud.DataLoader):
     how ranks equalise an uneven tail), ``window`` (shards per block in block order),
     ``worker_timeout`` (seconds a worker may spend on one batch before it counts as hung),
     ``decode_threads`` (threads per worker running the per-sample ``decode``; default: the cores
-    left per worker, 1 to 4 — PIL-style decoders release the GIL).
+    left per worker, 1 to 4 — PIL-style decoders release the GIL), ``autotune`` (adapt the number
+    of batches in flight from queue occupancy and consumer waits, within ``memory_budget`` bytes).
     """
 
     def __init__(
@@ -92,6 +93,8 @@ class DataLoader(tud.DataLoader):
         window: int = 8,
         worker_timeout: float | None = 300.0,
         decode_threads: int | None = None,
+        autotune: bool = False,
+        memory_budget: int = 1 << 30,
     ) -> None:
         super().__init__(
             dataset,
@@ -131,6 +134,11 @@ class DataLoader(tud.DataLoader):
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
         self._decode_threads = decode_threads
+        self._autotune = bool(autotune)
+        if memory_budget <= 0:
+            raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget}")
+        self._memory_budget = int(memory_budget)
+        self._tuner = None
         self._world = resolve_world(world)
         self._device = self._resolve_device(device)
         ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
@@ -265,6 +273,13 @@ class DataLoader(tud.DataLoader):
             num_workers=self.num_workers,
             epoch=(self._epoch_state or {}).get("epoch", self._next_epoch),
         )
+        if self._tuner is not None:
+            out["autotune"] = {
+                "depth": self._tuner.depth,
+                "batch_bytes": self._tuner.batch_bytes,
+                "memory_budget": self._memory_budget,
+                "history": list(self._tuner.history[-20:]),
+            }
         dec = getattr(self._decode, "stats", None)
         if callable(dec):
             try:
@@ -332,6 +347,21 @@ class DataLoader(tud.DataLoader):
             threads=self._threads(),
         )
 
+    def _make_tuner(self, n_workers: int) -> Any:
+        """The depth tuner (kept across epochs so a tuned depth carries over), or None."""
+        if not self._autotune:
+            return None
+        from stallfree.loader.autotune import DepthTuner
+
+        if self._tuner is None:
+            self._tuner = DepthTuner(
+                (self.prefetch_factor or 2) * n_workers,
+                min_depth=n_workers,
+                max_depth=16 * n_workers,
+                memory_budget=self._memory_budget,
+            )
+        return self._tuner
+
     def _threads(self) -> int:
         """Decode threads per worker: as asked, else the cores left per worker (1 to 4)."""
         if self._decode_threads is not None:
@@ -394,6 +424,7 @@ class DataLoader(tud.DataLoader):
             on_batch=on_batch,
             on_end=on_end,
             owns_engine=owns,
+            tuner=self._make_tuner(engine.n),
         )
         self._active = it
         return it

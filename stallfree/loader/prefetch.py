@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import shm
+from stallfree.loader.autotune import DepthTuner
 from stallfree.loader.errors import FailureBudgetExceeded, LoaderError, WorkerDiedError, WorkerHungError
 from stallfree.loader.stats import LoaderStats
 from stallfree.loader.workers import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ, WorkerSpec, worker_main
@@ -157,8 +158,10 @@ class FastIterator:
         on_batch: Callable[[int], None],
         on_end: Callable[[], None],
         owns_engine: bool,
+        tuner: DepthTuner | None = None,
     ) -> None:
         self.engine = engine
+        self.tuner = tuner
         engine.gen += 1
         self.gen = engine.gen
         self.batches = batches
@@ -177,7 +180,7 @@ class FastIterator:
         self.on_end = on_end
         self.owns_engine = owns_engine
         # like torch: at most prefetch_factor x workers batches between dispatch and the consumer
-        depth = max(1, prefetch_factor) * engine.n
+        depth = tuner.depth if tuner is not None else max(1, prefetch_factor) * engine.n
         self.out_q: queue.Queue = queue.Queue()
         stats.queue_capacity = depth
         self._credits = depth
@@ -202,7 +205,8 @@ class FastIterator:
         if self.finished:
             raise StopIteration
         while True:
-            t0 = self.stats.before_next(self.out_q.qsize())
+            occupancy = self.out_q.qsize()
+            t0 = self.stats.before_next(occupancy)
             item = self._get()
             kind = item[0]
             if kind == "batch":
@@ -210,7 +214,12 @@ class FastIterator:
                 if event is not None:
                     torch.cuda.current_stream().wait_event(event)
                 self.on_batch(positions)
-                self._dispatch(credit=1)
+                credit = 1
+                if self.tuner is not None:
+                    delta = self.tuner.observe(occupancy, time.perf_counter() - t0)
+                    credit += delta
+                    self.stats.queue_capacity = self.tuner.depth
+                self._dispatch(credit=credit)
                 self.stats.after_next(t0, samples)
                 return batch
             if kind == "skip":
@@ -335,6 +344,8 @@ class FastIterator:
                 )
             else:
                 batch = desc
+            if self.tuner is not None and slot is not None:
+                self.tuner.saw_batch_bytes(shm.described_bytes(desc))
             timing = dict(timing, transfer_s=time.perf_counter() - t0)
             self.stats.add_stages(timing)
             if cache_stats is not None:

@@ -124,6 +124,19 @@ class _NoRoom(Exception):
     pass
 
 
+def described_bytes(desc: Any) -> int:
+    """Bytes of tensor data a description stands for."""
+    total = [0]
+
+    def leaf(ref: Any) -> Any:
+        if isinstance(ref, TensorRef):
+            total[0] += ref.nbytes
+        return ref
+
+    _walk_refs(desc, leaf)
+    return total[0]
+
+
 class _Lease:
     """Keeps a slot's storage mapped while any tensor of its batch lives; hands it back after."""
 
