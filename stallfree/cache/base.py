@@ -179,7 +179,8 @@ class BaseCache:
             try:
                 encoded.append((key.to_bytes(), codec.encode(value)))
             except codec.CodecError as exc:
-                log.warning("%s: cannot cache %s: %s", self.name, key, exc)
+                if not self._stats["errors"]:  # once per cache object; the rest are counted
+                    log.warning("%s: cannot cache %s (further ones only counted): %s", self.name, key, exc)
                 self._stats.add(errors=1)
         self.put_encoded_many(encoded)
 

@@ -12,11 +12,13 @@ Layout (little-endian)::
     array   : len(dtype) u8 | dtype.str ascii | ndim u8 | shape u64 * ndim | C-order buffer
     dict    : count u32 | per field: len(name) u16 | name utf-8 | tag u8 | len u64 | value
               tags: b bytes, s str (utf-8), i int64, I big int (decimal ascii), f float64,
-                    ? bool, n None, a array (as above)
+                    ? bool, n None, a array (as above), j list/tuple/dict as JSON text
+                    (JSON values only; a tuple comes back as a list)
 """
 
 from __future__ import annotations
 
+import json
 import struct
 import zlib
 from typing import Any
@@ -109,6 +111,12 @@ def _field(name: str, value: Any) -> tuple[int, list[bytes | memoryview]]:
         return ord("n"), []
     if isinstance(value, np.ndarray):
         return ord("a"), _array_parts(value)
+    if isinstance(value, (list, tuple, dict)):
+        try:
+            text = json.dumps(value, allow_nan=True, separators=(",", ":"))
+        except (TypeError, ValueError) as exc:
+            raise CodecError(f"cannot cache field {name!r}: {exc}") from exc
+        return ord("j"), [text.encode("utf-8")]
     raise CodecError(f"cannot cache field {name!r} of type {type(value).__name__}")
 
 
@@ -205,4 +213,9 @@ def _read_field(name: str, tag: int, body: memoryview) -> Any:
         return None
     if t == "a":
         return _read_array(body)
+    if t == "j":
+        try:
+            return json.loads(bytes(body).decode("utf-8"))
+        except json.JSONDecodeError as exc:
+            raise CodecError(f"field {name!r} is not valid JSON: {exc}") from exc
     raise CodecError(f"field {name!r} has unknown tag {tag}")

@@ -23,7 +23,8 @@ def test_header_layout_is_explicit():
     [
         (np.array([object()]), "object arrays need pickle"),
         ({1: b"x"}, "field names must be str"),
-        ({"x": [1, 2]}, "cannot cache field 'x' of type list"),
+        ({"x": [1, object()]}, "cannot cache field 'x': Object of type object"),
+        ({"x": {1, 2}}, "cannot cache field 'x' of type set"),
         ("a string", "cannot cache a value of type str"),
         (3.5, "cannot cache a value of type float"),
     ],
@@ -86,3 +87,8 @@ def test_numpy_scalars_become_python_values():
     out = codec.decode(codec.encode({"a": np.int64(3), "b": np.float32(0.5), "c": np.bool_(True)}))
     assert out == {"a": 3, "b": 0.5, "c": True}
     assert [type(v) for v in out.values()] == [int, float, bool]
+
+
+def test_list_and_dict_fields_travel_as_json():
+    sample = {"boxes": [[1, 2, 3, 4], [5.5, 6, 7, 8]], "meta": {"src": "coco", "ok": True}, "t": (1, "a")}
+    assert codec.decode(codec.encode(sample)) == {**sample, "t": [1, "a"]}
