@@ -68,13 +68,19 @@ def test_epoch2_reads_nothing_from_storage_when_the_cluster_fits(redis_servers, 
     assert all(60 <= h <= 140 for h in held)
 
 
+@pytest.mark.parametrize("sizes", ["equal", "varied"])
 def test_minio_cluster_at_a_third_per_node_holds_the_dataset_node_local_does_not(
-    redis_servers, counting_dataset, tmp_path
+    redis_servers, counting_dataset, tmp_path, sizes
 ):
     servers = redis_servers(3)
     ds = counting_dataset(N)
+    if sizes == "varied":  # 200 B .. 3 KB payloads
+        rng = np.random.default_rng(5)
+        for s in ds.samples:
+            s["jpg"] = s["jpg"] * 3
+            s["jpg"] = s["jpg"][: int(rng.integers(200, 3000))]
     total, biggest = dataset_bytes(ds)
-    per_node = math.ceil(total / 3) + biggest  # a third, plus one entry of slack for rounding
+    per_node = math.ceil(total / 3)  # exactly a third: spilling to the next-ranked server fills every node
     cluster = per_rank(ClusterCache([s.url for s in servers], capacity_bytes=per_node, policy="minio"))
     run_epoch(ds, cluster, 1)
     _, cluster2 = run_epoch(ds, cluster, 2)
@@ -84,10 +90,11 @@ def test_minio_cluster_at_a_third_per_node_holds_the_dataset_node_local_does_not
     _, local2 = run_epoch(ds, local, 2)
 
     print(
-        f"\nepoch-2 storage reads of {N}: cluster(minio, 1/3 per node) {cluster2.storage_reads}, "
+        f"\n{sizes} sizes, epoch-2 storage reads of {N}: cluster(minio, 1/3 per node) {cluster2.storage_reads}, "
         f"node-local(1/3 each) {local2.storage_reads}"
     )
-    assert cluster2.storage_reads <= N // 100
+    # equal sizes fit exactly; varied ones may leave less than one entry of room per server unused
+    assert cluster2.storage_reads == 0 if sizes == "equal" else cluster2.storage_reads <= N // 50
     assert 0.55 <= local2.storage_reads / N <= 0.78  # ~2/3: each node caches only its own epoch-1 third
     for server in cluster[0].stats()["servers"].values():
         assert server["cached_bytes"] <= per_node
