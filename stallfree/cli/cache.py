@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument("--port", type=int, default=6380, help="TCP port (default 6380; 0 = any free port)")
     serve.add_argument(
-        "--capacity", default="8GB", help="memory for cached samples, e.g. 64GB, 512MiB (default 8GB)"
+        "--capacity",
+        default="8GB",
+        help="memory limit of the server (maxmemory), e.g. 64GB, 512MiB (default 8GB)",
     )
     serve.add_argument(
         "--policy", choices=["minio", "lru"], default="minio", help="admission policy (default minio)"
