@@ -10,8 +10,11 @@ exact resume, and a per-sample error policy.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -142,17 +145,21 @@ class DataLoader(tud.DataLoader):
         self._world = resolve_world(world)
         self._device = self._resolve_device(device)
         ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
+        iterable = isinstance(dataset, tud.IterableDataset)
         self._fast = (
-            not isinstance(dataset, tud.IterableDataset)
+            not iterable
             and sampler is None
             and batch_sampler is None
             and batch_size is not None
             and (bool(shuffle) or is_sharded(dataset) or ours)
         )
-        if not self._fast and (cache is not None or decode is not None):
-            raise ValueError(
-                "cache= and decode= need the fast path: a map-style dataset, batch_size set, no sampler/batch_sampler"
-            )
+        # fast: our order and rank split; sampler: the user's (or torch's default) sampler through our
+        # workers; iterable: torch's own machinery (the dataset decides what each worker yields)
+        self._mode = "fast" if self._fast else ("iterable" if iterable else "sampler")
+        if iterable and (cache is not None or decode is not None):
+            raise ValueError("cache= and decode= need a map-style dataset (one with __getitem__ and __len__)")
+        if decode is not None and hasattr(decode, "decode_batch") and batch_size is None:
+            raise ValueError("a decode_batch decoder needs batch_size set (it decodes whole batches)")
         if order == "auto":
             order = (
                 ("block" if is_sharded(dataset) and _is_remote(dataset) else "global")
@@ -162,12 +169,12 @@ class DataLoader(tud.DataLoader):
         elif not shuffle and order != "sequential" and self._fast and not is_sharded(dataset):
             logger.info("order=%r with shuffle=%r: using the requested order", order, shuffle)
         self._order = order
-        self._seed = self._resolve_seed(seed, generator)
+        self._seed = self._resolve_seed(seed, generator) if self._fast else int(seed or 0)
         self._stats = LoaderStats()
         self._next_epoch = 0
         self._resume_from = 0
         self._skip_batches = 0
-        self._active: Any = None
+        self._active: weakref.ref | None = None  # the current iterator, which holds us (not the reverse)
         self._engine: Engine | None = None
         self._epoch_state: dict[str, int] | None = None  # epoch, start, received positions, done
 
@@ -201,8 +208,13 @@ class DataLoader(tud.DataLoader):
     def fast_path(self) -> bool:
         return self._fast
 
+    @property
+    def mode(self) -> str:
+        """``fast`` (our order and rank split), ``sampler`` (a sampler through our workers) or ``iterable``."""
+        return self._mode
+
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of ``epoch`` (fast path; else passed to the sampler)."""
+        """Start the next iteration at the beginning of ``epoch`` (also passed on to a sampler with set_epoch)."""
         self._next_epoch, self._resume_from, self._skip_batches = int(epoch), 0, 0
         if not self._fast:
             for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
@@ -215,9 +227,11 @@ class DataLoader(tud.DataLoader):
         return len(self._plan(0, 0))
 
     def __iter__(self) -> Any:
-        if not self._fast:
-            return self._generic_iter()
-        return self._fast_iter()
+        if self._mode == "fast":
+            return self._fast_iter()
+        if self._mode == "sampler":
+            return self._sampler_iter()
+        return self._generic_iter()
 
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has received so far (never what was only prefetched); JSON-safe."""
@@ -233,7 +247,9 @@ class DataLoader(tud.DataLoader):
             epoch, consumed = self._next_epoch, self._resume_from
         batches = 0
         if not self._fast:
-            if st is not None and not st["done"]:
+            if st is None:
+                batches = self._skip_batches
+            elif not st["done"]:
                 epoch, batches = st["epoch"], st["received"]
             elif st is not None:
                 epoch = st["epoch"] + 1
@@ -242,7 +258,7 @@ class DataLoader(tud.DataLoader):
             epoch=epoch,
             consumed=consumed,
             dataset_len=n,
-            mode="fast" if self._fast else "generic",
+            mode=self._mode,
             batches=batches,
             world_size=self._world.size,
         ).to_dict()
@@ -250,7 +266,7 @@ class DataLoader(tud.DataLoader):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue from ``state`` on the next ``iter()`` (any world size / worker count)."""
         st = LoaderState.from_dict(state)
-        mode = "fast" if self._fast else "generic"
+        mode = self._mode
         if st.mode != mode:
             raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
         if self._fast and st.dataset_len != len(self.dataset):
@@ -267,7 +283,7 @@ class DataLoader(tud.DataLoader):
         """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""
         out = self._stats.as_dict()
         out.update(
-            path="fast" if self._fast else "generic",
+            path=self._mode,
             rank=self._world.rank,
             world_size=self._world.size,
             num_workers=self.num_workers,
@@ -290,12 +306,16 @@ class DataLoader(tud.DataLoader):
 
     def close(self) -> None:
         """Stop any workers now (they also stop when the loader is garbage collected)."""
-        if self._active is not None:
-            self._active.close()
-            self._active = None
+        self._close_active()
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+
+    def _close_active(self) -> None:
+        it = self._active() if self._active is not None else None
+        if it is not None:
+            it.close()
+        self._active = None
 
     # -- fast path ----------------------------------------------------------------------
     def _order_for(self, epoch: int) -> np.ndarray:
@@ -317,24 +337,20 @@ class DataLoader(tud.DataLoader):
         share = order_mod.rank_share(full, start, w.rank, w.size, self._uneven)
         return order_mod.batches(share, self.batch_size, self.drop_last)
 
-    def _spec(self, epoch: int) -> WorkerSpec:
+    def _spec(self, base_seed: int) -> WorkerSpec:
         dec = self._decode
         batch_decoder = dec is not None and hasattr(dec, "decode_batch")
         stage = getattr(dec, "cache_stage", None) if (dec is not None and not batch_decoder) else None
         fingerprint = getattr(self.dataset, "fingerprint", None)
-        if self._cache is not None and fingerprint is None:
+        if self._cache is not None and not (isinstance(fingerprint, str) and fingerprint):
             raise ValueError(
                 "cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)"
             )
-        base_seed = int(
-            np.random.SeedSequence([self._seed & (2**63 - 1), epoch, self._world.rank, 7]).generate_state(1)[
-                0
-            ]
-        )
         return WorkerSpec(
             dataset=self.dataset,
             num_workers=self.num_workers,
-            collate_fn=self._user_collate,
+            collate_fn=None if self.collate_fn is tud.default_collate else self.collate_fn,
+            auto_collation=self._auto_collation,
             map_fn=None if batch_decoder else dec,
             cache=self._cache,
             stage=stage if self._cache is not None else None,
@@ -346,6 +362,109 @@ class DataLoader(tud.DataLoader):
             max_slots=(self.prefetch_factor or 2) + 1,
             threads=self._threads(),
         )
+
+    def _engine_for(self, base_seed: int) -> tuple[Engine, bool]:
+        """The worker pool for the next iteration, and whether the iterator owns (and ends) it."""
+        self._close_active()
+        if self.pin_memory and not torch.cuda.is_available():
+            warnings.warn(  # torch's own warning, so scripts see the same thing
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+        if self.persistent_workers and self.num_workers > 0:
+            if self._engine is None or self._engine.closed:
+                self._engine = Engine(self._spec(base_seed), self.num_workers, self.multiprocessing_context)
+            return self._engine, False
+        return Engine(self._spec(base_seed), self.num_workers, self.multiprocessing_context), True
+
+    def _make_iterator(
+        self, engine: Engine, owns: bool, batches: Any, total: int | None, st: dict[str, int], count: str
+    ) -> FastIterator:
+        planned = st.setdefault("planned", -1)
+
+        def on_batch(positions: int) -> None:
+            st["received"] += 1 if count == "batches" else positions
+            if planned >= 0 and st["received"] >= planned:
+                st["done"] = 1  # everything this rank owes is received: a save now resumes at the next epoch
+
+        def on_end() -> None:
+            st["done"] = 1
+
+        epoch, rank, seed = st["epoch"], self._world.rank, self._seed
+
+        def decode_seed(seq: int) -> int:
+            return int(np.random.SeedSequence([seed & (2**63 - 1), epoch, rank, seq]).generate_state(1)[0])
+
+        it = FastIterator(
+            engine,
+            batches,
+            total=total,
+            prefetch_factor=self.prefetch_factor or 2,
+            in_order=self.in_order,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            device=self._device,
+            decode_batch=self._decode
+            if (self._decode is not None and hasattr(self._decode, "decode_batch"))
+            else None,
+            decode_seed=decode_seed,
+            on_error=self._on_error,
+            budget=failure_budget(self._max_failures, st["samples"]) if self._on_error != "raise" else None,
+            timeout=float(self.timeout or 0),
+            worker_timeout=self._worker_timeout,
+            stats=self._stats,
+            on_batch=on_batch,
+            on_end=on_end,
+            owns_engine=owns,
+            tuner=self._make_tuner(engine.n),
+        )
+        it.owner = self  # the loader lives as long as any iterator of it
+        self._active = weakref.ref(it)
+        return it
+
+    def _fast_iter(self) -> FastIterator:
+        epoch, start = self._next_epoch, self._resume_from
+        self._next_epoch, self._resume_from = epoch + 1, 0
+        start = min(start, len(self.dataset))  # a saved end-of-epoch state: nothing left this epoch
+        plan = self._plan(epoch, start)
+        seed = self._seed & (2**63 - 1)
+        engine, owns = self._engine_for(
+            int(np.random.SeedSequence([seed, epoch, self._world.rank, 7]).generate_state(1)[0])
+        )
+        samples = sum(len(b) for b in plan)
+        st = {
+            "epoch": epoch,
+            "start": start,
+            "received": 0,
+            "done": 0,
+            "planned": samples,
+            "samples": samples,
+        }
+        self._epoch_state = st
+        return self._make_iterator(engine, owns, plan, len(plan), st, count="samples")
+
+    def _sampler_iter(self) -> FastIterator:
+        """Any sampler / batch sampler (torch's rules), through our workers; resume skips indices only."""
+        epoch, skip = self._next_epoch, self._skip_batches
+        self._next_epoch, self._skip_batches = epoch + 1, 0
+        source: Any = iter(self._index_sampler)
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        if not self._auto_collation:
+            source = ([i] for i in source)
+        if skip:
+            source = itertools.islice(source, skip, None)
+        try:
+            total: int | None = max(0, super().__len__() - skip)
+        except TypeError:
+            total = None
+        engine, owns = self._engine_for(base_seed)
+        try:
+            samples = len(self.sampler)  # what a fractional failure budget is a fraction of
+        except TypeError:
+            samples = 0
+        st = {"epoch": epoch, "start": 0, "received": skip, "done": 0, "planned": -1, "samples": samples}
+        self._epoch_state = st
+        return self._make_iterator(engine, owns, source, total, st, count="batches")
 
     def _make_tuner(self, n_workers: int) -> Any:
         """The depth tuner (kept across epochs so a tuned depth carries over), or None."""
@@ -371,64 +490,6 @@ class DataLoader(tud.DataLoader):
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, min(4, cores // max(1, self.num_workers)))
 
-    def _fast_iter(self) -> FastIterator:
-        epoch, start = self._next_epoch, self._resume_from
-        self._next_epoch, self._resume_from = epoch + 1, 0
-        n = len(self.dataset)
-        if start >= n:  # a saved end-of-epoch state: this epoch has nothing left
-            start = n
-        plan = self._plan(epoch, start)
-        if self._active is not None:
-            self._active.close()
-        if self.persistent_workers and self.num_workers > 0:
-            if self._engine is None or self._engine.closed:
-                self._engine = Engine(self._spec(epoch), self.num_workers, self.multiprocessing_context)
-            engine, owns = self._engine, False
-        else:
-            engine, owns = Engine(self._spec(epoch), self.num_workers, self.multiprocessing_context), True
-        st = {"epoch": epoch, "start": start, "received": 0, "done": 0}
-        self._epoch_state = st
-        rank_samples = sum(len(b) for b in plan)
-
-        def on_batch(positions: int) -> None:
-            st["received"] += positions
-            if st["received"] >= rank_samples:
-                st["done"] = 1  # everything this rank owes is received: a save now resumes at the next epoch
-
-        def on_end() -> None:
-            st["done"] = 1
-
-        def decode_seed(seq: int) -> int:
-            return int(
-                np.random.SeedSequence(
-                    [self._seed & (2**63 - 1), epoch, self._world.rank, seq]
-                ).generate_state(1)[0]
-            )
-
-        it = FastIterator(
-            engine,
-            plan,
-            prefetch_factor=self.prefetch_factor or 2,
-            in_order=self.in_order,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            device=self._device,
-            decode_batch=self._decode
-            if (self._decode is not None and hasattr(self._decode, "decode_batch"))
-            else None,
-            decode_seed=decode_seed,
-            on_error=self._on_error,
-            budget=failure_budget(self._max_failures, rank_samples) if self._on_error != "raise" else None,
-            timeout=float(self.timeout or 0),
-            worker_timeout=self._worker_timeout,
-            stats=self._stats,
-            on_batch=on_batch,
-            on_end=on_end,
-            owns_engine=owns,
-            tuner=self._make_tuner(engine.n),
-        )
-        self._active = it
-        return it
-
     # -- generic path -------------------------------------------------------------------
     def _generic_iter(self) -> _GenericIter:
         epoch, skip = self._next_epoch, self._skip_batches
@@ -439,8 +500,7 @@ class DataLoader(tud.DataLoader):
 
     def __del__(self) -> None:
         try:
-            if self._active is not None:
-                self._active.close()
+            self._close_active()
             if self._engine is not None:
                 self._engine.shutdown()
         except Exception:  # noqa: BLE001 - interpreter shutdown

@@ -16,10 +16,9 @@ import multiprocessing as mp
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from stallfree.loader import shm
@@ -142,8 +141,9 @@ class FastIterator:
     def __init__(
         self,
         engine: Engine,
-        batches: list[np.ndarray],
+        batches: Iterable[Sequence[int]],
         *,
+        total: int | None = None,
         prefetch_factor: int,
         in_order: bool,
         pin_memory: bool,
@@ -164,7 +164,12 @@ class FastIterator:
         self.tuner = tuner
         engine.gen += 1
         self.gen = engine.gen
-        self.batches = batches
+        self._source = iter(batches)
+        self._total = total
+        self._sizes: dict[int, int] = {}  # seq -> samples planned, for batches not yet handed over
+        self._ahead: list[int] | None = None
+        self._exhausted = False
+        self._dispatched = 0
         self.pf = prefetch_factor
         self.in_order = in_order
         self.pin = pin_memory
@@ -185,7 +190,7 @@ class FastIterator:
         stats.queue_capacity = depth
         self._credits = depth
         self._lock = threading.Lock()
-        self._next_dispatch = 0
+        self._pull()
         self.outstanding = [0] * engine.n
         self.stop = threading.Event()
         self.finished = False
@@ -199,7 +204,9 @@ class FastIterator:
         return self
 
     def __len__(self) -> int:
-        return len(self.batches)
+        if self._total is None:
+            raise TypeError("this loader's sampler has no length")
+        return self._total
 
     def __next__(self) -> Any:
         if self.finished:
@@ -249,18 +256,31 @@ class FastIterator:
                         ),
                     )
 
+    def _pull(self) -> None:
+        """Read the next batch of indices one ahead, so the end of the epoch is known at once."""
+        try:
+            self._ahead = [int(i) for i in next(self._source)]
+        except StopIteration:
+            self._ahead, self._exhausted = None, True
+
     def _dispatch(self, credit: int = 0) -> None:
         """Send tasks while credit lasts (a credit comes back when the consumer takes a batch)."""
         eng = self.engine
         with self._lock:
             self._credits += credit
-            while self._credits > 0 and self._next_dispatch < len(self.batches) and not self.stop.is_set():
-                seq = self._next_dispatch
+            while self._credits > 0 and self._ahead is not None and not self.stop.is_set():
+                seq, indices = self._dispatched, self._ahead
                 w = seq % eng.n
-                eng.task_qs[w].put((self.gen, seq, [int(i) for i in self.batches[seq]]))
+                self._sizes[seq] = len(indices)
+                eng.task_qs[w].put((self.gen, seq, indices))
                 self.outstanding[w] += 1
-                self._next_dispatch += 1
+                self._dispatched += 1
                 self._credits -= 1
+                self._pull()
+
+    def _done(self, emitted: int) -> bool:
+        with self._lock:
+            return self._exhausted and emitted == self._dispatched
 
     def _waiting_on(self) -> str:
         return "; ".join(f"worker {wid} {self.engine.doing(wid)}" for wid in range(self.engine.n))
@@ -306,7 +326,7 @@ class FastIterator:
         next_emit = 0
         failures: list[tuple[int, str, str]] = []
         self._dispatch()
-        while next_emit < len(self.batches):
+        while not self._done(next_emit):
             if self.stop.is_set():
                 return
             try:
@@ -380,7 +400,7 @@ class FastIterator:
             )
 
     def _emit(self, seq: int, batch: Any, n_good: int, failures: list) -> None:
-        positions = len(self.batches[seq])
+        positions = self._sizes.pop(seq)
         if self.decode_batch is not None and n_good:
             batch, n_good = self._decode(seq, batch, failures)
         if not n_good:

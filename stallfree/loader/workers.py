@@ -55,6 +55,7 @@ class WorkerSpec:
     use_shm: bool = True
     max_slots: int = 3
     in_process: bool = False
+    auto_collation: bool = True  # False with batch_size=None: one sample per task, collate_fn(sample)
     threads: int = 1  # decode threads in each worker
     parent_pid: int = field(default_factory=os.getpid)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
@@ -274,20 +275,14 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         return ("batch", gen, seq, wid, None, None, good, failures, timing, cache_stats, len(good), [])
     try:
         if not spec.use_shm:
-            batch = (
-                spec.collate_fn(good)
-                if spec.collate_fn is not None
-                else torch.utils.data.default_collate(good)
-            )
+            batch = _collate(spec, good, None)
             timing["collate_s"] = time.perf_counter() - t1
             return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good), [])
         slot = slots.acquire()
         storage = slots.storages[slot]
         new_storage = slots.announce(slot)
         arena = shm.Arena(storage)
-        batch = (
-            spec.collate_fn(good) if spec.collate_fn is not None else shm.default_collate_into(good, arena)
-        )
+        batch = _collate(spec, good, arena)
         desc, needed = shm.describe(batch, arena)
         if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
             slots.free.append(slot)
@@ -339,6 +334,18 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
 
 
 _POOL: ThreadPoolExecutor | None = None
+
+
+def _collate(spec: WorkerSpec, good: list[Any], arena: shm.Arena | None) -> Any:
+    """torch's rules: ``collate_fn(list)`` when batching, ``collate_fn(sample)`` with batch_size=None;
+    our default collate writes straight into the shared slot."""
+    if not spec.auto_collation:
+        return spec.collate_fn(good[0])
+    if spec.collate_fn is not None:
+        return spec.collate_fn(good)
+    if arena is None:
+        return torch.utils.data.default_collate(good)
+    return shm.default_collate_into(good, arena)
 
 
 def _map_tracking(items, indices, fn, progress, threads: int = 1) -> list[Any]:
