@@ -1,11 +1,16 @@
 """``stallfree.DataLoader``: torch's DataLoader signature and behaviour, plus a fast path.
 
-Any dataset, sampler, batch sampler or collate_fn runs through torch's own machinery (the
-*generic path*), so existing scripts behave exactly as before. A map-style dataset with no
-sampler and ``shuffle=True`` (or any stallfree sharded dataset, or when one of our options such as
-``cache=``/``decode=``/``seed=`` is given) takes the *fast path*: our seeded, world-size-independent
-epoch order split into equal disjoint rank shares, clairvoyant read-ahead, shared-memory slots,
-exact resume, and a per-sample error policy.
+Three modes, chosen from the arguments (``loader.mode``):
+
+- ``fast``: a map-style dataset with no sampler and ``shuffle=True`` (or any stallfree sharded
+  dataset, or when one of our options such as ``seed=``/``cache=``/``decode=``/``world=`` is
+  given): our seeded, world-size-independent epoch order split into equal disjoint rank shares,
+  clairvoyant read-ahead, shared-memory slots, exact resume on any world size.
+- ``sampler``: any other map-style dataset: torch's sampler / batch sampler / collate rules, run on
+  our workers (same read-ahead and slots; errors name the sample; dead or hung workers are errors;
+  resume skips indices without reading them).
+- ``iterable``: an ``IterableDataset`` runs on torch's own machinery (the dataset decides what each
+  worker yields), measured for ``stats()``; resume replays and discards.
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ def _is_remote(dataset: Any) -> bool:
 
 
 class DataLoader(tud.DataLoader):
-    """Drop-in for ``torch.utils.data.DataLoader``; see the module docstring for the fast path.
+    """Drop-in for ``torch.utils.data.DataLoader``; see the module docstring for the three modes.
 
     Our keyword-only options: ``seed`` (epoch order; default drawn from ``generator`` or torch's
     RNG, and 0 in a multi-rank job as DistributedSampler does), ``cache`` (a stallfree cache: raw
