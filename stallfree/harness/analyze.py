@@ -61,11 +61,13 @@ def analysis_phases(cfg: BenchConfig) -> list[Phase]:
     from stallfree.harness.datasets import mean_sample_bytes, resolve_dataset
 
     name = analysis_loader(cfg)
-    dataset = resolve_dataset(cfg.dataset, cfg.storage_options)
+    dataset = (
+        resolve_dataset(cfg.warm_from) if cfg.warm_from else resolve_dataset(cfg.dataset, cfg.storage_options)
+    )
     n = len(dataset)
     subset = cached_subset_size(cfg, n)
     x = whatif_share(cfg, mean_sample_bytes(dataset) * n)
-    return [
+    phases = [
         Phase("analyze:synthetic", "synthetic"),
         Phase("analyze:prep", name, variant="cached", step="none", subset=subset),
         Phase("analyze:fetch+prep", name, variant="cold", step="none", cache_fraction=0.0),
@@ -73,6 +75,18 @@ def analysis_phases(cfg: BenchConfig) -> list[Phase]:
         Phase("analyze:train-cold", name, variant="cold", cache_fraction=0.0),
         Phase("analyze:whatif", name, variant="partial", cache_fraction=x),
     ]
+    if _reuses_loader_phase(cfg, name):
+        phases = [p for p in phases if p.label != "analyze:train-cold"]
+    return phases
+
+
+def _reuses_loader_phase(cfg: BenchConfig, name: str) -> bool:
+    """The loader's own bench phase is the cold training run when no warm cache is configured."""
+    return name in cfg.loaders and cfg.cache_fraction == 0.0
+
+
+def _cold_label(cfg: BenchConfig, name: str) -> str:
+    return name if _reuses_loader_phase(cfg, name) else "analyze:train-cold"
 
 
 def fetch_rate(fp: float, p: float, serial: bool) -> float:
@@ -146,7 +160,10 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
 
     name = analysis_loader(cfg)
     serial = SERIAL_FETCH_PREP.get(name, True)
-    dataset = resolve_dataset(cfg.dataset, cfg.storage_options)
+    # Probe sample sizes and memory read speed on the fast copy when there is one.
+    dataset = (
+        resolve_dataset(cfg.warm_from) if cfg.warm_from else resolve_dataset(cfg.dataset, cfg.storage_options)
+    )
     cache_bw, mean_bytes = _probe_cache_bandwidth(dataset, 64)
     total_bytes = mean_bytes * len(dataset)
     g = _speed(by_label, "analyze:synthetic")
@@ -154,10 +171,11 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
     fp = _speed(by_label, "analyze:fetch+prep")
     s_rate = fetch_rate(fp, p, serial)
     storage_bw = s_rate * mean_bytes
+    cold_label = _cold_label(cfg, name)
     t_g, t_p, t_c = (
-        1.0 / _speed(by_label, k) for k in ("analyze:synthetic", "analyze:train-cached", "analyze:train-cold")
+        1.0 / _speed(by_label, k) for k in ("analyze:synthetic", "analyze:train-cached", cold_label)
     )
-    cold = phase_entry(by_label["analyze:train-cold"])["job"]
+    cold = phase_entry(by_label[cold_label])["job"]
     # The ceiling the data path can reach once fetch is free: the step rate G, less the hand-off
     # cost (IPC, collate, queueing) the cached training run shows; min(F, P, G) with that G.
     g_eff = min(g, 1.0 / t_p)
@@ -201,6 +219,9 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
                 "speed"
             ],
         }
+    result["phases_samples_per_s"] = {
+        k: _speed(by_label, k) for k in by_label if k.startswith("analyze:") or k == cold_label
+    }
     result["advice"] = advice(result, serial)
     return result
 

@@ -9,6 +9,7 @@ sees the same data); any other spec is a shard dataset URL opened with ``stallfr
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -77,32 +78,68 @@ class SlowDataset:
 
 
 class PartialCache:
-    """A warm in-memory copy of the first ``fraction`` of the samples in front of ``base``.
+    """A warm in-memory copy of a share ``fraction`` of the samples in front of ``base``.
 
     Admit-until-full, never evict (MinIO-style), pre-filled at construction, so a run sees exactly
     ``fraction`` of its reads served from memory: what the what-if model's cache share ``x`` means.
+    ``fill_from`` (the same samples on faster storage) warms it without reading slow storage.
+    The cached indices are spread evenly over the dataset (every shard holds its share), so any
+    stretch of a run, in any order, sees about that share. A sharded ``base`` stays one to the
+    loader (shard sizes, fingerprint, URL are passed through; misses go through its batched reads).
     """
 
-    def __init__(self, base: Any, fraction: float) -> None:
+    _PASSTHROUGH = ("shard_sizes", "fingerprint", "url", "manifest", "format")
+
+    def __init__(self, base: Any, fraction: float, fill_from: Any = None) -> None:
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"cache fraction must be within [0, 1], got {fraction}")
+        source = base if fill_from is None else fill_from
+        if len(source) != len(base):
+            raise ValueError(f"cache fill source has {len(source)} samples, the dataset {len(base)}")
         self.base, self.fraction = base, fraction
-        self.cached = int(round(len(base) * fraction))
-        getter = getattr(base, "get_many", None)
-        indices = list(range(self.cached))
-        self._memory: list[Sample] = getter(indices) if getter else [base[i] for i in indices]
-        self.cached_bytes = sum(sample_bytes(s) for s in self._memory)
+        picked = _spread(base, fraction)
+        getter = getattr(source, "get_many", None)
+        samples = getter(picked) if getter else [source[i] for i in picked]
+        self._memory: dict[int, Sample] = dict(zip(picked, samples, strict=True))
+        self.cached = len(picked)
+        self.cached_bytes = sum(sample_bytes(s) for s in samples)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in PartialCache._PASSTHROUGH:
+            return getattr(self.__dict__["base"], name)
+        raise AttributeError(name)
 
     def __len__(self) -> int:
         return len(self.base)
 
     def __getitem__(self, index: int) -> Sample:
-        if 0 <= index < self.cached:
-            return self._memory[index]
-        return self.base[index]
+        hit = self._memory.get(index)
+        return hit if hit is not None else self.base[index]
 
     def get_many(self, indices: Sequence[int]) -> list[Sample]:
-        return [self[i] for i in indices]
+        out: list[Sample | None] = [self._memory.get(i) for i in indices]
+        misses = [pos for pos, s in enumerate(out) if s is None]
+        if misses:
+            getter = getattr(self.base, "get_many", None)
+            wanted = [indices[p] for p in misses]
+            fetched = getter(wanted) if getter else [self.base[i] for i in wanted]
+            for pos, sample in zip(misses, fetched, strict=True):
+                out[pos] = sample
+        return out  # type: ignore[return-value]
+
+
+def _spread(base: Any, fraction: float) -> list[int]:
+    """Indices to hold: the leading ``fraction`` of every shard (one ranged read per shard to fill)
+    when ``base`` is sharded, else every ``1/fraction``-th index."""
+    sizes = getattr(base, "shard_sizes", None)
+    if sizes:
+        picked, start = [], 0
+        for size in sizes:
+            picked += range(start, start + int(round(size * fraction)))
+            start += size
+        return picked
+    n = len(base)
+    return [i for i in range(n) if math.floor((i + 1) * fraction) > math.floor(i * fraction)]
 
 
 def sample_bytes(sample: Sample) -> int:

@@ -11,9 +11,12 @@ the same per-sample work, the same step and the same ranks.
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib.util
+import itertools
 import logging
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +49,7 @@ class LoaderSettings:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class Adapter:
+class Adapter(abc.ABC):
     """An endless batch stream plus what the loader reports about itself."""
 
     name = "base"
@@ -54,8 +57,9 @@ class Adapter:
     def __init__(self, settings: LoaderSettings) -> None:
         self.settings = settings
 
+    @abc.abstractmethod
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
-        raise NotImplementedError  # each adapter defines one epoch's iteration
+        """One epoch's batches."""
 
     def batches(self) -> Iterator[Any]:
         """Batches across epochs, forever (the harness stops after its step count)."""
@@ -76,7 +80,8 @@ class Adapter:
         return {}
 
     def close(self) -> None:
-        """Release workers and files (called once the run is over)."""
+        """Drop the loader once the run is over, so its workers and files are released."""
+        self.__dict__.pop("loader", None)
 
 
 class _Mapped(torch.utils.data.Dataset):
@@ -106,9 +111,8 @@ class SyntheticBatches(Adapter):
             "label": torch.zeros(b, dtype=torch.long),
         }
 
-    def batches(self) -> Iterator[Any]:
-        while True:
-            yield self._batch
+    def epoch_iter(self, epoch: int) -> Iterator[Any]:
+        return itertools.repeat(self._batch)
 
 
 class TorchAdapter(Adapter):
@@ -216,19 +220,16 @@ def _wds_pair(recipe: PILRecipe, sample: dict[str, Any]) -> Any:
 
 
 def tar_shard_urls(dataset: Any) -> list[str]:
-    """URLs of a tar-format shard dataset's shards (for the file-based readers)."""
+    """Full URLs (plain paths when local) of a tar-format shard dataset's shards, in order."""
     manifest = getattr(dataset, "manifest", None)
-    base = getattr(dataset, "url", None)
-    if manifest is None or base is None:
+    if manifest is None or not hasattr(dataset, "shard_path"):
         raise ValueError("this loader needs a tar shard dataset (a directory or URL with manifest.json)")
     if getattr(manifest, "format", "tar") != "tar":
         raise ValueError(f"this loader reads tar shards; the dataset is {manifest.format!r}")
-    base = str(base).rstrip("/")
-    if base.endswith("manifest.json"):
-        base = base.rsplit("/", 1)[0]
-    return [
-        p if "://" in p or p.startswith("/") else f"{base}/{p}" for p in (si.path for si in manifest.shards)
-    ]
+    fs = dataset.fs
+    local = "file" in (fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,))
+    paths = [dataset.shard_path(i) for i in range(len(manifest.shards))]
+    return paths if local else [fs.unstrip_protocol(p) for p in paths]
 
 
 class WebDatasetAdapter(Adapter):
@@ -291,12 +292,17 @@ class DaliAdapter(Adapter):
         if any("://" in u for u in urls):
             raise ValueError("DALI's webdataset reader reads local files only; this dataset is remote")
         gpu = s.device.startswith("cuda")
+        from stallfree.shards.idx import idx_path_for
+
+        indexes = [idx_path_for(u) for u in urls]
+        if not all(os.path.exists(p) for p in indexes):
+            indexes = None  # DALI infers the index by scanning the tars
 
         @pipeline_def
         def pipe():
             jpegs, labels = fn.readers.webdataset(
                 paths=urls,
-                index_paths=[u + ".idx" for u in urls] if all(_exists(u + ".idx") for u in urls) else None,
+                index_paths=indexes,
                 ext=["jpg", "cls"],
                 missing_component_behavior="error",
                 shard_id=s.rank,
@@ -334,12 +340,6 @@ class DaliAdapter(Adapter):
         for out in self.iterator:
             batch = out[0]
             yield {"image": batch["image"], "label": _dali_labels(batch["label"])}
-
-
-def _exists(path: str) -> bool:
-    import os
-
-    return os.path.exists(path)
 
 
 def _dali_labels(raw: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,7 @@ class BenchConfig:
     loader_options: dict[str, Any] = field(default_factory=dict)
     slow_delay_s: float = 0.0  # sleep per sample in __getitem__ (an injected, known stall)
     cache_fraction: float = 0.0  # share of the dataset held warm in memory in front of storage
+    warm_from: str | None = None  # the same dataset on fast storage, to fill warm caches from
     timeline: bool = True
     progress: bool = False  # a tqdm bar on stderr (rank 0)
     # Set when running inside an existing job (torchrun): this process's rank and the rendezvous.
@@ -127,22 +128,24 @@ class _Subset:
         return [self[i] for i in indices]
 
 
-def _phase_dataset(cfg: BenchConfig, phase: Phase, base: Any) -> Any:
+def _phase_dataset(cfg: BenchConfig, phase: Phase, base: Any, warm: Any) -> Any:
     from stallfree.harness.datasets import PartialCache, SlowDataset
 
     ds = SlowDataset(base, cfg.slow_delay_s) if cfg.slow_delay_s > 0 else base
+    fraction = cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction
     if phase.variant == "cold":
-        fraction = cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction
-        return PartialCache(ds, fraction) if fraction > 0 else ds
+        return PartialCache(ds, fraction, warm) if fraction > 0 else ds
     if phase.variant == "cached":
         subset = phase.subset or len(ds)
-        return PartialCache(_Subset(ds, subset), 1.0)
+        return PartialCache(_Subset(ds, subset), 1.0, None if warm is None else _Subset(warm, subset))
     if phase.variant == "partial":
-        return PartialCache(ds, cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction)
+        return PartialCache(ds, fraction, warm)
     raise ValueError(f"unknown phase variant {phase.variant!r}")
 
 
-def _run_phase(cfg: BenchConfig, phase: Phase, base: Any, rank: int, world: int, dist: Any) -> dict[str, Any]:
+def _run_phase(
+    cfg: BenchConfig, phase: Phase, base: Any, warm: Any, rank: int, world: int, dist: Any
+) -> dict[str, Any]:
     from stallfree.harness.loaders import LoaderSettings, make_adapter
     from stallfree.harness.metrics import RankMetrics
     from stallfree.harness.steps import batch_size_of, make_step
@@ -155,7 +158,7 @@ def _run_phase(cfg: BenchConfig, phase: Phase, base: Any, rank: int, world: int,
         seed=cfg.seed,
     )
     settings = LoaderSettings(
-        dataset=_phase_dataset(cfg, phase, base) if phase.loader != "synthetic" else base,
+        dataset=_phase_dataset(cfg, phase, base, warm) if phase.loader != "synthetic" else base,
         rank=rank,
         world_size=world,
         local_rank=cfg.local_rank if cfg.rank is not None else rank,
@@ -255,13 +258,14 @@ def rank_main(
         group = dist
     try:
         base = resolve_dataset(cfg.dataset, cfg.storage_options)
+        warm = resolve_dataset(cfg.warm_from) if cfg.warm_from else None
         results = []
         bar = _progress(cfg, phases, rank)
         for phase in phases:
             logger.info("rank %d: phase %s", rank, phase.label)
             if bar is not None:
                 bar.set_postfix_str(phase.label)
-            mine = _run_phase(cfg, phase, base, rank, world, group)
+            mine = _run_phase(cfg, phase, base, warm, rank, world, group)
             if bar is not None:
                 bar.update(1)
             if group is not None:

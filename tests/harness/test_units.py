@@ -151,9 +151,15 @@ def test_partial_cache_serves_the_first_share_from_memory():
     base = SyntheticImages(10, size=(16, 12))
     cache = PartialCache(base, 0.3)
     assert cache.cached == 3 and len(cache) == 10
-    assert cache.cached_bytes == sum(sample_bytes(base[i]) for i in range(3))
+    assert sorted(cache._memory) == [3, 6, 9]  # spread evenly, not the first three
+    assert cache.cached_bytes == sum(sample_bytes(base[i]) for i in (3, 6, 9))
     assert [cache[i]["__key__"] for i in range(10)] == [f"{i:08d}" for i in range(10)]
-    assert cache[2] is cache._memory[2]
+    assert [s["__key__"] for s in cache.get_many([9, 0, 3])] == ["00000009", "00000000", "00000003"]
+    assert cache[6] is cache._memory[6]
+    assert PartialCache(base, 1.0).cached == 10 and PartialCache(base, 0.0).cached == 0
+    assert cache.fingerprint == base.fingerprint
+    with pytest.raises(AttributeError):
+        cache.shard_sizes  # noqa: B018 - the synthetic base has none, so neither does the cache
     with pytest.raises(ValueError, match="within"):
         PartialCache(base, 1.5)
 
