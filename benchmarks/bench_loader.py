@@ -9,8 +9,12 @@ ahead with ``get_many``. Rounds alternate torch / stallfree to spread machine no
 A third row runs ours with ``decode_threads=1`` (by default each of our workers decodes on as
 many threads as there are cores per worker, since PIL releases the GIL; torch's worker uses one).
 
-Reports images/s (ratio ours/torch), time to first batch, peak RSS of the process tree (psutil,
-main + workers). ``--remote-latency S`` serves the shards over the loopback HTTP server with S
+Reports images/s (ratio ours/torch), time to first batch, peak RSS and peak PSS of the process
+tree (psutil, main + workers; RSS counts a shared page once per process mapping it, PSS splits it),
+private memory of the tree plus the growth of system shared memory (USS+shm: every byte once,
+including batches in flight that no process has mapped; other jobs' shared memory adds noise),
+and CPU time per image (process + reaped workers: robust to other load on the machine). The
+consumer reads each batch (``sum()``), as a training step would. Best of the rounds per figure. ``--remote-latency S`` serves the shards over the loopback HTTP server with S
 seconds added per request (an object store), where batched ranged reads matter.
 
     .venv/bin/python benchmarks/bench_loader.py [--images 256] [--workers 2] [--epochs 2] [--rounds 2]
@@ -76,24 +80,44 @@ class TorchStyle(tud.Dataset):
         return decode_augment(self.ds[i])
 
 
+def _shmem() -> int:
+    """System-wide shared memory in use (/proc/meminfo Shmem): batches in flight between processes
+    live there, mapped or not, so no per-process figure sees all of them."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 class PeakRSS:
-    """Samples the RSS of this process and its children every 10 ms; keeps the peak."""
+    """Samples the RSS (and PSS: shared pages split among the processes mapping them) of this
+    process and its children every 10 ms; keeps the peaks."""
 
     def __init__(self) -> None:
         self.peak = 0
+        self.peak_pss = 0
+        self.peak_uss_shm = 0
+        self._shm0 = _shmem()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         me = psutil.Process()
         while not self._stop.is_set():
-            total = 0
+            total = pss = uss = 0
             with contextlib.suppress(psutil.Error):
-                total = me.memory_info().rss
+                info = me.memory_full_info()
+                total, pss, uss = info.rss, info.pss, info.uss
                 for c in me.children(recursive=True):
                     with contextlib.suppress(psutil.Error):
-                        total += c.memory_info().rss
+                        info = c.memory_full_info()
+                        total += info.rss
+                        pss += info.pss
+                        uss += info.uss
             self.peak = max(self.peak, total)
+            self.peak_pss = max(self.peak_pss, pss)
+            self.peak_uss_shm = max(self.peak_uss_shm, uss + max(0, _shmem() - self._shm0))
             time.sleep(0.01)
 
     def __enter__(self) -> PeakRSS:
@@ -124,6 +148,7 @@ def run_one(make, epochs: int) -> dict:
                 if first is None:
                     first = time.perf_counter() - t0
                 images += batch["image"].shape[0]
+                batch["image"].sum()  # the step reads the batch, as training does
         elapsed = time.perf_counter() - t0
         del loader
         gc.collect()
@@ -133,6 +158,8 @@ def run_one(make, epochs: int) -> dict:
         "images_per_s": images / elapsed,
         "first_batch_s": first,
         "peak_rss_mb": rss.peak / 2**20,
+        "peak_pss_mb": rss.peak_pss / 2**20,
+        "peak_uss_shm_mb": rss.peak_uss_shm / 2**20,
         "cpu_ms_per_image": (_cpu_s() - cpu0) * 1000 / images,
     }
 
@@ -197,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {
             "images_per_s": best(name, "images_per_s"),
             "first_batch_s": best(name, "first_batch_s", min),
-            "peak_rss_mb": best(name, "peak_rss_mb"),
+            "peak_rss_mb": best(name, "peak_rss_mb", min),
+            "peak_pss_mb": best(name, "peak_pss_mb", min),
+            "peak_uss_shm_mb": best(name, "peak_uss_shm_mb", min),
             "cpu_ms_per_image": best(name, "cpu_ms_per_image", min),
         }
     summary["ratio_images_per_s"] = summary["stallfree"]["images_per_s"] / summary["torch"]["images_per_s"]
@@ -219,12 +248,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['cores']} cores\n"
     )
     sys.stdout.write(
-        f"{'loader':<18} {'images/s':>9} {'first batch s':>14} {'peak RSS MiB':>13} {'CPU ms/image':>13}\n"
+        f"{'loader':<18} {'images/s':>9} {'first batch s':>14} {'peak RSS MiB':>13} {'peak PSS MiB':>13} "
+        f"{'USS+shm MiB':>12} {'CPU ms/image':>13}\n"
     )
     for name in names:
         r = summary[name]
         sys.stdout.write(
             f"{name:<18} {r['images_per_s']:>9.1f} {r['first_batch_s']:>14.3f} {r['peak_rss_mb']:>13.0f} "
+            f"{r['peak_pss_mb']:>13.0f} {r['peak_uss_shm_mb']:>12.0f} "
             f"{r['cpu_ms_per_image']:>13.2f}\n"
         )
     ratios = ", ".join(f"{x:.2f}" for x in summary["round_ratios"])
