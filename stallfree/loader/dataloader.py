@@ -364,7 +364,7 @@ class DataLoader(tud.DataLoader):
             on_error=self._on_error,
             worker_init_fn=self.worker_init_fn,
             base_seed=base_seed,
-            max_slots=self.prefetch_factor or 2,
+            max_slots=(self.prefetch_factor or 2) + 1,
             threads=self._threads(),
         )
 

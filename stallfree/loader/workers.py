@@ -178,15 +178,16 @@ class _Slots:
         if self.free:
             return self.free.pop()
         if self.vacant:
-            return self.vacant.pop()
-        if len(self.storages) < self.HARD_CAP:
+            k = self.vacant.pop()
+        elif len(self.storages) < self.HARD_CAP:
             self.storages.append(None)
             k = len(self.storages) - 1
-            if self.last_size:  # size a new slot like the last batch: collate goes straight in
-                self.grow(k, self.last_size)
-                self.fresh.append(k)
-            return k
-        return self.free_q.get()
+        else:
+            return self.free_q.get()
+        if self.last_size:  # size a new slot like the last batch: collate goes straight in
+            self.grow(k, self.last_size)
+            self.fresh.append(k)
+        return k
 
     def take_dropped(self) -> list[int]:
         out, self.dropped = self.dropped, []

@@ -298,3 +298,16 @@ def test_kept_batches_stay_intact_while_slots_are_recycled(persistent):
             for i, row in zip(b["i"].tolist(), b["x"], strict=True):
                 assert torch.equal(row, torch.full_like(row, float(i)))
         del kept
+
+
+def test_memory_bounded_when_the_consumer_keeps_whole_epochs():
+    """Kept batches force extra slots; once they are dropped the pool shrinks back (no creep)."""
+    dl = DataLoader(
+        Big(32, 256 * 1024), batch_size=4, shuffle=True, seed=0, num_workers=2, persistent_workers=True
+    )
+    rss = []
+    for _ in range(20):
+        kept = list(dl)
+        del kept
+        rss.append(_tree_rss())
+    assert rss[-1] - rss[3] < 8 * 2**20, [r // 2**20 for r in rss]
