@@ -229,7 +229,9 @@ class DataLoader(tud.DataLoader):
     def __len__(self) -> int:
         if not self._fast:
             return super().__len__()
-        return len(self._plan(0, 0))
+        n, w, bs = len(self.dataset), self._world.size, self.batch_size
+        share = -(-n // w) if self._uneven == "pad" else n // w  # equal per rank: padded or cut
+        return share // bs if self.drop_last else -(-share // bs)
 
     def __iter__(self) -> Any:
         if self._mode == "fast":
@@ -501,7 +503,10 @@ class DataLoader(tud.DataLoader):
         self._next_epoch, self._skip_batches = epoch + 1, 0
         st = {"epoch": epoch, "start": 0, "received": skip, "done": 0}
         self._epoch_state = st
-        return _GenericIter(super().__iter__(), st, self._stats, skip)
+        it = super().__iter__()
+        if self.num_workers > 0 and not self.timeout and self._worker_timeout and hasattr(it, "_timeout"):
+            it._timeout = self._worker_timeout  # a hung worker becomes torch's timeout error, never a hang
+        return _GenericIter(it, st, self._stats, skip)
 
     def __del__(self) -> None:
         try:

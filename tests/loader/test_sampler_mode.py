@@ -4,6 +4,7 @@ our workers — so errors name samples, hangs become errors, and resume skips in
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -104,3 +105,34 @@ def test_state_from_another_mode_is_refused():
     st = DataLoader(Numbers(4), shuffle=True, seed=0).state_dict()
     with pytest.raises(ValueError, match="fast path but this loader uses the sampler path"):
         DataLoader(Numbers(4)).load_state_dict(st)
+
+
+class HangingStream(tud.IterableDataset):
+    def __iter__(self):
+        yield 1
+        time.sleep(60)
+        yield 2
+
+
+def test_iterable_mode_hung_worker_times_out_instead_of_hanging():
+    dl = DataLoader(HangingStream(), batch_size=None, num_workers=1, worker_timeout=1.0)
+    with pytest.raises(RuntimeError, match="timed out after 1.0 seconds"):
+        list(dl)
+
+
+@pytest.mark.parametrize(
+    "n, world, bs, uneven, drop_last",
+    [(61, 3, 4, "pad", False), (61, 3, 4, "drop", True), (10, 4, 3, "pad", True), (7, 1, 7, "pad", False)],
+)
+def test_fast_len_matches_the_plan(n, world, bs, uneven, drop_last):
+    for r in range(world):
+        dl = DataLoader(
+            Numbers(n),
+            batch_size=bs,
+            shuffle=True,
+            seed=0,
+            world=(r, world),
+            uneven=uneven,
+            drop_last=drop_last,
+        )
+        assert len(dl) == len(list(dl))
