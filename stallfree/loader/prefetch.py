@@ -194,7 +194,9 @@ class FastIterator:
         self.outstanding = [0] * engine.n
         self.stop = threading.Event()
         self.finished = False
-        self.stream = torch.cuda.Stream() if device is not None and device.type == "cuda" else None
+        self.stream = (
+            torch.cuda.Stream(device=device) if device is not None and device.type == "cuda" else None
+        )
         stats.iteration_started()
         self.thread = threading.Thread(target=self._run, daemon=True, name="stallfree-assembler")
         self.thread.start()
@@ -219,7 +221,9 @@ class FastIterator:
             if kind == "batch":
                 _, batch, positions, samples, event = item
                 if event is not None:
-                    torch.cuda.current_stream().wait_event(event)
+                    current = torch.cuda.current_stream(self.device)
+                    current.wait_event(event)
+                    _record_stream(batch, current)  # made on our side stream, used on theirs
                 self.on_batch(positions)
                 credit = 1
                 if self.tuner is not None:
@@ -426,7 +430,7 @@ class FastIterator:
             while samples:
                 try:
                     out = self.decode_batch.decode_batch(samples, seed=self.decode_seed(seq))
-                    if self.pin and torch.cuda.is_available():
+                    if self.pin:
                         out = _pin(out)
                     return out, len(samples)
                 except BatchDecodeError as exc:
@@ -484,9 +488,30 @@ def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
 
 
 def _pin(obj: Any) -> Any:
-    from torch.utils.data._utils.pin_memory import pin_memory
+    """Pinned copies of the CPU tensors in a batch (a GPU decoder's output is left as it is)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.pin_memory() if obj.device.type == "cpu" else obj
+    if isinstance(obj, dict):
+        return {k: _pin(v) for k, v in obj.items()}
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_pin(v) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_pin(v) for v in obj)
+    return obj
 
-    return pin_memory(obj)
+
+def _record_stream(obj: Any, stream: Any) -> None:
+    """Tell the caching allocator that the consumer's stream uses these tensors, so their memory is
+    not handed back to our side stream (and overwritten by the next copy) while still in use."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "cuda":
+            obj.record_stream(stream)
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            _record_stream(v, stream)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _record_stream(v, stream)
 
 
 def failure_budget(max_failures: int | float | None, rank_samples: int) -> int | None:
