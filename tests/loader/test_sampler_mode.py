@@ -136,3 +136,15 @@ def test_fast_len_matches_the_plan(n, world, bs, uneven, drop_last):
             drop_last=drop_last,
         )
         assert len(dl) == len(list(dl))
+
+
+def _bad_init(worker_id: int) -> None:
+    raise RuntimeError(f"init failed in {worker_id}")
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_worker_init_fn_error_is_reraised_naming_the_worker(shuffle):
+    dl = DataLoader(Numbers(8), batch_size=2, shuffle=shuffle, num_workers=2, worker_init_fn=_bad_init)
+    with pytest.raises(RuntimeError, match=r"init failed in \d") as err:
+        list(dl)
+    assert "DataLoader worker process" in str(err.value)
