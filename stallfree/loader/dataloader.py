@@ -28,7 +28,8 @@ import torch
 import torch.utils.data as tud
 
 from stallfree.loader import order as order_mod
-from stallfree.loader.prefetch import Engine, FastIterator, failure_budget
+from stallfree.loader.engine import Engine
+from stallfree.loader.prefetch import FastIterator, failure_budget
 from stallfree.loader.state import LoaderState
 from stallfree.loader.stats import LoaderStats
 from stallfree.loader.workers import WorkerSpec
