@@ -311,3 +311,19 @@ def test_memory_bounded_when_the_consumer_keeps_whole_epochs():
         del kept
         rss.append(_tree_rss())
     assert rss[-1] - rss[3] < 8 * 2**20, [r // 2**20 for r in rss]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_persistent_workers_survive_abandoned_epochs(shuffle):
+    dl = DataLoader(
+        Numbers(30), batch_size=4, shuffle=shuffle, num_workers=2, persistent_workers=True, seed=1
+    )
+    for _ in range(3):
+        it = iter(dl)
+        next(it)  # abandon: its prefetched batches are still on their way back
+        del it
+        got = indices(dl)
+        assert sorted(got) == list(range(30))
+    assert dl._engine is not None and all(p.is_alive() for p in dl._engine.procs)
+    dl.close()
+    assert dl._engine is None
