@@ -60,6 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available; default auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--worker-start",
+        default="forkserver",
+        choices=["fork", "forkserver", "spawn"],
+        help="how every loader's workers start (default forkserver: safe beside gloo threads)",
+    )
+    p.add_argument(
         "--cache-share",
         type=float,
         default=0.0,
@@ -136,6 +142,7 @@ def config_from_args(args: argparse.Namespace):
         seed=args.seed,
         device=_device(args.device),
         decode=args.decode,
+        worker_start=args.worker_start,
         cache_fraction=args.cache_share,
         analyze=args.analyze,
         analyze_loader=args.analyze_loader,

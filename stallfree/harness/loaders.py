@@ -16,6 +16,7 @@ import functools
 import importlib.util
 import itertools
 import logging
+import multiprocessing
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -46,7 +47,22 @@ class LoaderSettings:
     seed: int = 0
     decode: str = "auto"  # stallfree only: "recipe" (PIL, per sample), "image-decode", "auto"
     device: str = "cpu"
+    worker_start: str = "forkserver"  # how loader workers start: fork | forkserver | spawn
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def mp_context(self) -> Any:
+        """The multiprocessing context every loader's workers start from (the same for all).
+
+        Forking a rank that already runs threads (gloo, fsspec's event loop) can leave a worker
+        with broken locks; a fork server started before those threads avoids that. The server
+        preloads torch and the harness so workers start fast.
+        """
+        if self.workers == 0:
+            return None
+        ctx = multiprocessing.get_context(self.worker_start)
+        if self.worker_start == "forkserver":
+            ctx.set_forkserver_preload(["torch", "stallfree.harness.loaders", "stallfree.harness.datasets"])
+        return ctx
 
 
 class Adapter(abc.ABC):
@@ -129,6 +145,7 @@ class TorchAdapter(Adapter):
         kwargs: dict[str, Any] = {}
         if s.workers > 0:
             kwargs["persistent_workers"] = True
+            kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
                 kwargs["prefetch_factor"] = s.prefetch
         self.loader = torch.utils.data.DataLoader(
@@ -178,6 +195,7 @@ class StallfreeAdapter(Adapter):
             raise ValueError(f"unknown decode mode {decode!r}; choose auto, recipe or image-decode")
         if s.workers > 0:
             kwargs["persistent_workers"] = True
+            kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
                 kwargs["prefetch_factor"] = s.prefetch
         self.decode_mode = decode
@@ -264,6 +282,7 @@ class WebDatasetAdapter(Adapter):
         kwargs: dict[str, Any] = {}
         if s.workers > 0:
             kwargs["persistent_workers"] = True
+            kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
                 kwargs["prefetch_factor"] = s.prefetch
         self.loader = wds.WebLoader(

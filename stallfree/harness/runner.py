@@ -41,6 +41,7 @@ class BenchConfig:
     seed: int = 0
     device: str = "cpu"
     decode: str = "auto"
+    worker_start: str = "forkserver"  # fork | forkserver | spawn, for every loader's workers
     storage_options: dict[str, Any] = field(default_factory=dict)
     loader_options: dict[str, Any] = field(default_factory=dict)
     slow_delay_s: float = 0.0  # sleep per sample in __getitem__ (an injected, known stall)
@@ -77,6 +78,8 @@ class BenchConfig:
             raise ValueError(f"--workers must be >= 0, got {self.workers}")
         if self.step_ms < 0:
             raise ValueError(f"--step-ms must be >= 0, got {self.step_ms}")
+        if self.worker_start not in ("fork", "forkserver", "spawn"):
+            raise ValueError(f"--worker-start must be fork, forkserver or spawn, got {self.worker_start!r}")
         if self.step not in ("sleep", "busy", "model", "none"):
             raise ValueError(f"--step must be sleep, busy, model or none, got {self.step!r}")
         if not self.loaders:
@@ -170,6 +173,7 @@ def _run_phase(
         seed=cfg.seed,
         decode=cfg.decode,
         device=cfg.device,
+        worker_start=cfg.worker_start,
         extra=dict(cfg.loader_options) if phase.loader == "stallfree" else {},
     )
     try:
