@@ -199,9 +199,7 @@ class ShardedDataset:
         if self._local:
             for s, size in enumerate(self.shard_sizes):
                 if size:
-                    get = self._reader(s).get
-                    for row in range(size):
-                        yield get(row)
+                    yield from self._reader(s).iter_rows()
             return
         for start in range(0, self._len, _ITER_CHUNK):
             yield from self.get_many(range(start, min(self._len, start + _ITER_CHUNK)))

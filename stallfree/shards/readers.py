@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import logging
 import mmap
+import operator
 import threading
 from array import array
 from bisect import bisect_right
+from collections.abc import Iterator
+from itertools import chain
 from typing import Any
 
 import fsspec
@@ -28,7 +31,7 @@ from stallfree.shards.errors import (
     MissingShardError,
     ShardError,
 )
-from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
+from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.scan import scan_tar, sha256_of
 from stallfree.shards.tar import BLOCK, parse_header, split_name
@@ -87,6 +90,59 @@ def _check_size(size: int, info: ShardInfo | None, shard: str) -> None:
         )
 
 
+def uniform_columns(
+    text: bytes | str, size: int, expected: int | None
+) -> tuple[list[str], list[str], array, array, array, array] | None:
+    """The reader's index columns straight from ``.idx`` text, in bulk, when every sample has the
+    same fields in the same order (what our writer and ``wds2idx`` produce for uniform data) and
+    everything checks out: ``(keys, field names, field ids, data starts, data ends, first member
+    of each row)``. None for anything else (other layouts, malformed lines, entries past ``size``
+    bytes, a count other than ``expected``): the caller then parses with ``parse_idx``, which
+    names the problem. Why: parsing member by member cost ~2 µs per sample, a third of a first
+    sequential pass over freshly opened 100 KB-sample shards."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "surrogateescape")
+    lines = text.splitlines()
+    if not lines:
+        return None
+    head = lines[0].split()
+    if len(head) != 2 or head[0] != IDX_VERSION or not head[1].isdigit():
+        return None
+    count = int(head[1])
+    rows = list(map(str.split, lines[1:]))
+    if not count or len(rows) != count or (expected is not None and count != expected):
+        return None
+    width = len(rows[0])
+    if not width or width % 4 or set(map(len, rows)) != {width}:
+        return None
+    m = width // 4
+    tokens = list(chain.from_iterable(rows))
+    fields = tokens[0::4]
+    pattern = fields[:m]
+    if len(set(pattern)) != m or fields != pattern * count:
+        return None
+    try:
+        starts = array("q", map(int, tokens[1::4]))
+        lengths = array("q", map(int, tokens[2::4]))
+    except (ValueError, OverflowError):
+        return None
+    if min(starts) < BLOCK or min(lengths) < 0:
+        return None
+    ends = array("q", map(operator.add, starts, lengths))
+    if max(ends) > size:
+        return None
+    names = tokens[3::4]
+    cut = len(pattern[0]) + 1
+    keys = [name[:-cut] for name in names[0::m]]
+    for k, field in enumerate(pattern):
+        suffix = "." + field
+        if names[k::m] != [key + suffix for key in keys]:
+            return None
+    fid = array("H", range(m)) * count
+    first = array("q", range(0, m * count + 1, m))
+    return keys, pattern, fid, starts, ends, first
+
+
 class TarShardReader:
     """Random access to one tar shard through its index (``.idx``, or headers scanned if absent)."""
 
@@ -117,8 +173,27 @@ class TarShardReader:
             actual = sha256_of(fs, path)
             if actual != info.sha256:
                 raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
+        columns = None
         if samples is None:
-            samples = self._load_index()
+            text = self._load_idx_text()
+            if text is not None:
+                columns = uniform_columns(text, size, info.samples if info is not None else None)
+                if columns is None:  # something unusual: the full parser names any problem
+                    samples = parse_idx(text, shard)
+            else:
+                samples = scan_tar(fs, path, shard)
+        # every row has the same fields in the same order (the bulk index path checked it)
+        self._uniform = columns is not None
+        if columns is not None:
+            self._keys, self._names, self._fid, self._starts, self._ends, self._first = columns
+        else:
+            self._columns_from_samples(samples, size, info)
+        if self._keys:
+            self._check_header(0)
+            self._check_header(len(self._keys) - 1)
+
+    def _columns_from_samples(self, samples: list[IdxSample], size: int, info: ShardInfo | None) -> None:
+        shard = self.shard
         if info is not None and len(samples) != info.samples:
             raise IndexMismatchError(
                 f"the index lists {len(samples)} samples, the manifest says {info.samples}", shard=shard
@@ -145,19 +220,16 @@ class TarShardReader:
             first.append(len(starts))
         self._keys, self._fid, self._starts, self._ends, self._first = keys, fid, starts, ends, first
         self._names = list(names)
-        if keys:
-            self._check_header(0)
-            self._check_header(len(keys) - 1)
 
-    def _load_index(self) -> list[IdxSample]:
+    def _load_idx_text(self) -> bytes | None:
+        """The ``.idx`` file's bytes, or None (with a warning) when the shard has none."""
         try:
-            text = self.fs.cat_file(idx_path_for(self.path))
+            return self.fs.cat_file(idx_path_for(self.path))
         except FileNotFoundError:
             log.warning(
                 "%s has no .idx; scanning its headers (run `stallfree index` to write one)", self.shard
             )
-            return scan_tar(self.fs, self.path, self.shard)
-        return parse_idx(text, self.shard)
+            return None
 
     def _read(self, start: int, end: int) -> bytes:
         if self._mm is not None:
@@ -212,6 +284,35 @@ class TarShardReader:
         for j in range(self._first[row], self._first[row + 1]):
             sample[names[fid[j]]] = mm[starts[j] : ends[j]]
         return sample
+
+    def iter_rows(self) -> Iterator[dict[str, Any]]:
+        """Every row in order, one at a time. Locally, with uniform rows, straight slices of the
+        mapping zipped over the index columns: no per-row lookups (~0.3 µs a sample less than
+        ``get``, which matters on a first pass where each 100 KB sample costs ~5 µs)."""
+        mm = self._mm
+        if mm is None or not self._uniform:
+            get = self.get
+            for row in range(len(self._keys)):
+                yield get(row)
+            return
+        keys, names, starts, ends = self._keys, self._names, self._starts, self._ends
+        m = len(names)
+        if m == 1:
+            (n0,) = names
+            for key, a0, b0 in zip(keys, starts, ends, strict=True):
+                yield {"__key__": key, n0: mm[a0:b0]}
+        elif m == 2:
+            n0, n1 = names
+            pairs = zip(keys, starts[0::2], ends[0::2], starts[1::2], ends[1::2], strict=True)
+            for key, a0, b0, a1, b1 in pairs:
+                yield {"__key__": key, n0: mm[a0:b0], n1: mm[a1:b1]}
+        else:
+            columns = [zip(starts[k::m], ends[k::m], strict=True) for k in range(m)]
+            for key, *spans in zip(keys, *columns, strict=True):
+                sample: dict[str, Any] = {"__key__": key}
+                for name, (a, b) in zip(names, spans, strict=True):
+                    sample[name] = mm[a:b]
+                yield sample
 
     def _slice(self, row: int, data: bytes, base: int) -> dict[str, Any]:
         """Row's fields out of ``data`` (bytes from ``base``), checking each member's header name."""
@@ -362,6 +463,10 @@ class ArrowShardReader:
 
     def get_many(self, rows: list[int]) -> list[dict[str, Any]]:
         return [self.get(r) for r in rows]
+
+    def iter_rows(self) -> Iterator[dict[str, Any]]:
+        for row in range(self.rows):
+            yield self.get(row)
 
     def check_all(self) -> list[ShardError]:
         problems: list[ShardError] = []
