@@ -53,12 +53,13 @@ def _cfg(dataset: str, loaders: list[str], **kw) -> BenchConfig:
     return BenchConfig(**base)
 
 
-def bench_a(root: Path) -> dict:
-    """Capacity probe (loaders alone), then the step at capacity / 1.5 for both loaders."""
+def bench_a(root: Path, step_ms: float = 80.0) -> dict:
+    """Capacity probe (loaders alone, no step), then an 80 ms step (an emulated GPU step) for both
+    loaders; the step is lengthened if a loader's capacity would fall under 1.2x its rate."""
     probe = run_bench(_cfg(str(root), ["stallfree", "torch"], step="none", steps=30))
     capacity = {k: v["job"]["samples_per_s"] for k, v in probe["loaders"].items()}
-    step_rate = min(capacity.values()) / 1.5  # job samples/s the step consumes
-    step_ms = 1e3 * BATCH * NPROC / step_rate
+    step_ms = max(step_ms, 1e3 * BATCH * NPROC * 1.2 / min(capacity.values()))
+    step_rate = 1e3 * BATCH * NPROC / step_ms  # job samples/s the step consumes
     rep = run_bench(_cfg(str(root), ["stallfree", "torch"], step_ms=step_ms))
     print(format_table(rep, per_rank=False))
     stall = {k: v["job"]["stall_share"] for k, v in rep["loaders"].items()}
@@ -67,6 +68,7 @@ def bench_a(root: Path) -> dict:
         "step_ms": step_ms,
         "capacity_over_step_rate": {k: c / step_rate for k, c in capacity.items()},
         "stall_share": stall,
+        "wait_p99_ms": {k: v["job"]["wait_p99_ms"] for k, v in rep["loaders"].items()},
         "samples_per_s": {k: v["job"]["samples_per_s"] for k, v in rep["loaders"].items()},
         "pass": stall["stallfree"] <= 0.02,
     }

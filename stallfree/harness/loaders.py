@@ -195,7 +195,10 @@ class StallfreeAdapter(Adapter):
             raise ValueError(f"unknown decode mode {decode!r}; choose auto, recipe or image-decode")
         if s.workers > 0:
             kwargs["persistent_workers"] = True
-            kwargs["multiprocessing_context"] = s.mp_context()
+            # stallfree's workers exit when their parent pid changes, and under a fork server
+            # their parent is the server: keep the loader's own start method unless told spawn.
+            if s.worker_start == "spawn":
+                kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
                 kwargs["prefetch_factor"] = s.prefetch
         self.decode_mode = decode

@@ -123,3 +123,96 @@ def test_unrunnable_loader_is_skipped_with_its_reason(capsys):
 def test_bad_flags_fail_with_a_clear_message(capsys):
     assert main(["bench", "synthetic:8", "--nproc", "0"]) == 2
     assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def test_tar_shards_over_loopback_http_with_every_installed_reader(tmp_path):
+    from stallfree.harness.fixtures import write_jpeg_shards
+    from stallfree.testing.httpserve import serve_directory
+
+    root = write_jpeg_shards(tmp_path / "shards", 64, per_shard=16, size=(48, 32))
+    loaders = [n for n in ("stallfree", "torch", "webdataset") if loader_available(n) is None]
+    with serve_directory(root, latency_s=0.001) as server:
+        cfg = BenchConfig(
+            dataset=server.url,
+            loaders=loaders,
+            nproc=1,
+            step_ms=1,
+            batch_size=4,
+            workers=1,
+            steps=3,
+            warmup=1,
+            image_size=16,
+            decode="recipe",
+            timeline=False,
+        )
+        report = run_bench(cfg)
+        assert server.stats.requests > 0
+    assert set(report["loaders"]) == set(loaders) and report["skipped"] == {}
+    for entry in report["loaders"].values():
+        assert entry["job"]["samples"] == 12
+
+
+@pytest.mark.skipif(loader_available("dali") is not None, reason="DALI not installed")
+def test_dali_reader_on_local_tar_shards(tmp_path):
+    from stallfree.harness.fixtures import write_jpeg_shards
+
+    root = write_jpeg_shards(tmp_path / "shards", 32, per_shard=16, size=(48, 32))
+    cfg = BenchConfig(
+        dataset=str(root),
+        loaders=["dali"],
+        nproc=1,
+        step_ms=1,
+        batch_size=4,
+        workers=1,
+        steps=3,
+        warmup=1,
+        image_size=16,
+        device="cpu",
+        timeline=False,
+    )
+    report = run_bench(cfg)
+    assert report["loaders"]["dali"]["job"]["samples"] == 12
+
+
+def test_analyze_and_tune_sections(tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    rc = main(
+        [
+            "bench",
+            "synthetic:64:32x24",
+            "--nproc",
+            "1",
+            "--loader",
+            "torch",
+            "--step-ms",
+            "2",
+            "--batch-size",
+            "4",
+            "--workers",
+            "0",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--image-size",
+            "16",
+            "--analyze",
+            "--tune",
+            "--tune-workers",
+            "0,1",
+            "--tune-prefetch",
+            "2",
+            "--json",
+            str(out_json),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "analysis of torch" in out and "what-if cache 50%" in out and "advice:" in out
+    assert "tune torch" in out and "best: workers=" in out
+    report = json.loads(out_json.read_text())
+    analysis = report["analysis"]
+    assert set(analysis["rates"]) >= {"ingestion_ceiling_G", "prep_P", "fetch_plus_prep", "storage_fetch_S"}
+    assert analysis["whatif"]["cache_share"] == 0.5 and analysis["whatif"]["measured_samples_per_s"] > 0
+    assert [(r["workers"], r["prefetch"]) for r in report["tune"]["rows"]] == [(0, None), (1, 2)]
+    assert report["tune"]["best"] in report["tune"]["rows"]
