@@ -112,13 +112,14 @@ def _torchrun_world() -> dict[str, object]:
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return {}
     world = int(env["WORLD_SIZE"])
-    addr, port = env.get("MASTER_ADDR", "127.0.0.1"), env.get("MASTER_PORT", "29500")
     return {
         "rank": int(env["RANK"]),
         "world_size": world,
         "local_rank": int(env.get("LOCAL_RANK", "0")),
         "local_size": int(env.get("LOCAL_WORLD_SIZE", str(world))),
-        "init_method": f"tcp://{addr}:{port}",
+        # torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT; env://
+        # joins it (a tcp:// URL would try to bind that port again).
+        "init_method": "env://",
         "nproc": world,
     }
 
