@@ -14,20 +14,19 @@ import contextlib
 import logging
 import multiprocessing
 import posixpath
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 
-from stallfree.shards.atomic import AtomicFile, check_writable, is_local
+from stallfree.shards.atomic import OverlappedHashFile, check_writable
 from stallfree.shards.errors import WriteError
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
 from stallfree.shards.sources import Item, Source, SourceError, SourceReadError
+from stallfree.shards.tar import TarShardWriter
 
 log = logging.getLogger(__name__)
 
@@ -128,85 +127,18 @@ class ShardSummary:
         }
 
 
-class _OverlappedHashFile(AtomicFile):
-    """An ``AtomicFile`` whose sha256 runs on a helper thread: hashlib releases the GIL on large
-    buffers, so hashing one sample overlaps writing the next (sharding is otherwise bound by
-    write + hash done one after the other). Same bytes, same digest, same temp-then-rename."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, *, shard: str | None = None) -> None:
-        super().__init__(fs, path, shard=shard)
-        if is_local(
-            fs
-        ):  # a buffer smaller than a sample: sample data goes straight to the kernel, one copy less
-            self._f.close()
-            self._f = open(self.tmp, "wb", buffering=1 << 16)  # noqa: SIM115 - closed by commit/abort
-        self._pending: queue.SimpleQueue = queue.SimpleQueue()
-        self._small = bytearray()
-        self._hasher = threading.Thread(target=self._hash_loop, name="stallfree-shard-hash", daemon=True)
-        self._hasher.start()
-
-    def _hash_loop(self) -> None:
-        update = self._sha.update
-        while (data := self._pending.get()) is not None:
-            update(data)
-
-    def write(self, data: bytes | memoryview) -> None:
-        if not isinstance(data, bytes):
-            data = bytes(data)  # the hasher may see it later: keep an immutable copy
-        try:
-            self._f.write(data)
-        except Exception as exc:  # noqa: BLE001 - same contract as AtomicFile.write
-            self.abort()
-            raise WriteError(
-                f"write failed: {type(exc).__name__}: {exc}", shard=self._shard, offset=self.size
-            ) from exc
-        self.size += len(data)
-        if len(data) < 4096:  # headers and padding: batch them, a queue hop costs more than hashing
-            self._small += data
-            if len(self._small) >= 65536:
-                self._pending.put(bytes(self._small))
-                self._small.clear()
-            return
-        if self._small:
-            self._pending.put(bytes(self._small))
-            self._small.clear()
-        self._pending.put(data)
-
-    def _finish_hash(self) -> None:
-        if self._hasher.is_alive():
-            if self._small:
-                self._pending.put(bytes(self._small))
-                self._small.clear()
-            self._pending.put(None)
-            self._hasher.join()
-
-    def sha256(self) -> str:
-        self._finish_hash()
-        return super().sha256()
-
-    def commit(self) -> None:
-        self._finish_hash()
-        super().commit()
-
-    def abort(self) -> None:
-        self._finish_hash()
-        super().abort()
-
-
 def _writer_for(fmt: str, path: str, fs: fsspec.AbstractFileSystem, schema: Any):
     if fmt == "tar":
-        from stallfree.shards.tar import TarShardWriter
-
-        writer = TarShardWriter(path, fs=fs)
-        if _OVERLAP_HASH and type(getattr(writer, "_file", None)) is AtomicFile and writer.samples == 0:
-            # TarShardWriter has no hook for its file: swap in the overlapped-hash one before any
-            # byte is written (same interface; see _OverlappedHashFile).
-            writer._file.abort()
-            writer._file = _OverlappedHashFile(fs, writer.path, shard=writer.name)
-        return writer
+        return (_OverlappedTarWriter if _OVERLAP_HASH else TarShardWriter)(path, fs=fs)
     from stallfree.shards.arrow import ArrowShardWriter
 
     return ArrowShardWriter(path, fs=fs, schema=schema)
+
+
+class _OverlappedTarWriter(TarShardWriter):
+    """A ``TarShardWriter`` whose sha256 runs on a helper thread (same bytes, same digest)."""
+
+    file_class = OverlappedHashFile
 
 
 def _arrow_schema(source: Source):
@@ -240,7 +172,10 @@ def write_shard(
     writer = _writer_for(fmt, path, fs, schema)
     skipped: list[dict[str, str]] = []
     try:
-        for item, sample in zip(items, _prefetch(source, items), strict=True):
+        # Read inline, one sample at a time: a read-ahead thread (tried) cost more than it saved
+        # here (a third thread competing with the hash thread for 2 cores, a queue hop per sample,
+        # more sample memory in flight to fault in); the kernel already reads ahead within a file.
+        for item, sample in zip(items, source.read_many(items), strict=True):
             if isinstance(sample, SourceReadError):
                 if on_error == "raise":
                     raise sample
@@ -259,49 +194,6 @@ def write_shard(
         raise
     types = {f.name: str(f.type) for f in writer.schema if f.name != "__key__"} if fmt == "arrow" else None
     return ShardResult(index, info, writer.fields, types, skipped)
-
-
-def _prefetch(source: Source, items: Sequence[Item], depth: int = 64) -> Iterator[Any]:
-    """``source.read_many(items)`` run one step ahead on a thread: file reads release the GIL, so
-    reading the next samples overlaps hashing and writing the current one."""
-    if len(items) < 2:
-        yield from source.read_many(items)
-        return
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    done = object()
-
-    def produce() -> None:
-        try:
-            for result in source.read_many(items):
-                if stop.is_set():
-                    return
-                q.put(result)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer and re-raised there
-            q.put(_Failure(exc))
-        q.put(done)
-
-    thread = threading.Thread(target=produce, name="stallfree-shard-read", daemon=True)
-    thread.start()
-    try:
-        while True:
-            result = q.get()
-            if result is done:
-                return
-            if isinstance(result, _Failure):
-                raise result.exc
-            yield result
-    finally:
-        stop.set()
-        with contextlib.suppress(queue.Empty):
-            while True:
-                q.get_nowait()
-        thread.join()
-
-
-@dataclass
-class _Failure:
-    exc: BaseException
 
 
 # -- worker processes -----------------------------------------------------------------------------

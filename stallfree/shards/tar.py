@@ -147,6 +147,8 @@ class TarShardWriter:
     """
 
     suffix = ".tar"
+    # how the shard file is written (``parallel`` uses ``OverlappedHashFile``: sha256 on a thread)
+    file_class: type[AtomicFile] = AtomicFile
 
     def __init__(
         self, path: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any
@@ -157,7 +159,7 @@ class TarShardWriter:
         self.path = path
         self.idx_path = idx_path_for(path)
         self.name = posixpath.basename(path)
-        self._file = AtomicFile(fs, path, shard=self.name)
+        self._file = self.file_class(fs, path, shard=self.name)
         self._keys: set[str] = set()
         self._index: list[IdxSample] = []
         self._fields: dict[str, None] = {}
@@ -189,17 +191,20 @@ class TarShardWriter:
                 "duplicate sample key in shard", shard=self.name, key=key, offset=self.bytes
             )
         self._keys.add(key)
-        start = self.bytes
+        start = pos = self.bytes
         entries = []
-        write = self._file.write
+        parts: list[bytes] = []
         for field, name, data in prepared.members:
-            write(member_header(name, len(data)))
-            entries.append((field, self._file.size, len(data), name))
-            write(data)
-            pad = padded(len(data)) - len(data)
+            size = len(data)
+            parts.append(member_header(name, size))
+            entries.append((field, pos + BLOCK, size, name))
+            parts.append(data)
+            pad = padded(size) - size
             if pad:
-                write(_ZERO[:pad])
+                parts.append(_ZERO[:pad])
+            pos += BLOCK + size + pad
             self._fields.setdefault(field, None)
+        self._file.write_parts(parts)  # the whole sample at once (one system call locally)
         self._index.append(IdxSample(key, entries))
         return self.bytes - start
 

@@ -1,0 +1,103 @@
+"""``OverlappedHashFile`` (sha256 on a helper thread, one ``writev`` per sample) writes exactly what
+``AtomicFile`` writes, with the same digest, the same temp-then-rename and the same errors."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from stallfree.shards import atomic
+from stallfree.shards.atomic import AtomicFile, OverlappedHashFile
+from stallfree.shards.errors import WriteError
+from stallfree.shards.tar import TarShardWriter
+
+from .conftest import make_samples
+
+LOCAL = fsspec.filesystem("file")
+
+
+def _parts() -> list:
+    big = os.urandom(300_000)
+    return [b"head" * 128, big, bytearray(b"pad" * 7), memoryview(big)[1000:9000], b"", b"tail"]
+
+
+def test_parts_land_in_order_with_the_same_digest(tmp_path: Path) -> None:
+    parts = _parts()
+    want = b"".join(bytes(p) for p in parts)
+    plain = AtomicFile(LOCAL, str(tmp_path / "plain.bin"))
+    fast = OverlappedHashFile(LOCAL, str(tmp_path / "fast.bin"))
+    for f in (plain, fast):
+        f.write_parts(parts[:3])
+        f.write(parts[3])
+        f.write_parts(parts[4:])
+        assert f.size == len(want)
+        f.commit()
+    assert (tmp_path / "fast.bin").read_bytes() == (tmp_path / "plain.bin").read_bytes() == want
+    assert fast.sha256() == plain.sha256() == hashlib.sha256(want).hexdigest()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fast.bin", "plain.bin"]  # no temp left
+
+
+def test_many_parts_and_short_writes(tmp_path: Path, monkeypatch) -> None:
+    parts = [bytes([i % 251]) * (i % 700 + 1) for i in range(2000)]  # more than one writev takes
+    want = b"".join(parts)
+    real_writev = os.writev
+    monkeypatch.setattr(atomic.os, "writev", lambda fd, bufs: real_writev(fd, bufs[:3]))  # short writes
+    f = OverlappedHashFile(LOCAL, str(tmp_path / "x.bin"))
+    f.write_parts(parts[:100])
+    f.write_parts(parts[100:])
+    f.commit()
+    assert (tmp_path / "x.bin").read_bytes() == want
+    assert f.sha256() == hashlib.sha256(want).hexdigest()
+
+
+def test_remote_filesystem_takes_the_same_path() -> None:
+    fs = fsspec.filesystem("memory")
+    f = OverlappedHashFile(fs, "/stallfree-wp/x.bin")
+    parts = _parts()
+    f.write_parts(parts)
+    f.commit()
+    want = b"".join(bytes(p) for p in parts)
+    assert fs.cat_file("/stallfree-wp/x.bin") == want
+    assert f.sha256() == hashlib.sha256(want).hexdigest()
+    fs.rm("/stallfree-wp", recursive=True)
+
+
+def test_failed_write_raises_write_error_and_leaves_nothing(tmp_path: Path) -> None:
+    f = OverlappedHashFile(LOCAL, str(tmp_path / "x.bin"))
+    f.write(b"a" * 5000)
+    os.close(f._fd)  # the descriptor goes bad underneath: the next write fails
+    with pytest.raises(WriteError, match="write failed: OSError") as info:
+        f.write_parts([b"b" * 5000])
+    assert info.value.offset == 5000
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_abort_leaves_nothing(tmp_path: Path) -> None:
+    f = OverlappedHashFile(LOCAL, str(tmp_path / "x.bin"))
+    f.write_parts(_parts())
+    f.abort()
+    assert list(tmp_path.iterdir()) == []
+
+
+class _OverlappedTar(TarShardWriter):
+    file_class = OverlappedHashFile
+
+
+def test_tar_writer_with_overlapped_file_is_byte_identical(tmp_path: Path) -> None:
+    samples = make_samples(12, size=6000)
+    infos = []
+    for cls, name in ((TarShardWriter, "plain"), (_OverlappedTar, "fast")):
+        with cls(str(tmp_path / f"{name}.tar")) as w:
+            for s in samples:
+                w.write(s)
+        infos.append(w.info)
+    for ext in ("tar", "idx"):
+        assert (tmp_path / f"fast.{ext}").read_bytes() == (tmp_path / f"plain.{ext}").read_bytes()
+    assert (
+        infos[0].sha256 == infos[1].sha256 == hashlib.sha256((tmp_path / "fast.tar").read_bytes()).hexdigest()
+    )
+    assert infos[0].bytes == infos[1].bytes and infos[0].samples == infos[1].samples == 12
