@@ -128,10 +128,11 @@ def config_from_args(args: argparse.Namespace):
     """The BenchConfig the flags describe (plus torchrun's world when running under it)."""
     from stallfree.harness.runner import BenchConfig
 
+    world = _torchrun_world()
     cfg = BenchConfig(
         dataset=args.dataset,
         loaders=[v.strip() for v in args.loader.split(",") if v.strip()],
-        nproc=args.nproc,
+        nproc=int(world.pop("nproc", args.nproc)),
         step=args.step,
         step_ms=args.step_ms,
         batch_size=args.batch_size,
@@ -155,7 +156,7 @@ def config_from_args(args: argparse.Namespace):
         tune_prefetch=args.tune_prefetch,
         tune_target_stall=args.tune_target / 100.0,
         progress=True,
-        **_torchrun_world(),
+        **world,
     )
     return cfg
 

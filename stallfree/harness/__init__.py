@@ -1,0 +1,15 @@
+"""The stall harness behind ``stallfree bench``: N ranks run a DDP-like loop (next batch, step,
+all-reduce) over each loader in turn and report the time blocked on data per rank.
+
+Programmatic entry::
+
+    from stallfree.harness.runner import BenchConfig, run_bench
+    from stallfree.harness.report import format_table
+
+    report = run_bench(BenchConfig(dataset="./shards", loaders=["stallfree", "torch"], nproc=2, steps=20))
+    print(format_table(report))
+
+Modules: runner (launch, phases), metrics (stall accounting), loaders (adapters), steps (the step),
+datasets / fixtures (bench data), analyze (differential analysis, what-if), tune (workers x
+prefetch sweep), report (table, JSON, PNG), slowstore (slow HTTP storage for benchmarks).
+"""

@@ -198,3 +198,37 @@ def test_config_validation_names_the_flag(field, value, message):
     cfg = BenchConfig(dataset="synthetic:8", **{field: value})
     with pytest.raises(ValueError, match=message):
         cfg.validate()
+
+
+def test_cli_reads_torchrun_world_from_env(monkeypatch):
+    from stallfree.cli import build_parser
+    from stallfree.cli.bench import config_from_args
+
+    args = build_parser().parse_args(
+        [
+            "bench",
+            "synthetic:8",
+            "--nproc",
+            "4",
+            "--loader",
+            "torch, stallfree",
+            "--whatif-cache-gb",
+            "2",
+            "--whatif-storage-mbps",
+            "50",
+            "--device",
+            "cpu",
+        ]
+    )
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    cfg = config_from_args(args)
+    assert cfg.rank is None and cfg.nproc == 4 and cfg.loaders == ["torch", "stallfree"]
+    assert cfg.whatif_cache_bytes == 2e9 and cfg.whatif_storage_bytes_per_s == 50e6
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    cfg = config_from_args(args)
+    assert (cfg.rank, cfg.world_size, cfg.local_rank, cfg.local_size, cfg.nproc) == (3, 8, 1, 2, 8)
+    assert cfg.init_method == "env://"
