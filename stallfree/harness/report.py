@@ -145,11 +145,18 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
         lines.append(f"skipped {name}: {reason}")
     cfg = report["config"]
     lines.append(
-        f"{cfg['nproc'] if cfg.get('rank') is None else cfg.get('world_size')} ranks, step {cfg['step']} "
-        f"{cfg['step_ms']:g} ms, batch {cfg['batch_size']}, workers {cfg['workers']}, {cfg['steps']} steps "
+        f"{cfg['nproc'] if cfg.get('rank') is None else cfg.get('world_size')} ranks, step {_step_label(cfg)}, batch {cfg['batch_size']}, workers {cfg['workers']}, {cfg['steps']} steps "
         f"(+{cfg['warmup']} warm-up); stall % = time blocked in next() / step time, job = worst rank"
     )
     return "\n".join(lines)
+
+
+def _step_label(cfg: dict[str, Any]) -> str:
+    if cfg["step"] == "model":
+        return "model (TinyResNet fwd+bwd+SGD)"
+    if cfg["step"] == "none":
+        return "none (loader alone)"
+    return f"{cfg['step']} {cfg['step_ms']:g} ms"
 
 
 def write_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
