@@ -148,6 +148,7 @@ class TorchAdapter(Adapter):
             kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
                 kwargs["prefetch_factor"] = s.prefetch
+        kwargs["pin_memory"] = s.device.startswith("cuda")  # the standard recipe for GPU training
         self.loader = torch.utils.data.DataLoader(
             _Mapped(s.dataset, PILRecipe(s.image_size, s.seed)),
             batch_size=s.batch_size,
@@ -288,6 +289,7 @@ class WebDatasetAdapter(Adapter):
             kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
                 kwargs["prefetch_factor"] = s.prefetch
+        kwargs["pin_memory"] = s.device.startswith("cuda")
         self.loader = wds.WebLoader(
             ds.batched(s.batch_size, collation_fn=collate_pairs, partial=False),
             batch_size=None,
@@ -345,7 +347,7 @@ class DaliAdapter(Adapter):
             )
             return images, labels
 
-        device_id = int(s.device.split(":")[1]) if gpu and ":" in s.device else (0 if gpu else None)
+        device_id = (int(s.device.split(":")[1]) if ":" in s.device else s.local_rank) if gpu else None
         self.pipe = pipe(
             batch_size=s.batch_size, num_threads=max(1, s.workers), device_id=device_id, seed=s.seed
         )

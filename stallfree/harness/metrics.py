@@ -113,6 +113,7 @@ class RankMetrics:
         totals_ms = [s.total * 1e3 for s in steps]
         return {
             "rank": self.rank,
+            "spikes": wait_spikes(waits_ms),
             "steps": len(steps),
             "samples": samples,
             "wall_s": wall,
@@ -133,6 +134,22 @@ class RankMetrics:
         return [
             [round(s.start, 6), round(s.wait, 6), round(s.compute, 6), round(s.sync, 6)] for s in self.steps
         ]
+
+
+def wait_spikes(waits_ms: Sequence[float], floor_ms: float = 20.0) -> dict[str, Any]:
+    """Waits far above the typical one (> 10x the median and > ``floor_ms``): how many, their share
+    of all waiting, and the median number of steps between them. Periodic spikes point at a
+    boundary the loader does not read ahead across (epoch, shard block, file open)."""
+    total = sum(waits_ms)
+    limit = max(10 * percentile(waits_ms, 50), floor_ms)
+    at = [i for i, w in enumerate(waits_ms) if w > limit]
+    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+    return {
+        "count": len(at),
+        "share_of_wait": sum(waits_ms[i] for i in at) / total if total > 0 else 0.0,
+        "every_steps": percentile(gaps, 50) if gaps else None,
+        "threshold_ms": limit,
+    }
 
 
 def job_summary(ranks: Sequence[dict[str, Any]], all_waits_ms: Sequence[float] = ()) -> dict[str, Any]:

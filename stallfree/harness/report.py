@@ -141,6 +141,15 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = [_fmt_row(head, widths), "  ".join("-" * w for w in widths)]
     lines += [_fmt_row(r, widths) for r in rows]
+    for name, entry in report["loaders"].items():
+        worst = max(entry["ranks"], key=lambda r: r["stall_share"])
+        spikes = worst.get("spikes") or {}
+        if worst["stall_share"] > 0.02 and spikes.get("count") and spikes["share_of_wait"] > 0.5:
+            every = f", about every {spikes['every_steps']:g} steps" if spikes.get("every_steps") else ""
+            lines.append(
+                f"{name}: {100 * spikes['share_of_wait']:.0f}% of rank {worst['rank']}'s wait is "
+                f"{spikes['count']} spike(s) over {spikes['threshold_ms']:.0f} ms{every} (a boundary not read ahead)"
+            )
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"skipped {name}: {reason}")
     cfg = report["config"]

@@ -303,6 +303,13 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
         if world > 1 and not cfg.init_method:
             raise ValueError("running inside a job of several ranks needs init_method (tcp://MASTER:PORT)")
         return rank_main(cfg, phases, cfg.rank, world, None)
+    if cfg.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.device_count() < cfg.nproc:
+            raise ValueError(
+                f"--nproc {cfg.nproc} ranks on CUDA need as many GPUs; {torch.cuda.device_count()} visible"
+            )
     if cfg.nproc == 1:
         return rank_main(cfg, phases, 0, 1, None)
     import torch.multiprocessing as mp

@@ -232,3 +232,21 @@ def test_cli_reads_torchrun_world_from_env(monkeypatch):
     cfg = config_from_args(args)
     assert (cfg.rank, cfg.world_size, cfg.local_rank, cfg.local_size, cfg.nproc) == (3, 8, 1, 2, 8)
     assert cfg.init_method == "env://"
+
+
+def test_wait_spikes_finds_periodic_long_waits():
+    from stallfree.harness.metrics import wait_spikes
+
+    waits = [0.2] * 48
+    for i in (7, 23, 39):
+        waits[i] = 400.0
+    spikes = wait_spikes(waits)
+    assert spikes["count"] == 3 and spikes["every_steps"] == 16
+    assert spikes["share_of_wait"] == pytest.approx(1200 / (1200 + 45 * 0.2))
+    assert wait_spikes([1.0] * 10) == {
+        "count": 0,
+        "share_of_wait": 0.0,
+        "every_steps": None,
+        "threshold_ms": 20.0,
+    }
+    assert wait_spikes([])["count"] == 0
