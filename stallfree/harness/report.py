@@ -150,6 +150,12 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
                 f"{name}: {100 * spikes['share_of_wait']:.0f}% of rank {worst['rank']}'s wait is "
                 f"{spikes['count']} spike(s) over {spikes['threshold_ms']:.0f} ms{every} (a boundary not read ahead)"
             )
+    for name, entry in report["loaders"].items():
+        stages = (entry.get("stats") or {}).get("stages_s") or {}
+        batches = (entry.get("stats") or {}).get("batches") or 0
+        if stages and batches:
+            parts = ", ".join(f"{k.removesuffix('_s')} {1e3 * v / batches:.1f}" for k, v in stages.items())
+            lines.append(f"{name} stages, ms per batch (rank 0, loader's own counters): {parts}")
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"skipped {name}: {reason}")
     cfg = report["config"]
