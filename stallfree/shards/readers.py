@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import operator
 import threading
 from array import array
 from bisect import bisect_right
@@ -22,6 +21,7 @@ from itertools import chain
 from typing import Any
 
 import fsspec
+import numpy as np
 
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
@@ -90,6 +90,16 @@ def _check_size(size: int, info: ShardInfo | None, shard: str) -> None:
         )
 
 
+def _decimals(tokens: list[str]) -> np.ndarray | None:
+    """Plain ASCII decimal tokens -> int64 values in one C-level parse (``map(int, ...)`` took
+    ~70 ns a token); None for anything else (signs, ``_``, non-ASCII digits, over 18 digits)."""
+    joined = " ".join(tokens)
+    if not (joined.isascii() and joined.replace(" ", "").isdigit()) or max(map(len, tokens)) > 18:
+        return None
+    values = np.fromstring(joined, dtype=np.int64, sep=" ")
+    return values if len(values) == len(tokens) else None
+
+
 def uniform_columns(
     text: bytes | str, size: int, expected: int | None
 ) -> tuple[list[str], list[str], array, array, array, array] | None:
@@ -121,26 +131,26 @@ def uniform_columns(
     pattern = fields[:m]
     if len(set(pattern)) != m or fields != pattern * count:
         return None
-    try:
-        starts = array("q", map(int, tokens[1::4]))
-        lengths = array("q", map(int, tokens[2::4]))
-    except (ValueError, OverflowError):
+    starts, lengths = _decimals(tokens[1::4]), _decimals(tokens[2::4])
+    if starts is None or lengths is None or starts.min() < BLOCK or lengths.min() < 0:
         return None
-    if min(starts) < BLOCK or min(lengths) < 0:
-        return None
-    ends = array("q", map(operator.add, starts, lengths))
-    if max(ends) > size:
+    ends = starts + lengths
+    if ends.max() > size:
         return None
     names = tokens[3::4]
     cut = len(pattern[0]) + 1
     keys = [name[:-cut] for name in names[0::m]]
     for k, field in enumerate(pattern):
+        # every member name is KEY.FIELD (joined with newlines, which no token contains)
         suffix = "." + field
-        if names[k::m] != [key + suffix for key in keys]:
+        if "\n".join(names[k::m]) != (suffix + "\n").join(keys) + suffix:
             return None
+    start_col, end_col = array("q"), array("q")
+    start_col.frombytes(starts.tobytes())
+    end_col.frombytes(ends.tobytes())
     fid = array("H", range(m)) * count
     first = array("q", range(0, m * count + 1, m))
-    return keys, pattern, fid, starts, ends, first
+    return keys, pattern, fid, start_col, end_col, first
 
 
 class TarShardReader:

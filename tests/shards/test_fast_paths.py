@@ -131,3 +131,39 @@ def test_iteration_of_a_fresh_dataset_equals_an_open_one(tar_dataset, samples):
     fresh = open_dataset(str(tar_dataset))
     assert list(fresh) == expected
     assert [s["jpg"] for s in expected] == [s["jpg"] for s in samples]
+
+
+@pytest.mark.parametrize(
+    "tokens, expected",
+    [
+        (["512", "0", "007", "123456789012345678"], [512, 0, 7, 123456789012345678]),
+        (["+5"], None),
+        (["-5"], None),
+        (["1_000"], None),
+        (["٣"], None),  # a non-ASCII digit: int() takes it, the bulk path leaves it to parse_idx
+        (["1234567890123456789"], None),  # over 18 digits
+        (["12a"], None),
+    ],
+)
+def test_decimal_columns(tokens, expected):
+    from stallfree.shards.readers import _decimals
+
+    got = _decimals(tokens)
+    assert (got if got is None else got.tolist()) == expected
+
+
+def test_unusual_numbers_in_idx_go_through_the_full_parser(tar_dataset, samples):
+    """``+1536`` is a number to int(): the bulk path declines it, parse_idx reads it, same samples."""
+    ds = open_dataset(str(tar_dataset))
+    path, info = ds.shard_path(0), ds.manifest.shards[0]
+    idx = Path(idx_path_for(path))
+    text = idx.read_text()
+    assert uniform_columns(text, info.bytes, info.samples) is not None
+    lines = text.splitlines()
+    tokens = lines[1].split()
+    tokens[1] = "+" + tokens[1]
+    idx.write_text("\n".join([lines[0], " ".join(tokens), *lines[2:]]) + "\n")
+    assert uniform_columns(idx.read_text(), info.bytes, info.samples) is None
+    fresh = open_dataset(str(tar_dataset))
+    assert not fresh._reader(0)._uniform
+    assert [s["jpg"] for s in list(fresh)[:5]] == [s["jpg"] for s in samples[:5]]
