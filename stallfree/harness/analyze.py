@@ -211,6 +211,13 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
             "error": abs(predicted - measured) / measured if measured > 0 else None,
         },
     }
+    error = result["whatif"]["error"]
+    if error is not None and error > 0.10:
+        result["whatif"]["note"] = (
+            "prediction off by more than 10%: the model assumes storage time scales with bytes read; a "
+            "latency-bound store (concurrent requests, per-request cost) or runs crossing epoch/block "
+            "boundaries break that"
+        )
     if cfg.whatif_storage_bytes_per_s:
         result["whatif_given_storage"] = {
             "cache_share": x,

@@ -228,12 +228,14 @@ def format_analysis(analysis: dict[str, Any]) -> str:
             if storage != float("inf")
             else "not limiting"
         ),
-        f"stall {100 * s['measured_stall_share']:.1f}% measured cold: fetch {100 * s['fetch_stall_share']:.1f}%, "
-        f"prep {100 * s['prep_stall_share']:.1f}% of step time",
+        f"cold run: worst-rank stall {100 * s['measured_stall_share']:.1f}%; differential split of its time "
+        f"per sample: fetch {100 * s['fetch_stall_share']:.1f}%, prep + hand-off {100 * s['prep_stall_share']:.1f}%",
         f"what-if cache {100 * w['cache_share']:.0f}% ({w['cache_bytes'] / 1e6:.1f} MB): predicted "
         f"{w['predicted_samples_per_s']:.1f} samples/s, measured {w['measured_samples_per_s']:.1f} "
         f"(error {100 * (w['error'] or 0):.1f}%)",
     ]
+    if w.get("note"):
+        lines.append(f"note: {w['note']}")
     given = analysis.get("whatif_given_storage")
     if given:
         lines.append(
