@@ -6,7 +6,8 @@ the same per-sample work, the same step and the same ranks.
 - ``torch``: ``torch.utils.data.DataLoader`` + ``DistributedSampler`` + the PIL recipe in workers
 - ``stallfree``: ``stallfree.DataLoader`` (clairvoyant order, prefetch), same recipe or ``ImageDecode``
 - ``webdataset``: ``webdataset.WebDataset`` over the tar shards, split by rank and worker
-- ``dali``: DALI's own ``fn.readers.webdataset`` + CPU decode and augment (local tar shards only)
+- ``dali``: DALI's own ``fn.readers.webdataset`` + decode and augment (CPU operators, or mixed
+  decode on the GPU when the device is CUDA; local tar shards only)
 """
 
 from __future__ import annotations
@@ -27,8 +28,6 @@ import torch
 from stallfree.harness.transforms import PILRecipe, collate_pairs
 
 logger = logging.getLogger(__name__)
-
-LOADER_NAMES = ("stallfree", "torch", "webdataset", "dali")
 
 
 @dataclass
@@ -167,6 +166,7 @@ class TorchAdapter(Adapter):
         iterator = getattr(self.loader, "_iterator", None)
         if iterator is not None and hasattr(iterator, "_shutdown_workers"):
             iterator._shutdown_workers()
+        super().close()
 
 
 class StallfreeAdapter(Adapter):
@@ -230,7 +230,7 @@ class StallfreeAdapter(Adapter):
         closer = getattr(self.loader, "close", None)
         if callable(closer):
             closer()
-        del self.loader  # the loader shuts its workers down when collected
+        super().close()  # the loader shuts its workers down when collected
 
 
 def _split_by_rank(urls: list[str], rank: int, world: int) -> list[str]:
@@ -359,6 +359,10 @@ class DaliAdapter(Adapter):
             last_batch_policy=LastBatchPolicy.DROP,
             auto_reset=True,
         )
+
+    def close(self) -> None:
+        self.__dict__.pop("iterator", None)
+        self.__dict__.pop("pipe", None)  # DALI frees its threads and buffers with the pipeline
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
         for out in self.iterator:
