@@ -2,15 +2,19 @@
 
 Writes a tar dataset of ``--samples`` samples of ``--sample-kb`` KB (random payload, plus a
 ``cls`` label, as an image dataset has), warms the page cache, then in one run measures:
-  cat        ``cat shards > /dev/null`` (the baseline: raw page-cache read speed)
-  seq-cold   ``for s in open_dataset(root)``: a fresh dataset each run (opens, maps, page-faults)
-  seq-iter   ``for s in ds`` (sequential, batched through get_many), dataset already open
+  cat        ``cat shards > /dev/null`` (the baseline: raw page-cache read speed; ``read()`` into
+             one reused buffer, no per-sample object)
+  seq-cold   ``for s in open_dataset(root)``: a fresh dataset each run (reads the manifest and each
+             shard's ``.idx``, maps the shards, page-faults the mappings in, closes them)
+  seq-iter   ``for s in ds``, dataset already open (its mappings populated by an earlier pass)
   seq-index  ``ds[i]`` for i in order
   random     ``ds[i]`` in a random permutation (one sample at a time)
   random-many ``ds.get_many(batch)`` over random batches of 256
 Each is the best of ``--repeat`` runs (shared, noisy machine). Reports samples/s, MB/s and the
 ratio to cat's MB/s; also MB per CPU-second (user+sys of this process, or of cat), which a
-loaded machine disturbs less than wall time. ``--format arrow`` measures Arrow shards instead.
+loaded machine disturbs less than wall time. Our MB are sample payload bytes (every field a fresh
+``bytes`` object); cat's are whole-file bytes (tar headers and padding too, ~2% more).
+``--format arrow`` measures Arrow shards instead.
 
     .venv/bin/python benchmarks/bench_read.py --samples 2000 --sample-kb 100
 """
