@@ -156,6 +156,15 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
         if stages and batches:
             parts = ", ".join(f"{k.removesuffix('_s')} {1e3 * v / batches:.1f}" for k, v in stages.items())
             lines.append(f"{name} stages, ms per batch (rank 0, loader's own counters): {parts}")
+    n, cfg_ = report.get("dataset_samples"), report["config"]
+    world = cfg_["nproc"] if cfg_.get("rank") is None else cfg_.get("world_size") or 1
+    per_epoch = n // (cfg_["batch_size"] * world) if n else 0
+    if n and per_epoch and cfg_["warmup"] + cfg_["steps"] > per_epoch:
+        lines.append(
+            f"note: an epoch is {per_epoch} steps ({n} samples), so the run crosses "
+            f"{(cfg_['warmup'] + cfg_['steps']) // per_epoch} epoch boundary(ies); each restarts a loader's "
+            f"read-ahead and shows as stall (use a larger dataset or fewer steps)"
+        )
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"skipped {name}: {reason}")
     cfg = report["config"]

@@ -342,6 +342,16 @@ def loader_phases(cfg: BenchConfig) -> tuple[list[Phase], dict[str, str]]:
     return phases, skipped
 
 
+def _dataset_len(cfg: BenchConfig) -> int | None:
+    from stallfree.harness.datasets import resolve_dataset
+
+    try:
+        return len(resolve_dataset(cfg.dataset, cfg.storage_options))
+    except Exception as exc:  # informative only: the bench itself already ran on it
+        logger.warning("could not read the dataset length for the report: %s", exc)
+        return None
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     """The programmatic entry: run the loaders (and analysis / tuning when asked) and return the
     report dict (see report.build_report); None on ranks other than 0 inside torchrun."""
@@ -371,6 +381,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             raise ValueError(f"phase {r['phase']['label']} could not run: {reason}")
     ran = [by_label[p.label] for p in phases if p.label in by_label]
     rep = report.build_report(cfg, ran, skipped, elapsed_s=time.time() - started)
+    rep["dataset_samples"] = _dataset_len(cfg)
     if cfg.analyze:
         rep["analysis"] = analyze.analyze(cfg, by_label)
     if cfg.tune:

@@ -250,3 +250,53 @@ def test_wait_spikes_finds_periodic_long_waits():
         "threshold_ms": 20.0,
     }
     assert wait_spikes([])["count"] == 0
+
+
+def test_format_table_explains_spikes_stages_epochs_and_skips():
+    from stallfree.harness.report import format_table
+
+    rank = {
+        "rank": 0,
+        "samples_per_s": 100.0,
+        "stall_share": 0.3,
+        "wait_p50_ms": 0.2,
+        "wait_p99_ms": 400.0,
+        "step_p50_ms": 41.0,
+        "cpu_cores": 0.3,
+        "spikes": {"count": 2, "share_of_wait": 0.99, "every_steps": 16, "threshold_ms": 20.0},
+    }
+    job = {
+        "samples_per_s": 100.0,
+        "stall_share": 0.3,
+        "wait_p50_ms": 0.2,
+        "wait_p99_ms": 400.0,
+        "cpu_cores": 0.3,
+    }
+    report = {
+        "config": {
+            "nproc": 1,
+            "rank": None,
+            "step": "sleep",
+            "step_ms": 40.0,
+            "batch_size": 16,
+            "workers": 2,
+            "steps": 40,
+            "warmup": 8,
+        },
+        "loaders": {
+            "stallfree": {
+                "job": job,
+                "ranks": [rank],
+                "stats": {"batches": 10, "stages_s": {"fetch_s": 1.0, "map_s": 0.5}},
+            }
+        },
+        "skipped": {"dali": "nvidia.dali is not installed"},
+        "dataset_samples": 512,
+    }
+    text = format_table(report)
+    assert "stallfree   job      100.0     30.0" in text
+    assert "99% of rank 0's wait is 2 spike(s) over 20 ms, about every 16 steps" in text
+    assert "stallfree stages, ms per batch (rank 0, loader's own counters): fetch 100.0, map 50.0" in text
+    assert "an epoch is 32 steps (512 samples), so the run crosses 1 epoch boundary" in text
+    assert "skipped dali: nvidia.dali is not installed" in text
+    assert "1 ranks, step sleep 40 ms, batch 16, workers 2, 40 steps (+8 warm-up)" in text
