@@ -69,11 +69,16 @@ def test_remote_filesystem_takes_the_same_path() -> None:
 def test_failed_write_raises_write_error_and_leaves_nothing(tmp_path: Path) -> None:
     f = OverlappedHashFile(LOCAL, str(tmp_path / "x.bin"))
     f.write(b"a" * 5000)
-    os.close(f._fd)  # the descriptor goes bad underneath: the next write fails
-    with pytest.raises(WriteError, match="write failed: OSError") as info:
-        f.write_parts([b"b" * 5000])
+    readonly = os.open(os.devnull, os.O_RDONLY)
+    f._fd = readonly  # writes now go to a descriptor that refuses them
+    try:
+        with pytest.raises(WriteError, match="write failed: OSError") as info:
+            f.write_parts([b"b" * 5000])
+    finally:
+        os.close(readonly)
     assert info.value.offset == 5000
     assert list(tmp_path.iterdir()) == []
+    assert f._f.closed  # abort closed the real file
 
 
 def test_abort_leaves_nothing(tmp_path: Path) -> None:
