@@ -141,7 +141,9 @@ def test_iteration_of_a_fresh_dataset_equals_an_open_one(tar_dataset, samples):
         (["-5"], None),
         (["1_000"], None),
         (["٣"], None),  # a non-ASCII digit: int() takes it, the bulk path leaves it to parse_idx
-        (["1234567890123456789"], None),  # over 18 digits
+        (["999999999999999999"], [999999999999999999]),
+        (["1234567890123456789"], None),  # 10**18 or more
+        (["5", "99999999999999999999"], None),  # past int64: numpy saturates, we decline
         (["12a"], None),
     ],
 )
