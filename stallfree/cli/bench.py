@@ -24,6 +24,17 @@ def _int_list(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from exc
 
 
+def _option(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, true/false), else a string."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -64,6 +75,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="forkserver",
         choices=["fork", "forkserver", "spawn"],
         help="how every loader's workers start (default forkserver: safe beside gloo threads)",
+    )
+    p.add_argument(
+        "--loader-option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra stallfree.DataLoader keyword, e.g. window=1 or autotune=true (repeatable)",
     )
     p.add_argument(
         "--cache-share",
@@ -145,6 +164,7 @@ def config_from_args(args: argparse.Namespace):
         device=_device(args.device),
         decode=args.decode,
         worker_start=args.worker_start,
+        loader_options=dict(args.loader_option),
         cache_fraction=args.cache_share,
         analyze=args.analyze,
         analyze_loader=args.analyze_loader,

@@ -214,6 +214,12 @@ def test_cli_reads_torchrun_world_from_env(monkeypatch):
             "torch, stallfree",
             "--whatif-cache-gb",
             "2",
+            "--loader-option",
+            "window=1",
+            "--loader-option",
+            "autotune=true",
+            "--loader-option",
+            "order=block",
             "--whatif-storage-mbps",
             "50",
             "--device",
@@ -225,6 +231,7 @@ def test_cli_reads_torchrun_world_from_env(monkeypatch):
     cfg = config_from_args(args)
     assert cfg.rank is None and cfg.nproc == 4 and cfg.loaders == ["torch", "stallfree"]
     assert cfg.whatif_cache_bytes == 2e9 and cfg.whatif_storage_bytes_per_s == 50e6
+    assert cfg.loader_options == {"window": 1, "autotune": True, "order": "block"}
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_RANK", "1")
