@@ -75,17 +75,27 @@ def bench_a(root: Path, step_ms: float = 80.0) -> dict:
 
 
 def bench_b(root: Path, step_ms: float = 40.0, latency_s: float = 0.020) -> dict:
+    """stallfree (defaults), torch and webdataset side by side; then stallfree with ``window=1``
+    (one shard per block) on the same server, for reference (not part of the criterion)."""
     with serve_slow(root, latency_s=latency_s) as server:
         rep = run_bench(_cfg(server.url, ["stallfree", "torch", "webdataset"], step_ms=step_ms))
         requests = server.stats.requests
+        idx_requests = sum(v for k, v in server.stats.paths.items() if k.endswith(".idx"))
+        alt = run_bench(_cfg(server.url, ["stallfree"], step_ms=step_ms, loader_options={"window": 1}))
     print(format_table(rep, per_rank=False))
+    print(format_table(alt, per_rank=False).replace("stallfree ", "stallfree(window=1) ", 1))
     stall = {k: v["job"]["stall_share"] for k, v in rep["loaders"].items()}
     return {
         "latency_ms": latency_s * 1e3,
         "step_ms": step_ms,
         "stall_share": stall,
         "samples_per_s": {k: v["job"]["samples_per_s"] for k, v in rep["loaders"].items()},
+        "spikes": {
+            k: max(v["ranks"], key=lambda r: r["stall_share"])["spikes"] for k, v in rep["loaders"].items()
+        },
+        "stallfree_window1_stall_share": alt["loaders"]["stallfree"]["job"]["stall_share"],
         "http_requests": requests,
+        "idx_requests": idx_requests,
         "skipped": rep["skipped"],
         "pass": stall["stallfree"] <= 0.05,
     }
