@@ -213,6 +213,8 @@ class TarShardWriter:
         if self.info is not None:
             return self.info
         self._file.write(_TRAILER)
+        # the digest first: an overlapped hash finishes (or reports its failure) before any rename
+        digest = self._file.sha256()
         idx = AtomicFile(self.fs, self.idx_path, shard=self.name)
         try:
             idx.write(render_idx(self._index).encode())
@@ -222,7 +224,7 @@ class TarShardWriter:
             self._file.abort()
             raise
         self._file.commit()  # the tar last: a final-named shard always has its index
-        self.info = ShardInfo(self.name, len(self._index), self._file.size, self._file.sha256())
+        self.info = ShardInfo(self.name, len(self._index), self._file.size, digest)
         return self.info
 
     def abort(self) -> None:

@@ -1,5 +1,6 @@
-"""``OverlappedHashFile`` (sha256 on a helper thread, one ``writev`` per sample) writes exactly what
-``AtomicFile`` writes, with the same digest, the same temp-then-rename and the same errors."""
+"""``OverlappedHashFile`` (sha256 on a helper thread reading the file back, one ``writev`` per
+sample) writes exactly what ``AtomicFile`` writes, with the same digest, the same
+temp-then-rename and the same errors."""
 
 from __future__ import annotations
 
@@ -54,7 +55,32 @@ def test_many_parts_and_short_writes(tmp_path: Path, monkeypatch) -> None:
     assert f.sha256() == hashlib.sha256(want).hexdigest()
 
 
-def test_remote_filesystem_takes_the_same_path() -> None:
+@pytest.mark.parametrize("chunk", [1, 1000, 4096, 1 << 20])
+def test_digest_across_read_back_chunk_sizes(tmp_path: Path, monkeypatch, chunk: int) -> None:
+    monkeypatch.setattr(OverlappedHashFile, "chunk", chunk)
+    parts = [os.urandom(i * 37 % 5000) for i in range(300)]
+    f = OverlappedHashFile(LOCAL, str(tmp_path / "x.bin"))
+    for i in range(0, 300, 7):
+        f.write_parts(parts[i : i + 7])
+    f.commit()
+    want = b"".join(parts)
+    assert (tmp_path / "x.bin").read_bytes() == want
+    assert f.sha256() == hashlib.sha256(want).hexdigest()
+
+
+def test_failed_read_back_is_a_write_error_and_leaves_nothing(tmp_path: Path, monkeypatch) -> None:
+    def broken(fd, buffers, offset):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(OverlappedHashFile, "chunk", 1000)
+    monkeypatch.setattr(atomic.os, "preadv", broken)
+    with pytest.raises(WriteError, match="sha256 read-back failed: OSError"):
+        with _OverlappedTar(str(tmp_path / "x.tar")) as w:
+            w.write({"__key__": "a", "bin": b"x" * 5000})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_remote_filesystem_hashes_inline() -> None:
     fs = fsspec.filesystem("memory")
     f = OverlappedHashFile(fs, "/stallfree-wp/x.bin")
     parts = _parts()
