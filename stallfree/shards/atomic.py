@@ -120,49 +120,57 @@ class AtomicFile:
 class OverlappedHashFile(AtomicFile):
     """An ``AtomicFile`` that overlaps sha256 with writing. Locally, a helper thread reads the temp
     file back (from the page cache) in ``chunk``-sized pieces behind the writer and hashes them:
-    reads and hashlib both release the GIL, and the two threads meet once per chunk rather than
-    once per sample (a queue hop per sample cost the writer ~15 µs each in GIL hand-offs), and no
-    sample stays referenced after its write. ``write_parts`` hands a sample's pieces to the kernel
-    in one ``os.writev`` (unbuffered file: no copy into a user-space buffer). Other filesystems
-    hash inline, as ``AtomicFile`` does. Same bytes, same digest, same temp-then-rename."""
+    reads and hashlib both release the GIL, and the threads meet once per chunk rather than once
+    per sample (a queue hop per sample cost the writer ~15 µs in GIL hand-offs), and no sample
+    stays referenced after its write. If the helper falls ``lag`` chunks behind (no free core),
+    the writer hashes the next chunk itself, so a busy machine costs no more than hashing inline.
+    ``write_parts`` hands a sample's pieces to the kernel in one ``os.writev`` (unbuffered file).
+    Other filesystems hash inline, as ``AtomicFile`` does. Same bytes, digest and rename."""
 
     chunk = 8 << 20
+    lag = 4
 
     def __init__(self, fs: fsspec.AbstractFileSystem, path: str, *, shard: str | None = None) -> None:
         super().__init__(fs, path, shard=shard)
         self._fd = self._f.fileno() if is_local(fs) else None
         self._cv = threading.Condition()
+        self._hash_lock = threading.Lock()  # held by whoever hashes the next bytes, in order
+        self._hashed = 0
         self._closing = False
-        self._abandon = False
         self._signalled = 0
         self._error: BaseException | None = None
         self._hasher: threading.Thread | None = None
         if self._fd is not None:
+            self._buf = memoryview(bytearray(self.chunk))
             self._hasher = threading.Thread(target=self._hash_loop, name="stallfree-shard-hash", daemon=True)
             self._hasher.start()
 
     def _open_local(self) -> IO[bytes]:
-        # readable for the hash thread; unbuffered. Created by this open and never reopened:
+        # readable for the read-back; unbuffered. Created by this open and never reopened:
         # reopening with O_TRUNC makes ext4 flush the whole file when it is closed.
         return open(self.tmp, "w+b", buffering=0)  # noqa: SIM115 - closed by commit/abort
 
+    def _hash_to(self, end: int) -> None:
+        """Hash the file from ``_hashed`` to ``end``; the caller holds ``_hash_lock``."""
+        pos, buf, fd = self._hashed, self._buf, self._fd
+        while pos < end:
+            n = os.preadv(fd, [buf[: min(self.chunk, end - pos)]], pos)
+            if n <= 0:
+                raise OSError(f"read back {n} bytes at offset {pos} of {end}")
+            self._sha.update(buf[:n])
+            pos += n
+            self._hashed = pos
+
     def _hash_loop(self) -> None:
-        view = memoryview(bytearray(self.chunk))
-        update, fd, pos = self._sha.update, self._fd, 0
         try:
             while True:
                 with self._cv:
-                    while self.size - pos < self.chunk and not self._closing:
+                    while self.size - self._hashed < self.chunk and not self._closing:
                         self._cv.wait()
-                    end, closing = self.size, self._closing
-                while pos < end and not self._abandon:
-                    n = os.preadv(fd, [view[: min(self.chunk, end - pos)]], pos)
-                    if n <= 0:
-                        raise OSError(f"read back {n} bytes at offset {pos} of {end}")
-                    update(view[:n])
-                    pos += n
-                if closing:
-                    return
+                    if self._closing:
+                        return  # the writer hashes what is left
+                with self._hash_lock:
+                    self._hash_to(self.size)
         except BaseException as exc:  # noqa: BLE001 - reported by sha256()/commit()
             self._error = exc
 
@@ -186,23 +194,39 @@ class OverlappedHashFile(AtomicFile):
                 f"write failed: {type(exc).__name__}: {exc}", shard=self._shard, offset=self.size
             ) from exc
         self.size += total
+        if self.size - self._hashed >= self.lag * self.chunk and self._hash_lock.acquire(blocking=False):
+            try:  # the helper is not keeping up (no free core): take a chunk off it
+                self._hash_to(min(self.size, self._hashed + self.chunk))
+            except Exception as exc:  # noqa: BLE001
+                self._hash_lock.release()
+                self.abort()
+                raise WriteError(
+                    f"sha256 read-back failed: {type(exc).__name__}: {exc}", shard=self._shard
+                ) from exc
+            self._hash_lock.release()
         if self.size - self._signalled >= self.chunk:
             self._signalled = self.size
             with self._cv:
                 self._cv.notify()
 
-    def _stop_hasher(self, abandon: bool) -> None:
+    def _stop_hasher(self) -> None:
         if self._hasher is not None and self._hasher.is_alive():
-            self._abandon = abandon
             with self._cv:
                 self._closing = True
                 self._cv.notify()
             self._hasher.join()
 
     def _finish_hash(self) -> None:
-        self._stop_hasher(abandon=False)
-        if self._error is not None:
-            exc, self._error = self._error, None
+        if self._hasher is None:
+            return
+        self._stop_hasher()
+        try:
+            if self._error is not None:
+                raise self._error
+            with self._hash_lock:
+                self._hash_to(self.size)
+        except BaseException as exc:
+            self._error = None
             self.abort()
             raise WriteError(
                 f"sha256 read-back failed: {type(exc).__name__}: {exc}", shard=self._shard
@@ -217,7 +241,7 @@ class OverlappedHashFile(AtomicFile):
         super().commit()
 
     def abort(self) -> None:
-        self._stop_hasher(abandon=True)
+        self._stop_hasher()
         super().abort()
 
 

@@ -55,9 +55,11 @@ def test_many_parts_and_short_writes(tmp_path: Path, monkeypatch) -> None:
     assert f.sha256() == hashlib.sha256(want).hexdigest()
 
 
-@pytest.mark.parametrize("chunk", [1, 1000, 4096, 1 << 20])
-def test_digest_across_read_back_chunk_sizes(tmp_path: Path, monkeypatch, chunk: int) -> None:
+@pytest.mark.parametrize("lag", [1, 4, 10**9])  # 1: the writer hashes most chunks itself; 10**9: never
+@pytest.mark.parametrize("chunk", [97, 1000, 4096, 1 << 20])
+def test_digest_across_read_back_chunk_sizes(tmp_path: Path, monkeypatch, chunk: int, lag: int) -> None:
     monkeypatch.setattr(OverlappedHashFile, "chunk", chunk)
+    monkeypatch.setattr(OverlappedHashFile, "lag", lag)
     parts = [os.urandom(i * 37 % 5000) for i in range(300)]
     f = OverlappedHashFile(LOCAL, str(tmp_path / "x.bin"))
     for i in range(0, 300, 7):
