@@ -2,9 +2,9 @@
 
 Runs, in the same ranks: (a) the step on synthetic in-memory batches -> ingestion ceiling G;
 (b) the loader alone on a subset held in memory -> prep rate P; (c) cold -> fetch+prep rate, from
-which the storage bandwidth S follows (the cold training run when it is data-bound, since it shows
-how well the loader hides the step; else the loader alone, cold); plus the training step on the
-cached subset and cold, whose per-sample time differences give the prep stall and the fetch stall.
+which the storage bandwidth S follows (the mean of the loader alone and the cold training run when
+that run is data-bound, else the loader alone); plus the training step on the cached subset and
+cold, whose per-sample time differences give the prep stall and the fetch stall.
 
 What-if for a cache holding a share x of the dataset (D bytes) read at bandwidth C, the rest from
 storage at S:  F = D / (D x / C + D (1 - x) / S)  (bytes/s, over mean sample bytes = samples/s),
@@ -178,11 +178,10 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
     # The ceiling the data path can reach once fetch is free: the step rate G, less the hand-off
     # cost (IPC, collate, queueing) the cached training run shows; min(F, P, G) with that G.
     g_eff = min(g, 1.0 / t_p)
-    # Fetch+prep from the cold *training* run when it is data-bound: it includes how well the loader
-    # overlaps its reads with the step (a loader that does not hide the step runs slower than
-    # alone). When that run keeps up with the step it says nothing about storage: use the loader
-    # run alone, a lower bound on what storage gives.
-    fp = 1.0 / t_c if 1.0 / t_c < 0.9 * g_eff else fp_alone
+    # Fetch+prep: two cold measurements of the same storage-bound rate when the cold training run
+    # is data-bound (the loader alone, and training); their mean halves the run-to-run noise. When
+    # the training run keeps up with the step it says nothing about storage: the loader alone only.
+    fp = (fp_alone + 1.0 / t_c) / 2 if 1.0 / t_c < 0.9 * g_eff else fp_alone
     s_rate = fetch_rate(fp, p, serial)
     storage_bw = s_rate * mean_bytes
     model = {"serial": serial, "cache_bw": cache_bw, "sample_bytes": mean_bytes, "prep": p, "ceiling": g_eff}
