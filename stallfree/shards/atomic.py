@@ -124,6 +124,7 @@ class OverlappedHashFile(AtomicFile):
     per sample (a queue hop per sample cost the writer ~15 µs in GIL hand-offs), and no sample
     stays referenced after its write. If the helper falls ``lag`` chunks behind (no free core),
     the writer hashes the next chunk itself, so a busy machine costs no more than hashing inline.
+    The first chunk is hashed inline as it is written (small files never start a thread).
     ``write_parts`` hands a sample's pieces to the kernel in one ``os.writev`` (unbuffered file).
     Other filesystems hash inline, as ``AtomicFile`` does. Same bytes, digest and rename."""
 
@@ -139,11 +140,8 @@ class OverlappedHashFile(AtomicFile):
         self._closing = False
         self._signalled = 0
         self._error: BaseException | None = None
-        self._hasher: threading.Thread | None = None
-        if self._fd is not None:
-            self._buf = memoryview(bytearray(self.chunk))
-            self._hasher = threading.Thread(target=self._hash_loop, name="stallfree-shard-hash", daemon=True)
-            self._hasher.start()
+        self._hasher: threading.Thread | None = None  # started once the file reaches ``chunk``
+        self._buf = memoryview(bytearray())  # grown on first use, up to ``chunk``
 
     def _open_local(self) -> IO[bytes]:
         # readable for the read-back; unbuffered. Created by this open and never reopened:
@@ -153,6 +151,8 @@ class OverlappedHashFile(AtomicFile):
     def _hash_to(self, end: int) -> None:
         """Hash the file from ``_hashed`` to ``end``; the caller holds ``_hash_lock``."""
         pos, buf, fd = self._hashed, self._buf, self._fd
+        if len(buf) < min(self.chunk, end - pos):  # small shards never allocate a whole chunk
+            buf = self._buf = memoryview(bytearray(min(self.chunk, end - pos)))
         while pos < end:
             n = os.preadv(fd, [buf[: min(self.chunk, end - pos)]], pos)
             if n <= 0:
@@ -194,6 +194,16 @@ class OverlappedHashFile(AtomicFile):
                 f"write failed: {type(exc).__name__}: {exc}", shard=self._shard, offset=self.size
             ) from exc
         self.size += total
+        if self._hasher is None:  # the first chunk (or a small file): hash inline, the data is hot
+            for part in parts:
+                self._sha.update(part)
+            self._hashed = self.size
+            if self.size >= self.chunk:
+                self._hasher = threading.Thread(
+                    target=self._hash_loop, name="stallfree-shard-hash", daemon=True
+                )
+                self._hasher.start()
+            return
         if self.size - self._hashed >= self.lag * self.chunk and self._hash_lock.acquire(blocking=False):
             try:  # the helper is not keeping up (no free core): take a chunk off it
                 self._hash_to(min(self.size, self._hashed + self.chunk))
@@ -217,7 +227,7 @@ class OverlappedHashFile(AtomicFile):
             self._hasher.join()
 
     def _finish_hash(self) -> None:
-        if self._hasher is None:
+        if self._fd is None:
             return
         self._stop_hasher()
         try:
