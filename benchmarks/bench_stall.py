@@ -23,7 +23,7 @@ from pathlib import Path
 from stallfree.harness.fixtures import write_jpeg_shards
 from stallfree.harness.report import format_analysis, format_table
 from stallfree.harness.runner import BenchConfig, run_bench
-from stallfree.harness.slowstore import serve_slow
+from stallfree.testing.httpserve import serve_directory
 
 NPROC = 2
 BATCH = 16
@@ -77,7 +77,7 @@ def bench_a(root: Path, step_ms: float = 80.0) -> dict:
 def bench_b(root: Path, step_ms: float = 40.0, latency_s: float = 0.020) -> dict:
     """stallfree (defaults), torch and webdataset side by side; then stallfree with ``window=1``
     (one shard per block) on the same server, for reference (not part of the criterion)."""
-    with serve_slow(root, latency_s=latency_s) as server:
+    with serve_directory(root, latency_s=latency_s) as server:
         rep = run_bench(_cfg(server.url, ["stallfree", "torch", "webdataset"], step_ms=step_ms))
         requests = server.stats.requests
         idx_requests = sum(v for k, v in server.stats.paths.items() if k.endswith(".idx"))
@@ -107,7 +107,7 @@ def bench_c(root: Path, loader: str, bandwidth: float, latency_s: float, step_ms
     ranks on one link, how the link splits between them changes from run to run, and the
     all-reduce turns that into job-throughput noise (seen up to +-8%) that no bandwidth model
     predicts; the model is about storage and cache, so it is checked where only they vary."""
-    with serve_slow(root, latency_s=latency_s, aggregate_bytes_per_s=bandwidth) as server:
+    with serve_directory(root, latency_s=latency_s, link_bytes_per_s=bandwidth) as server:
         cfg = _cfg(
             server.url,
             [loader],

@@ -11,5 +11,5 @@ Programmatic entry::
 
 Modules: runner (launch, phases), metrics (stall accounting), loaders (adapters), steps (the step),
 datasets / fixtures (bench data), analyze (differential analysis, what-if), tune (workers x
-prefetch sweep), report (table, JSON, PNG), slowstore (slow HTTP storage for benchmarks).
+prefetch sweep), report (table, JSON, PNG).
 """

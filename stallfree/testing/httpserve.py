@@ -1,5 +1,6 @@
 """A real HTTP server on loopback that serves a directory with byte ranges, optional per-request
-latency and a bandwidth cap, and counts what it sends.
+latency, bandwidth caps (per response, and one link shared by all responses), and counts what it
+sends.
 
 Used by tests (remote storage through fsspec's ``http://``) and benchmarks (slow storage on
 purpose, so stall from remote reads is measured, not imagined). Binds to 127.0.0.1 only.
@@ -10,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -44,6 +47,35 @@ class ServerStats:
             self.paths.clear()
 
 
+class SharedLink:
+    """A token bucket over all responses: a storage link of ``bytes_per_s`` that concurrency cannot
+    widen (what the harness's what-if model calls S)."""
+
+    def __init__(self, bytes_per_s: float) -> None:
+        if bytes_per_s <= 0:
+            raise ValueError(f"link bandwidth must be positive, got {bytes_per_s}")
+        self.rate = bytes_per_s
+        self._lock = threading.Lock()
+        self._free_at = time.perf_counter()
+
+    def reserve(self, nbytes: int) -> float:
+        """Book ``nbytes`` on the link; returns the time at which they have passed."""
+        with self._lock:
+            start = max(self._free_at, time.perf_counter())
+            self._free_at = start + nbytes / self.rate
+            return self._free_at
+
+
+class _QuietServer(ThreadingHTTPServer):
+    """Clients hanging up mid-response (a loader shutting down) are normal here, not errors."""
+
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
+            super().handle_error(request, client_address)
+
+
 class LoopbackServer:
     """Handle on a running server: ``url`` is the base URL (no trailing slash)."""
 
@@ -58,9 +90,17 @@ class LoopbackServer:
         self._httpd.server_close()
 
 
-def _make_handler(root: Path, stats: ServerStats, latency_s: float, bandwidth: float | None):
+def _make_handler(
+    root: Path, stats: ServerStats, latency_s: float, bandwidth: float | None, link: SharedLink | None
+):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+
+        def setup(self) -> None:
+            super().setup()
+            # Headers and body go out in separate writes; with Nagle on, the body would wait for the
+            # client's delayed ACK (~40 ms on Linux loopback) and overstate every request's latency.
+            self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
         def log_message(self, format: str, *args) -> None:  # quiet: tests read stats instead
             pass
@@ -126,8 +166,11 @@ def _make_handler(root: Path, stats: ServerStats, latency_s: float, bandwidth: f
                     chunk = f.read(min(_CHUNK, length - sent))
                     if not chunk:
                         break
+                    done_at = link.reserve(len(chunk)) if link is not None else None
                     self.wfile.write(chunk)
                     sent += len(chunk)
+                    if done_at is not None:
+                        time.sleep(max(0.0, done_at - time.perf_counter()))
                     if bandwidth:
                         ahead = sent / bandwidth - (time.perf_counter() - t0)
                         if ahead > 0:
@@ -143,18 +186,20 @@ def serve_directory(
     *,
     latency_s: float = 0.0,
     bandwidth_bytes_per_s: float | None = None,
+    link_bytes_per_s: float | None = None,
     host: str = "127.0.0.1",
     port: int = 0,
 ) -> Iterator[LoopbackServer]:
     """Serve ``root`` over HTTP on loopback for the duration of the ``with`` block.
 
     ``latency_s`` is added to every request (like an object store's first-byte latency);
-    ``bandwidth_bytes_per_s`` caps each response's rate.
+    ``bandwidth_bytes_per_s`` caps each response's rate; ``link_bytes_per_s`` caps all responses
+    together (one storage link shared by every connection).
     """
     stats = ServerStats()
-    handler = _make_handler(Path(root).resolve(), stats, latency_s, bandwidth_bytes_per_s)
-    httpd = ThreadingHTTPServer((host, port), handler)
-    httpd.daemon_threads = True
+    link = SharedLink(link_bytes_per_s) if link_bytes_per_s else None
+    handler = _make_handler(Path(root).resolve(), stats, latency_s, bandwidth_bytes_per_s, link)
+    httpd = _QuietServer((host, port), handler)
     thread = threading.Thread(target=httpd.serve_forever, name="stallfree-httpserve", daemon=True)
     thread.start()
     server = LoopbackServer(httpd, stats)

@@ -1,4 +1,4 @@
-"""The benchmark's slow storage: same bytes as the files, a shared link that books every byte."""
+"""The loopback HTTP server tests and benchmarks read through: exact ranges, Nagle off, a shared link."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import time
 import fsspec
 import pytest
 
-from stallfree.harness.slowstore import _SharedLink, serve_slow
+from stallfree.testing.httpserve import SharedLink, serve_directory
 
 
 def test_serves_exact_byte_ranges_with_stats(tmp_path):
     payload = bytes(range(256)) * 400
     (tmp_path / "a.bin").write_bytes(payload)
-    with serve_slow(tmp_path, latency_s=0.001, aggregate_bytes_per_s=50e6) as server:
+    with serve_directory(tmp_path, latency_s=0.001, link_bytes_per_s=50e6) as server:
         fs = fsspec.filesystem("http", skip_instance_cache=True)
         assert fs.cat_file(f"{server.url}/a.bin", start=1000, end=71000) == payload[1000:71000]
         assert fs.cat_file(f"{server.url}/a.bin") == payload
@@ -29,7 +29,7 @@ def test_serves_exact_byte_ranges_with_stats(tmp_path):
 
 def test_connections_have_nagle_off(tmp_path):
     (tmp_path / "a.bin").write_bytes(b"x" * 10)
-    with serve_slow(tmp_path) as server:
+    with serve_directory(tmp_path) as server:
         host, port = server.url.removeprefix("http://").split(":")
         seen = []
         handler = server._httpd.RequestHandlerClass
@@ -50,9 +50,9 @@ def test_connections_have_nagle_off(tmp_path):
 
 
 def test_shared_link_books_bytes_back_to_back():
-    link = _SharedLink(1000.0)
+    link = SharedLink(1000.0)
     first = link.reserve(500)
     second = link.reserve(1000)
     assert second - first == pytest.approx(1.0)
     with pytest.raises(ValueError, match="positive"):
-        _SharedLink(0)
+        SharedLink(0)
