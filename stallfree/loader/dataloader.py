@@ -66,7 +66,8 @@ class DataLoader(tud.DataLoader):
     how ranks equalise an uneven tail), ``window`` (shards per block in block order),
     ``worker_timeout`` (seconds a worker may spend on one batch before it counts as hung),
     ``decode_threads`` (threads per worker running the per-sample ``decode``; default: the cores
-    left per worker, 1 to 4 — PIL-style decoders release the GIL), ``autotune`` (adapt the number
+    left per worker, 1 to 4 — PIL-style decoders release the GIL), ``fetch_threads`` (tasks each
+    worker reads at once, default 1; more hides remote latency: worth it with a deep prefetch), ``autotune`` (adapt the number
     of batches in flight from queue occupancy and consumer waits, within ``memory_budget`` bytes).
     """
 
@@ -102,6 +103,7 @@ class DataLoader(tud.DataLoader):
         window: int = 8,
         worker_timeout: float | None = 300.0,
         decode_threads: int | None = None,
+        fetch_threads: int | None = None,
         autotune: bool = False,
         memory_budget: int = 1 << 30,
     ) -> None:
@@ -143,6 +145,9 @@ class DataLoader(tud.DataLoader):
         if decode_threads is not None and decode_threads < 1:
             raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
         self._decode_threads = decode_threads
+        if fetch_threads is not None and fetch_threads < 1:
+            raise ValueError(f"fetch_threads must be >= 1, got {fetch_threads}")
+        self._fetch_threads = fetch_threads or 1
         self._autotune = bool(autotune)
         if memory_budget <= 0:
             raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget}")
@@ -369,6 +374,7 @@ class DataLoader(tud.DataLoader):
             base_seed=base_seed,
             max_slots=(self.prefetch_factor or 2) + 1,
             threads=self._threads(),
+            fetch_threads=self._fetch_threads,
         )
 
     def _engine_for(self, base_seed: int) -> tuple[Engine, bool]:

@@ -16,7 +16,8 @@ import queue
 import random
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ class WorkerSpec:
     in_process: bool = False
     auto_collation: bool = True  # False with batch_size=None: one sample per task, collate_fn(sample)
     threads: int = 1  # decode threads in each worker
+    fetch_threads: int = 1  # tasks read at once by each worker's fetch thread(s)
     parent_pid: int = field(default_factory=os.getpid)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
     cache_baseline: dict | None = None  # cache counters at the worker's last report
@@ -108,36 +110,71 @@ def _map_with_stage_cache(spec: WorkerSpec, indices: list[int], raw_fetch) -> tu
 MAP_SEQ, MAP_IDX, FETCH_SEQ, FETCH_IDX = range(4)
 
 
-def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.Event, progress: Any) -> None:
-    """Fetch thread: reads each task's raw samples ahead while the main thread decodes."""
-    while not stop.is_set():
-        try:
-            task = task_q.get(timeout=1.0)
-        except queue.Empty:
-            if not spec.in_process and os.getppid() != spec.parent_pid:
-                break  # the main process is gone
-            continue
-        if task is None:
-            break
-        gen, seq, indices = task
-        t0 = time.perf_counter()
-        progress[FETCH_SEQ] = seq
+def _fetch_task(spec: WorkerSpec, task: tuple, progress: Any) -> tuple:
+    """Read one task's raw samples (or, with a stage cache, its cached/decoded samples)."""
+    gen, seq, indices = task
+    t0 = time.perf_counter()
+    progress[FETCH_SEQ] = seq
 
-        def on_sample(i: int) -> None:
-            progress[FETCH_IDX] = i
+    def on_sample(i: int) -> None:
+        progress[FETCH_IDX] = i
 
-        if spec.stage is not None and spec.cache is not None and not spec.raw_only:
-            items, timing = _map_with_stage_cache(
-                spec,
-                indices,
-                lambda idx: pipeline.fetch(spec.dataset, idx, spec.cache, on_sample, spec.read_stats),
-            )
-            mapped = True
-        else:
-            items = pipeline.fetch(spec.dataset, indices, spec.cache, on_sample, spec.read_stats)
-            timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
+    if spec.stage is not None and spec.cache is not None and not spec.raw_only:
+        items, timing = _map_with_stage_cache(
+            spec,
+            indices,
+            lambda idx: pipeline.fetch(spec.dataset, idx, spec.cache, on_sample, spec.read_stats),
+        )
+        mapped = True
+    else:
+        items = pipeline.fetch(spec.dataset, indices, spec.cache, on_sample, spec.read_stats)
+        timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
+    if progress[FETCH_SEQ] == seq:
         progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
-        ready.put((gen, seq, indices, items, timing, mapped))
+    return (gen, seq, indices, items, timing, mapped)
+
+
+def _next_task(spec: WorkerSpec, task_q: Any, timeout: float) -> Any:
+    """The next task, None when told to stop (or the main process is gone), _NONE when idle."""
+    try:
+        return task_q.get(timeout=timeout)
+    except queue.Empty:
+        if not spec.in_process and os.getppid() != spec.parent_pid:
+            return None  # the main process is gone
+        return _NONE
+
+
+_NONE = object()
+
+
+def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.Event, progress: Any) -> None:
+    """Fetch thread: reads the worker's next tasks ahead while the main thread decodes; with
+    ``spec.fetch_threads`` > 1 several tasks are read at once (remote stores: hide latency)."""
+    if spec.fetch_threads <= 1:
+        while not stop.is_set():
+            task = _next_task(spec, task_q, 1.0)
+            if task is None:
+                break
+            if task is not _NONE:
+                ready.put(_fetch_task(spec, task, progress))
+        ready.put(None)
+        return
+    pending: deque[Future] = deque()
+    done = False
+    with ThreadPoolExecutor(spec.fetch_threads, thread_name_prefix="stallfree-fetch") as pool:
+        while not stop.is_set():
+            while pending and pending[0].done():  # hand over in task order
+                ready.put(pending.popleft().result())
+            if done and not pending:
+                break
+            if not done and len(pending) < spec.fetch_threads:
+                task = _next_task(spec, task_q, 0.005 if pending else 1.0)
+                if task is None:
+                    done = True
+                elif task is not _NONE:
+                    pending.append(pool.submit(_fetch_task, spec, task, progress))
+                continue
+            wait([pending[0]], timeout=0.5)
     ready.put(None)
 
 

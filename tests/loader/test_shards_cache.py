@@ -93,3 +93,20 @@ def test_raw_cache_read_through_counts_storage_reads(shard_ds):
     assert len(_keys(dl)) == 40
     c = dl.stats()["cache"]
     assert c["read_storage_reads"] == 40 and c["read_cache_hits"] == 40
+
+
+def test_remote_shards_over_loopback_http_with_concurrent_fetches(tmp_path, shard_ds):
+    from stallfree.testing.httpserve import serve_directory
+
+    with serve_directory(tmp_path / "ds", latency_s=0.002) as srv:
+        remote = shards.open_dataset(srv.url)
+        dl = DataLoader(
+            remote, batch_size=4, shuffle=True, seed=3, num_workers=1, prefetch_factor=4, fetch_threads=3
+        )
+        assert dl._order == "block"
+        keys = _keys(dl)
+        assert sorted(keys) == [f"s{i:04d}" for i in range(40)]
+        for b in DataLoader(remote, batch_size=8, shuffle=True, seed=3, num_workers=2, fetch_threads=2):
+            for key, txt in zip(b["__key__"], b["txt"], strict=True):
+                assert txt == f"sample {int(key[1:])}".encode()
+        assert srv.stats.range_requests > 0
