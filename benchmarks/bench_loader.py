@@ -180,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--remote-latency", type=float, default=None, help="serve shards over loopback HTTP")
+    ap.add_argument(
+        "--fetch-threads", type=int, default=None, help="stallfree: tasks each worker reads at once"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -207,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
                     decode=decode_augment,
                     seed=0,
                     decode_threads=threads,
+                    fetch_threads=args.fetch_threads,
                 )
 
             rows: dict[str, list[dict]] = {"torch": [], "stallfree": [], "stallfree_1thread": []}
