@@ -70,8 +70,8 @@ print("cpu cores", len(os.sched_getaffinity(0)))
 EOF
 cat "$OUT/env.txt" | tee -a "$LOG"
 
-say "tests/gpu"
-"$PY" -m pytest tests/gpu -q -rs -p no:cacheprovider >"$OUT/tests_gpu.txt" 2>&1
+say "GPU tests (tests/gpu, tests/loader/test_cuda.py)"
+"$PY" -m pytest tests/gpu tests/loader/test_cuda.py -q -rs -p no:cacheprovider >"$OUT/tests_gpu.txt" 2>&1
 rc_tests=$?
 tail -n 5 "$OUT/tests_gpu.txt" | tee -a "$LOG"
 

@@ -8,7 +8,7 @@ import torch
 from stallfree.harness.loaders import loader_available
 from stallfree.harness.runner import BenchConfig, run_bench
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU visible to torch); run benchmarks/gpu_check.sh on a GPU machine")]
 
 
 def test_model_step_on_gpu_with_every_installed_loader(tmp_path):
