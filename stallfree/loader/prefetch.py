@@ -270,7 +270,7 @@ class FastIterator:
             timing = dict(timing, transfer_s=time.perf_counter() - t0)
             self.stats.add_stages(timing)
             if cache_stats is not None:
-                self.stats.add_cache(cache_stats)
+                self.stats.add_cache(cache_stats, wid)
             self._count_failures(failures, fails)
             pending[seq] = (batch, n_good)
             if not self.in_order:

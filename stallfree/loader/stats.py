@@ -9,6 +9,54 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+# Cache stats are reported per worker process. Only event counters add up across workers (sent as
+# deltas); ratios are recomputed from the summed counters; anything else (entries, used_bytes, ...)
+# is a level, kept per worker as last reported.
+CACHE_COUNTERS = frozenset(
+    (
+        "hits",
+        "misses",
+        "puts",
+        "admitted",
+        "rejected",
+        "bytes_in",
+        "bytes_out",
+        "evictions",
+        "node_evictions",
+        "errors",
+        "corrupt",
+        "get_calls",
+        "put_calls",
+        "get_seconds",
+        "put_seconds",
+        "read_samples",
+        "read_cache_hits",
+        "read_storage_reads",
+    )
+)
+_RATIO_SUFFIXES = ("_rate", "_ratio", "_fraction", "_latency_ms")
+
+
+def is_cache_ratio(name: str) -> bool:
+    return name.endswith(_RATIO_SUFFIXES)
+
+
+def cache_ratios(counters: Mapping[str, float]) -> dict[str, float]:
+    """hit_rate / read_hit_rate / latencies from summed counters (0.0 when nothing was counted)."""
+
+    def ratio(num: str, den: float, scale: float = 1.0) -> float:
+        return scale * counters.get(num, 0) / den if den else 0.0
+
+    out: dict[str, float] = {}
+    if "hits" in counters or "misses" in counters:
+        out["hit_rate"] = ratio("hits", counters.get("hits", 0) + counters.get("misses", 0))
+    if "read_samples" in counters:
+        out["read_hit_rate"] = ratio("read_cache_hits", counters["read_samples"])
+    for op in ("get", "put"):
+        if f"{op}_calls" in counters and f"{op}_seconds" in counters:
+            out[f"{op}_latency_ms"] = ratio(f"{op}_seconds", counters[f"{op}_calls"], 1000.0)
+    return out
+
 
 class LoaderStats:
     def __init__(self) -> None:
@@ -29,6 +77,7 @@ class LoaderStats:
         self.failures = 0
         self.failed: list[tuple[int, str, str]] = []
         self.cache: dict[str, float] = {}
+        self.cache_levels: dict[int, dict[str, float]] = {}  # worker -> last reported levels
         self.epochs = 0
 
     def iteration_started(self) -> None:
@@ -55,9 +104,26 @@ class LoaderStats:
         self.samples += samples
         self.last_return = now
 
-    def add_cache(self, delta: Mapping[str, float]) -> None:
-        for k, v in delta.items():
-            self.cache[k] = self.cache.get(k, 0) + v
+    def add_cache(self, report: Mapping[str, float], worker: int = 0) -> None:
+        """A worker's cache report: counter deltas are summed; levels replace its previous ones."""
+        levels = self.cache_levels.setdefault(worker, {})
+        for k, v in report.items():
+            if k in CACHE_COUNTERS:
+                self.cache[k] = self.cache.get(k, 0) + v
+            elif not is_cache_ratio(k):
+                levels[k] = v
+
+    def cache_dict(self) -> dict[str, float] | None:
+        """Summed counters, ratios recomputed from them, and levels as the largest any worker
+        reported (exact for a cache shared by the workers; a lower bound for per-worker caches)."""
+        if not self.cache and not any(self.cache_levels.values()):
+            return None
+        out: dict[str, float] = dict(self.cache)
+        for levels in self.cache_levels.values():
+            for k, v in levels.items():
+                out[k] = max(out.get(k, v), v)
+        out.update(cache_ratios(self.cache))
+        return out
 
     def add_stages(self, timing: Mapping[str, float]) -> None:
         for k, v in timing.items():
@@ -66,7 +132,7 @@ class LoaderStats:
     def as_dict(self) -> dict[str, Any]:
         elapsed = (time.perf_counter() - self.started) if self.started is not None else 0.0
         busy = self.wait_s + self.compute_s
-        cache = dict(self.cache)
+        cache = self.cache_dict()
         return {
             "batches": self.batches,
             "samples": self.samples,

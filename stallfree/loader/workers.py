@@ -27,6 +27,7 @@ from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as _torch_worker
 
 from stallfree.loader import pipeline, shm
+from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
 
 logger = logging.getLogger(__name__)
 
@@ -407,13 +408,17 @@ def _map_tracking(items, indices, fn, progress, threads: int = 1) -> list[Any]:
 
 
 def _cache_delta(spec: WorkerSpec) -> dict | None:
-    """Cache counters gained since this worker's last report (deltas add up across workers/epochs)."""
+    """This worker's cache report: counters as gained since its last report (deltas add up across
+    workers and epochs), levels (entries, used_bytes) as they are now; ratios are left out (the main
+    process recomputes them from the summed counters)."""
     now = _cache_stats(spec.cache, spec.read_stats)
     if now is None:
         return None
     last = spec.cache_baseline or {}
     spec.cache_baseline = now
-    return {k: v - last.get(k, 0) for k, v in now.items()}
+    return {
+        k: (v - last.get(k, 0)) if k in CACHE_COUNTERS else v for k, v in now.items() if not is_cache_ratio(k)
+    }
 
 
 def _cache_stats(cache: Any, read_stats: Any) -> dict | None:

@@ -110,3 +110,34 @@ def test_remote_shards_over_loopback_http_with_concurrent_fetches(tmp_path, shar
             for key, txt in zip(b["__key__"], b["txt"], strict=True):
                 assert txt == f"sample {int(key[1:])}".encode()
         assert srv.stats.range_requests > 0
+
+
+def test_cache_stats_with_two_workers_sum_counters_and_recompute_ratios(shard_ds, tmp_path):
+    """Half the samples are in a shared node cache before the epoch: the loader's hit rate is
+    exactly 0.5 with 2 workers (ratios are recomputed from summed counts, never summed)."""
+    node = pytest.importorskip("stallfree.cache.node")
+    from stallfree.cache.readthrough import read_through
+
+    cache = node.NodeCache(tmp_path / "node")
+    read_through(shard_ds, list(range(0, 40, 2)), cache)  # warm the even samples
+    dl = DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, num_workers=2, cache=cache)
+    assert sorted(_keys(dl)) == [f"s{i:04d}" for i in range(40)]
+    c = dl.stats()["cache"]
+    assert c["hits"] == 20 and c["misses"] == 20
+    assert c["hit_rate"] == 0.5
+    assert c["read_samples"] == 40 and c["read_cache_hits"] == 20 and c["read_storage_reads"] == 20
+    assert c["read_hit_rate"] == 0.5
+    assert c["get_latency_ms"] == pytest.approx(1000.0 * c["get_seconds"] / c["get_calls"])
+    assert c["entries"] == 40  # a level of the shared cache, not a sum over workers
+    cache.close()
+
+
+def test_cache_reports_of_two_workers_add_counters_not_ratios():
+    from stallfree.loader.stats import LoaderStats
+
+    st = LoaderStats()
+    for wid in (0, 1):  # each worker: 3 hits, 1 miss (its own hit_rate 0.75), 4 entries
+        st.add_cache({"hits": 3, "misses": 1, "hit_rate": 0.75, "entries": 4 + wid}, wid)
+    st.add_cache({"hits": 0, "misses": 4, "entries": 6}, 0)
+    c = st.as_dict()["cache"]
+    assert c == {"hits": 6, "misses": 6, "hit_rate": 0.5, "entries": 6}
