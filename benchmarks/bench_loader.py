@@ -17,14 +17,20 @@ and CPU time per image (process + reaped workers: robust to other load on the ma
 consumer reads each batch (``sum()``), as a training step would. Best of the rounds per figure. ``--remote-latency S`` serves the shards over the loopback HTTP server with S
 seconds added per request (an object store), where batched ranged reads matter.
 
+``--retain-ab`` adds a row of ours with the workers' allocator left at glibc's defaults (the loader
+calls ``stallfree.shards.memory.retain_freed_memory()`` in each worker; this row does not), to
+measure that setting in the same run. ``--raw`` drops the decode on both sides (the loader only
+reads and collates the samples' bytes; torch with ``collate_fn=list``): the read path alone.
+
     .venv/bin/python benchmarks/bench_loader.py [--images 256] [--workers 2] [--epochs 2] [--rounds 2]
-        [--remote-latency 0.005] [--json]
+        [--remote-latency 0.005] [--fetch-threads N] [--retain-ab] [--raw] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import io
 import json
@@ -147,8 +153,13 @@ def run_one(make, epochs: int) -> dict:
             for batch in loader:
                 if first is None:
                     first = time.perf_counter() - t0
-                images += batch["image"].shape[0]
-                batch["image"].sum()  # the step reads the batch, as training does
+                if isinstance(batch, dict) and "image" in batch:
+                    images += batch["image"].shape[0]
+                    batch["image"].sum()  # the step reads the batch, as training does
+                else:  # --raw: the step touches every sample's bytes
+                    samples = batch if isinstance(batch, list) else _rows(batch)
+                    images += len(samples)
+                    sum(len(s["jpg"]) for s in samples)
         elapsed = time.perf_counter() - t0
         del loader
         gc.collect()
@@ -162,6 +173,17 @@ def run_one(make, epochs: int) -> dict:
         "peak_uss_shm_mb": rss.peak_uss_shm / 2**20,
         "cpu_ms_per_image": (_cpu_s() - cpu0) * 1000 / images,
     }
+
+
+def _rows(batch: dict) -> list[dict]:
+    return [dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)]
+
+
+class _DefaultAllocator(StallfreeLoader):
+    """Ours with the workers' glibc allocator left at its defaults (the --retain-ab baseline)."""
+
+    def _spec(self, base_seed: int):
+        return dataclasses.replace(super()._spec(base_seed), retain_memory=False)
 
 
 def build_dataset(root: Path, n: int) -> str:
@@ -183,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fetch-threads", type=int, default=None, help="stallfree: tasks each worker reads at once"
     )
+    ap.add_argument("--retain-ab", action="store_true", help="add ours without retain_freed_memory")
+    ap.add_argument("--raw", action="store_true", help="no decode: read and collate bytes only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
@@ -199,25 +223,33 @@ def main(argv: list[str] | None = None) -> int:
             bs, nw = args.batch_size, args.workers
 
             def torch_loader():
+                if args.raw:
+                    return tud.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=nw, collate_fn=list)
                 return tud.DataLoader(TorchStyle(ds), batch_size=bs, shuffle=True, num_workers=nw)
 
-            def our_loader(threads=None):
-                return lambda: StallfreeLoader(
+            def our_loader(threads=None, cls=StallfreeLoader):
+                return lambda: cls(
                     ds,
                     batch_size=bs,
                     shuffle=True,
                     num_workers=nw,
-                    decode=decode_augment,
+                    decode=None if args.raw else decode_augment,
                     seed=0,
                     decode_threads=threads,
                     fetch_threads=args.fetch_threads,
                 )
 
             rows: dict[str, list[dict]] = {"torch": [], "stallfree": [], "stallfree_1thread": []}
+            if args.retain_ab:
+                rows["stallfree_glibc_default"] = []
             for _ in range(args.rounds):
                 rows["torch"].append(run_one(torch_loader, args.epochs))
                 rows["stallfree"].append(run_one(our_loader(), args.epochs))
                 rows["stallfree_1thread"].append(run_one(our_loader(1), args.epochs))
+                if args.retain_ab:
+                    rows["stallfree_glibc_default"].append(
+                        run_one(our_loader(cls=_DefaultAllocator), args.epochs)
+                    )
 
     def best(name: str, key: str, fn=max) -> float:
         return fn(r[key] for r in rows[name])
@@ -237,6 +269,14 @@ def main(argv: list[str] | None = None) -> int:
     summary["ratio_1thread_images_per_s"] = (
         summary["stallfree_1thread"]["images_per_s"] / summary["torch"]["images_per_s"]
     )
+    if args.retain_ab:
+        summary["ratio_retain_images_per_s"] = (
+            summary["stallfree"]["images_per_s"] / summary["stallfree_glibc_default"]["images_per_s"]
+        )
+        summary["round_ratios_retain"] = [
+            s["images_per_s"] / d["images_per_s"]
+            for s, d in zip(rows["stallfree"], rows["stallfree_glibc_default"], strict=True)
+        ]
     summary["round_ratios"] = [
         s["images_per_s"] / t["images_per_s"] for t, s in zip(rows["torch"], rows["stallfree"], strict=True)
     ]
@@ -247,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     where = (
         f"HTTP, {args.remote_latency * 1000:.0f} ms/request" if args.remote_latency is not None else "local"
     )
+    if args.raw:
+        where += ", raw: no decode"
     sys.stdout.write(
         f"{args.images} JPEGs ({where}), batch {bs}, {nw} workers, {args.epochs} epochs, best of {args.rounds}, "
         f"{summary['cores']} cores\n"
@@ -270,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(
         f"ratio stallfree (decode_threads=1)/torch: {summary['ratio_1thread_images_per_s']:.2f}x\n"
     )
+    if args.retain_ab:
+        ratios = ", ".join(f"{x:.2f}" for x in summary["round_ratios_retain"])
+        sys.stdout.write(
+            f"ratio stallfree/stallfree_glibc_default images/s: {summary['ratio_retain_images_per_s']:.2f}x "
+            f"(rounds {ratios})\n"
+        )
     return 0
 
 

@@ -60,9 +60,31 @@ class WorkerSpec:
     auto_collation: bool = True  # False with batch_size=None: one sample per task, collate_fn(sample)
     threads: int = 1  # decode threads in each worker
     fetch_threads: int = 1  # tasks read at once by each worker's fetch thread(s)
+    retain_memory: bool = True  # keep freed batch memory in worker processes (glibc mallopt)
     parent_pid: int = field(default_factory=os.getpid)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
     cache_baseline: dict | None = None  # cache counters at the worker's last report
+
+
+_MEMORY_RETAINED = False
+
+
+def memory_retained() -> bool:
+    """True inside a loader worker process whose allocator keeps freed batch memory (glibc)."""
+    return _MEMORY_RETAINED
+
+
+def _retain_memory() -> None:
+    """Keep freed sample memory in this worker (process-wide glibc setting: fine in our own worker
+    processes, never done in the user's main process): batched reads otherwise fault every batch's
+    memory in again after glibc trimmed it (get_many 22k -> 172k samples/s in bench_read.py)."""
+    global _MEMORY_RETAINED
+    from stallfree.shards.memory import retain_freed_memory
+
+    try:
+        _MEMORY_RETAINED = retain_freed_memory()
+    except Exception:  # noqa: BLE001 - an allocator tweak must never stop a worker
+        logger.debug("retain_freed_memory failed", exc_info=True)
 
 
 def _seed_worker(spec: WorkerSpec, wid: int) -> int:
@@ -259,6 +281,8 @@ def _wrap(exc: BaseException, wid: int, index: int | None, key: str | None) -> E
 def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: Any, progress: Any) -> None:
     """Entry point of one worker (a process, or a thread when ``spec.in_process``)."""
     if not spec.in_process:
+        if spec.retain_memory:
+            _retain_memory()
         torch.set_num_threads(1)
         seed = _seed_worker(spec, wid)
         _torch_worker._worker_info = _torch_worker.WorkerInfo(

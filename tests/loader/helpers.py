@@ -88,3 +88,13 @@ class Big(Numbers):
 
 def indices(loader) -> list[int]:
     return [i for b in loader for i in b["i"].tolist()]
+
+
+class WorkerProbe(Numbers):
+    """Sample i also says, from inside the worker, whether the loader set up the worker's
+    allocator (retain_freed_memory) and which process served it."""
+
+    def __getitem__(self, i: int) -> dict:
+        from stallfree.loader import workers
+
+        return {**super().__getitem__(i), "retained": int(workers.memory_retained()), "pid": os.getpid()}
