@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
 import threading
 import time
@@ -47,6 +48,7 @@ class Engine:
             import torch.multiprocessing  # noqa: F401 - registers tensor/storage reductions
 
             ctx = _context(mp_context)
+            spec.start_method, spec.parent_pid = ctx.get_start_method(), os.getpid()
             self.task_qs = [ctx.Queue() for _ in range(self.n)]
             self.free_qs = [ctx.Queue() for _ in range(self.n)]
             self.result_q = ctx.Queue()

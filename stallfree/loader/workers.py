@@ -11,6 +11,7 @@ and sends a small description to the main process. Errors carry the worker id an
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
 import os
 import queue
 import random
@@ -62,6 +63,7 @@ class WorkerSpec:
     fetch_threads: int = 1  # tasks read at once by each worker's fetch thread(s)
     retain_memory: bool = True  # keep freed batch memory in worker processes (glibc mallopt)
     parent_pid: int = field(default_factory=os.getpid)
+    start_method: str | None = None  # the workers' multiprocessing start method (set by the engine)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
     cache_baseline: dict | None = None  # cache counters at the worker's last report
 
@@ -162,9 +164,21 @@ def _next_task(spec: WorkerSpec, task_q: Any, timeout: float) -> Any:
     try:
         return task_q.get(timeout=timeout)
     except queue.Empty:
-        if not spec.in_process and os.getppid() != spec.parent_pid:
-            return None  # the main process is gone
+        if not spec.in_process and _main_process_gone(spec):
+            return None
         return _NONE
+
+
+def _main_process_gone(spec: WorkerSpec) -> bool:
+    """Whether the process that made this worker has exited. The sentinel that multiprocessing
+    gives every child (a pipe from its creator, at EOF once the creator is gone) is right under
+    fork, spawn and forkserver alike; the parent pid is not: under a fork server the parent is the
+    server. Under fork a sibling forked later may hold the pipe open too, so a changed parent pid
+    (re-parented to init) also counts there."""
+    parent = mp.parent_process()
+    if parent is not None and not parent.is_alive():
+        return True
+    return spec.start_method == "fork" and os.getppid() != spec.parent_pid
 
 
 _NONE = object()

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -24,3 +30,62 @@ def test_workers_retain_freed_memory_but_the_main_process_does_not(shuffle):
     assert all(b["retained"].tolist() == [1, 1, 1] for b in batches)
     assert {p for b in batches for p in b["pid"].tolist()} - {os.getpid()}
     assert not workers.memory_retained()  # the user's process keeps glibc's defaults
+
+
+@pytest.mark.parametrize("shuffle", [True, False])  # fast mode / sampler mode
+def test_forkserver_workers_stay_alive_while_idle(shuffle):
+    """Under a fork server a worker's parent is the server, not the loader's process: the workers
+    must still see the loader's process as alive through idle spells (their check runs after 1 s
+    without a task), so persistent workers serve a second epoch after a pause."""
+    dl = DataLoader(
+        WorkerProbe(10),
+        batch_size=4,
+        shuffle=shuffle,
+        num_workers=2,
+        multiprocessing_context="forkserver",
+        persistent_workers=True,
+        seed=0 if shuffle else None,
+    )
+    first = list(dl)
+    time.sleep(2.5)  # idle: every worker runs its liveness check at least once
+    second = list(dl)
+    for batches in (first, second):
+        assert sorted(torch.cat([b["i"] for b in batches]).tolist()) == list(range(10))
+    pids = {p for b in first + second for p in b["pid"].tolist()}
+    assert len(pids) == 2 and os.getpid() not in pids  # the same two persistent workers served both
+    dl.close()
+
+
+_ORPHAN = """
+import os, signal, sys
+sys.path.insert(0, {root!r})
+from stallfree.loader.dataloader import DataLoader
+from tests.loader.helpers import WorkerProbe
+if __name__ == "__main__":
+    dl = DataLoader(WorkerProbe(8), batch_size=2, shuffle=True, seed=0, num_workers=2,
+                    multiprocessing_context={ctx!r}, persistent_workers=True)
+    pids = sorted({{p for b in dl for p in b["pid"].tolist()}})
+    print(" ".join(map(str, pids)), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up: the workers must notice by themselves
+"""
+
+
+@pytest.mark.parametrize("ctx", ["forkserver", "fork", "spawn"])
+def test_workers_exit_when_the_main_process_is_killed(ctx, tmp_path):
+    script = tmp_path / "orphan.py"
+    script.write_text(_ORPHAN.format(root=str(Path(__file__).resolve().parents[2]), ctx=ctx))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    pids = [int(p) for p in proc.stdout.split()]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 60  # generous: only a hang fails this
+
+    def alive(pid: int) -> bool:
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if alive(p)]
