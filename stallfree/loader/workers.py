@@ -27,7 +27,7 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as _torch_worker
 
-from stallfree.loader import pipeline, shm
+from stallfree.loader import pipeline, shardio, shm
 from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,7 @@ class WorkerSpec:
     parent_pid: int = field(default_factory=os.getpid)
     start_method: str | None = None  # the workers' multiprocessing start method (set by the engine)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
+    source: Any = None  # what the fetch stage reads: the dataset, or a ConcurrentShards over it (remote)
     cache_baseline: dict | None = None  # cache counters at the worker's last report
 
 
@@ -135,6 +136,35 @@ def _map_with_stage_cache(spec: WorkerSpec, indices: list[int], raw_fetch) -> tu
 MAP_SEQ, MAP_IDX, FETCH_SEQ, FETCH_IDX = range(4)
 
 
+def _source(spec: WorkerSpec) -> Any:
+    return spec.source if spec.source is not None else spec.dataset
+
+
+def _drain(task_q: Any, backlog: deque) -> bool:
+    """Move the tasks already queued for this worker into ``backlog``; True if told to stop."""
+    while True:
+        try:
+            task = task_q.get_nowait()
+        except queue.Empty:
+            return False
+        if task is None:
+            return True
+        backlog.append(task)
+
+
+def _warm_ahead(source: Any, backlog: deque, warmed: set) -> None:
+    """Open the shards of the worker's queued tasks before their turn (remote sharded datasets)."""
+    for gen, seq, indices in backlog:
+        if (gen, seq) not in warmed:
+            warmed.add((gen, seq))
+            try:
+                source.warm(source.shards_of(indices))
+            except Exception:  # noqa: BLE001 - warming is a hint; the read reports real errors
+                logger.debug("warming shards ahead failed", exc_info=True)
+    if len(warmed) > 4096:
+        warmed.clear()
+
+
 def _fetch_task(spec: WorkerSpec, task: tuple, progress: Any) -> tuple:
     """Read one task's raw samples (or, with a stage cache, its cached/decoded samples)."""
     gen, seq, indices = task
@@ -148,11 +178,11 @@ def _fetch_task(spec: WorkerSpec, task: tuple, progress: Any) -> tuple:
         items, timing = _map_with_stage_cache(
             spec,
             indices,
-            lambda idx: pipeline.fetch(spec.dataset, idx, spec.cache, on_sample, spec.read_stats),
+            lambda idx: pipeline.fetch(_source(spec), idx, spec.cache, on_sample, spec.read_stats),
         )
         mapped = True
     else:
-        items = pipeline.fetch(spec.dataset, indices, spec.cache, on_sample, spec.read_stats)
+        items = pipeline.fetch(_source(spec), indices, spec.cache, on_sample, spec.read_stats)
         timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
     if progress[FETCH_SEQ] == seq:
         progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
@@ -188,12 +218,25 @@ def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.E
     """Fetch thread: reads the worker's next tasks ahead while the main thread decodes; with
     ``spec.fetch_threads`` > 1 several tasks are read at once (remote stores: hide latency)."""
     if spec.fetch_threads <= 1:
+        ahead = spec.source if hasattr(spec.source, "warm") else None
+        backlog: deque = deque()
+        warmed: set = set()
+        done = False
         while not stop.is_set():
-            task = _next_task(spec, task_q, 1.0)
-            if task is None:
-                break
-            if task is not _NONE:
-                ready.put(_fetch_task(spec, task, progress))
+            if not backlog and not done:
+                task = _next_task(spec, task_q, 1.0)
+                if task is None:
+                    done = True
+                elif task is not _NONE:
+                    backlog.append(task)
+            if ahead is not None and not done:
+                done = _drain(task_q, backlog)
+                _warm_ahead(ahead, backlog, warmed)
+            if not backlog:
+                if done:
+                    break
+                continue
+            ready.put(_fetch_task(spec, backlog.popleft(), progress))
         ready.put(None)
         return
     pending: deque[Future] = deque()
@@ -308,6 +351,8 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             except Exception as exc:  # noqa: BLE001 - reported to the main process
                 result_q.put(("error", -1, -1, wid, None, None, _wrap(exc, wid, None, None)))
                 return
+    if shardio.wants_concurrency(spec.dataset):
+        spec.source = shardio.ConcurrentShards(spec.dataset)
     if spec.cache is not None:
         from stallfree.cache.readthrough import ReadStats
 
@@ -334,6 +379,9 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
         return
     finally:
         stop.set()
+        if spec.source is not None:
+            spec.source.close()
+            spec.source = None
 
 
 def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress) -> tuple:
