@@ -218,7 +218,8 @@ def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.E
     """Fetch thread: reads the worker's next tasks ahead while the main thread decodes; with
     ``spec.fetch_threads`` > 1 several tasks are read at once (remote stores: hide latency)."""
     if spec.fetch_threads <= 1:
-        ahead = spec.source if hasattr(spec.source, "warm") else None
+        # open queued tasks' shards ahead; not with a cache: hits need no shard (opening costs requests)
+        ahead = spec.source if hasattr(spec.source, "warm") and spec.cache is None else None
         backlog: deque = deque()
         warmed: set = set()
         done = False
