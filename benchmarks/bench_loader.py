@@ -207,20 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--retain-ab", action="store_true", help="add ours without retain_freed_memory")
     ap.add_argument("--raw", action="store_true", help="no decode: read and collate bytes only")
-    ap.add_argument(
-        "--listen-backlog",
-        type=int,
-        default=128,
-        help="HTTP server's listen backlog (the test server's default, 5, drops SYNs under concurrent "
-        "connects: 1-7 s client retries; 0 keeps it)",
-    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
-    if args.listen_backlog:
-        from stallfree.testing import httpserve
-
-        httpserve._QuietServer.request_queue_size = args.listen_backlog  # a test-rig setting, not ours
     with tempfile.TemporaryDirectory() as tmp:
         path = build_dataset(Path(tmp), args.images)
         server = (

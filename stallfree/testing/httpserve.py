@@ -70,6 +70,9 @@ class _QuietServer(ThreadingHTTPServer):
     """Clients hanging up mid-response (a loader shutting down) are normal here, not errors."""
 
     daemon_threads = True
+    # socketserver's default backlog of 5 drops concurrent connects (clients then retry after 1-7 s),
+    # which a loader opening many ranged reads at once would measure as storage latency.
+    request_queue_size = 128
 
     def handle_error(self, request, client_address) -> None:
         if not isinstance(sys.exc_info()[1], ConnectionError | TimeoutError):
