@@ -33,7 +33,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    registered: set[str] = set()
     for module_name in dict.fromkeys(_COMMANDS.values()):
         try:
             module = importlib.import_module(f"stallfree.cli.{module_name}")
@@ -42,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built in this checkout
             raise
         module.register(sub)
-        registered.add(module_name)
     return parser
 
 
