@@ -66,7 +66,8 @@ def _fetch_ranges(
     except FileNotFoundError:
         raise MissingShardError("shard not found", shard=shard) from None
     except OSError as exc:
-        raise CorruptShardError(f"ranged read failed: {exc}", shard=shard) from exc
+        at = ranges[0][0] if len(ranges) == 1 else None  # several ranges: not known which failed
+        raise CorruptShardError(f"ranged read failed: {exc}", shard=shard, offset=at) from exc
     for data, (start, _) in zip(out, ranges, strict=True):
         if isinstance(data, BaseException):
             raise CorruptShardError(f"ranged read failed: {data}", shard=shard, offset=start) from data
