@@ -20,8 +20,8 @@ class LoaderState:
     epoch: int
     consumed: int  # global positions of the epoch's order consumed (all ranks together)
     dataset_len: int
-    mode: str = "fast"  # "fast": our order; "generic": torch's sampler, resumed by skipping batches
-    batches: int = 0  # batches this rank received in the epoch (used by the generic mode)
+    mode: str = "fast"  # "fast": our order; "sampler" / "iterable": resumed by skipping batches
+    batches: int = 0  # batches this rank received in the epoch (used by the sampler and iterable modes)
     world_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
