@@ -264,7 +264,7 @@ class DataLoader(tud.DataLoader):
                 batches = self._skip_batches
             elif not st["done"]:
                 epoch, batches = st["epoch"], st["received"]
-            elif st is not None:
+            else:
                 epoch = st["epoch"] + 1
         return LoaderState(
             seed=self._seed,
