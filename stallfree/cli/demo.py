@@ -60,7 +60,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     ds = open_dataset(str(shards))
     print(
         f"      {len(ds)} samples in {len(ds.manifest.shards)} shards, "
-        f"{sum(s.bytes for s in ds.manifest.shards) / 1e6:.1f} MB, {summary.seconds:.1f}s",
+        f"{sum(s.bytes for s in ds.manifest.shards) / 1e6:.1f} MB, {summary.seconds:.2f}s",
         flush=True,
     )
 
