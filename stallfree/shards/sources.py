@@ -502,7 +502,7 @@ class TableSource(Source):
                 line = f.read(length)
             row = json.loads(line)
         except OSError as exc:
-            raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path) from exc
+            raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path, offset=offset) from exc
         except ValueError as exc:
             raise SourceReadError(
                 f"line {line_no} is not valid JSON: {exc}", path=path, offset=offset
