@@ -239,14 +239,17 @@ def _is_numeric_list(t: pa.DataType) -> bool:
 
 
 def row_converter(schema: pa.Schema, shard: str):
-    """``(batch, row) -> sample dict`` for one schema: binary -> bytes, numeric lists -> np.ndarray,
-    the rest -> Python values. Built once per shard so the per-row work is one pass over columns."""
+    """``(batch, row, shard_row=None) -> sample dict`` for one schema: binary -> bytes, numeric lists
+    -> np.ndarray, the rest -> Python values. ``shard_row`` (the row's number in the whole shard,
+    default ``row``) names the row in errors and in the key made for files without ``__key__``.
+    Built once per shard so the per-row work is one pass over columns."""
     names = list(schema.names)
     arrays = {j for j, f in enumerate(schema) if _is_numeric_list(f.type)}
     has_key = KEY in names
     stem = posixpath.splitext(shard)[0]
 
-    def convert(batch: pa.RecordBatch, row: int) -> dict[str, Any]:
+    def convert(batch: pa.RecordBatch, row: int, shard_row: int | None = None) -> dict[str, Any]:
+        at = row if shard_row is None else shard_row
         try:
             if arrays:
                 values = []
@@ -259,10 +262,10 @@ def row_converter(schema: pa.Schema, shard: str):
             else:
                 values = [col[row].as_py() for col in batch.columns]
         except (pa.ArrowException, IndexError) as exc:
-            raise CorruptShardError(f"cannot decode Arrow row {row}: {exc}", shard=shard) from exc
+            raise CorruptShardError(f"cannot decode Arrow row {at}: {exc}", shard=shard) from exc
         out = dict(zip(names, values, strict=True))
         if not has_key:
-            out[KEY] = f"{stem}/{row}"
+            out[KEY] = f"{stem}/{at}"
         return out
 
     return convert

@@ -474,9 +474,9 @@ class ArrowShardReader:
 
     def get(self, row: int) -> dict[str, Any]:
         if self._starts is None:
-            return self._convert(self._batch(row), 0)
+            return self._convert(self._batch(row), 0, row)
         b = bisect_right(self._starts, row) - 1
-        return self._convert(self._batch(b), row - self._starts[b])
+        return self._convert(self._batch(b), row - self._starts[b], row)
 
     def get_many(self, rows: list[int]) -> list[dict[str, Any]]:
         return [self.get(r) for r in rows]

@@ -64,6 +64,19 @@ def test_arrow_arrays_come_back_as_numpy(tmp_path):
     assert isinstance(got, np.ndarray) and got.dtype == np.int32 and got.tolist() == [0, 1, 2, 3]
 
 
+def test_arrow_without_key_column_keys_rows_by_shard_position(tmp_path):
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    schema = pa.schema([("x", pa.int64())])
+    with ipc.new_file(str(tmp_path / "a.arrow"), schema) as w:  # two record batches, no __key__
+        w.write_batch(pa.record_batch([pa.array([0, 1, 2])], schema=schema))
+        w.write_batch(pa.record_batch([pa.array([3, 4])], schema=schema))
+    ds = open_dataset(str(tmp_path))
+    assert [ds[i]["__key__"] for i in range(5)] == [f"a/{i}" for i in range(5)]
+    assert [s["x"] for s in ds] == [0, 1, 2, 3, 4]
+
+
 def test_fingerprint(tar_dataset, tmp_path):
     a, b = open_dataset(str(tar_dataset)), open_dataset(str(tar_dataset / "manifest.json"))
     assert a.fingerprint == b.fingerprint and len(a.fingerprint) == 32
