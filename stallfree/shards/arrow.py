@@ -269,8 +269,3 @@ def row_converter(schema: pa.Schema, shard: str):
         return out
 
     return convert
-
-
-def row_to_sample(batch: pa.RecordBatch, row: int, shard: str) -> dict[str, Any]:
-    """One row as a sample dict (see ``row_converter``; use that for many rows)."""
-    return row_converter(batch.schema, shard)(batch, row)
