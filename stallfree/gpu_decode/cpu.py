@@ -35,10 +35,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     simplejpeg = None
 
 
-def has_simplejpeg() -> bool:
-    return simplejpeg is not None
-
-
 class CpuDecoder:
     """Decodes a batch of encoded images into a normalised ``[N, 3, size, size]`` tensor on the CPU."""
 
