@@ -63,7 +63,13 @@ class TieredCache(BaseCache):
             tier.delete_encoded_many(keys)
 
     def _contains_raw(self, key: bytes) -> bool:
-        return any(tier._contains_raw(key) for tier in self.tiers)
+        for tier in self.tiers:  # one broken tier must not hide the key held by another
+            try:
+                if tier._contains_raw(key):
+                    return True
+            except Exception as exc:
+                tier._failed("contains", exc)
+        return False
 
     def _close(self) -> None:
         for tier in self.tiers:
