@@ -127,19 +127,20 @@ def _device(choice: str) -> str:
 
 def _torchrun_world() -> dict[str, object]:
     """torchrun's rank and rendezvous from the environment (the CLI is where env is read)."""
-    env = os.environ
-    if "RANK" not in env or "WORLD_SIZE" not in env:
+    from stallfree.loader.world import world_from_env
+
+    world = world_from_env(os.environ)
+    if world is None:
         return {}
-    world = int(env["WORLD_SIZE"])
     return {
-        "rank": int(env["RANK"]),
-        "world_size": world,
-        "local_rank": int(env.get("LOCAL_RANK", "0")),
-        "local_size": int(env.get("LOCAL_WORLD_SIZE", str(world))),
+        "rank": world.rank,
+        "world_size": world.size,
+        "local_rank": world.local_rank,
+        "local_size": world.local_size,
         # torchrun's agent already serves the rendezvous store at MASTER_ADDR:MASTER_PORT; env://
         # joins it (a tcp:// URL would try to bind that port again).
         "init_method": "env://",
-        "nproc": world,
+        "nproc": world.size,
     }
 
 
@@ -196,6 +197,10 @@ def run(args: argparse.Namespace) -> int:
     from stallfree.harness import report as rpt
     from stallfree.harness.runner import run_bench
 
+    dataset = str(args.dataset)
+    if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():
+        print(f"stallfree bench: dataset {dataset} does not exist", file=sys.stderr)
+        return 2
     try:
         cfg = config_from_args(args)
         result = run_bench(cfg)

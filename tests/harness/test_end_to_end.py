@@ -125,6 +125,12 @@ def test_bad_flags_fail_with_a_clear_message(capsys):
     assert "--nproc must be >= 1" in capsys.readouterr().err
 
 
+def test_missing_dataset_fails_before_spawning_ranks(tmp_path, capsys):
+    missing = tmp_path / "no-such-shards"
+    assert main(["bench", str(missing), "--nproc", "2"]) == 2
+    assert capsys.readouterr().err.strip() == f"stallfree bench: dataset {missing} does not exist"
+
+
 def test_tar_shards_over_loopback_http_with_every_installed_reader(tmp_path):
     from stallfree.harness.fixtures import write_jpeg_shards
     from stallfree.testing.httpserve import serve_directory
