@@ -196,8 +196,8 @@ class StallfreeAdapter(Adapter):
             raise ValueError(f"unknown decode mode {decode!r}; choose auto, recipe or image-decode")
         if s.workers > 0:
             kwargs["persistent_workers"] = True
-            # stallfree's workers exit when their parent pid changes, and under a fork server
-            # their parent is the server: keep the loader's own start method unless told spawn.
+            # stallfree keeps its own (fork) start method unless told spawn; its workers also run
+            # under a fork server now (liveness via the parent sentinel), not measured here yet.
             if s.worker_start == "spawn":
                 kwargs["multiprocessing_context"] = s.mp_context()
             if s.prefetch:
