@@ -62,9 +62,11 @@ class _RangeReader:
             self._mm.close()
 
 
-def _pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a pax extended header, if any (records are ``LEN key=value\\n``)."""
+def pax_path(data: bytes) -> str | None:
+    """The ``path`` record of a pax extended header, if any (records are ``LEN key=value\\n``; a
+    later record overrides an earlier one, as in POSIX)."""
     pos = 0
+    path = None
     while pos < len(data):
         space = data.find(b" ", pos)
         if space < 0:
@@ -73,14 +75,14 @@ def _pax_path(data: bytes) -> str | None:
             length = int(data[pos:space])
         except ValueError:
             break
+        if length <= 0:
+            break
         record = data[space + 1 : pos + length - 1]
         k, _, v = record.partition(b"=")
         if k == b"path":
-            return v.decode("utf-8", "surrogateescape")
-        if length <= 0:
-            break
+            path = v.decode("utf-8", "surrogateescape")
         pos += length
-    return None
+    return path
 
 
 def scan_tar(fs: fsspec.AbstractFileSystem, path: str, shard: str | None = None) -> list[IdxSample]:
@@ -137,7 +139,7 @@ def _walk(reader: _RangeReader, shard: str) -> list[IdxSample]:
         if typeflag == b"L":
             long_name = reader.read(data, data + msize).rstrip(b"\0").decode("utf-8", "surrogateescape")
         elif typeflag == b"x":
-            long_name = _pax_path(reader.read(data, data + msize)) or long_name
+            long_name = pax_path(reader.read(data, data + msize)) or long_name
         elif typeflag in _REGULAR:
             full = long_name or name
             long_name = None

@@ -29,6 +29,7 @@ from stallfree.shards.errors import (
     ShardError,
 )
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
+from stallfree.shards.scan import pax_path
 
 log = logging.getLogger(__name__)
 
@@ -127,26 +128,6 @@ class _HashingReader:
         return got
 
 
-def _pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a pax extended header, if any (``LEN key=value\\n`` records)."""
-    pos = 0
-    path = None
-    while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            break
-        try:
-            length = int(data[pos:space])
-        except ValueError:
-            break
-        record = data[space + 1 : pos + length - 1]
-        k, _, v = record.partition(b"=")
-        if k == b"path":
-            path = v.decode("utf-8", "surrogateescape")
-        pos += max(length, 1)
-    return path
-
-
 def walk_tar(
     reader: _HashingReader, shard: str, *, keep: Callable[[str], bool] | None = None
 ) -> tuple[list[Member], dict[str, bytes], list[Problem]]:
@@ -196,7 +177,7 @@ def walk_tar(
                 )
                 break
             long_name = (
-                _pax_path(data[:size])
+                pax_path(data[:size])
                 if typeflag == b"x"
                 else data[:size].rstrip(b"\0").decode("utf-8", "surrogateescape")
             )

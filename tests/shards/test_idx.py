@@ -54,3 +54,19 @@ def test_malformed(text, message):
     with pytest.raises(IndexMismatchError, match=message) as info:
         parse_idx(text, "s.tar")
     assert info.value.shard == "s.tar"
+
+
+def test_pax_path_record_later_one_wins_and_bad_lengths_stop():
+    from stallfree.shards.scan import pax_path
+
+    def rec(key: str, value: str) -> bytes:
+        body = f" {key}={value}\n"
+        n = len(body) + 2
+        n = len(f"{n}{body}")
+        return f"{n}{body}".encode()
+
+    assert pax_path(rec("mtime", "0") + rec("path", "a/b.jpg")) == "a/b.jpg"
+    assert pax_path(rec("path", "first.jpg") + rec("path", "second.jpg")) == "second.jpg"
+    assert pax_path(rec("mtime", "0")) is None
+    assert pax_path(b"0 path=x\n") is None
+    assert pax_path(b"garbage") is None
