@@ -17,7 +17,7 @@ import fsspec
 import numpy as np
 import pyarrow as pa
 
-from stallfree.shards.atomic import AtomicFile
+from stallfree.shards.atomic import AtomicFile, CommitOnExit
 from stallfree.shards.errors import CorruptShardError, DuplicateKeyError, WriteError
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.tar import check_field, check_key
@@ -106,7 +106,7 @@ class _Sink:
         return True
 
 
-class ArrowShardWriter:
+class ArrowShardWriter(CommitOnExit):
     """Writes one Arrow IPC file under a temp name, renamed into place on ``close``.
 
     ``schema``: fix the column types (e.g. a Parquet source's own schema, ``__key__`` column
@@ -220,15 +220,6 @@ class ArrowShardWriter:
 
     def abort(self) -> None:
         self._file.abort()
-
-    def __enter__(self) -> ArrowShardWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def _is_numeric_list(t: pa.DataType) -> bool:

@@ -15,7 +15,7 @@ import posixpath
 import threading
 import uuid
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -33,6 +33,29 @@ def temp_name(path: str) -> str:
     """A hidden sibling of ``path``: same directory (same filesystem, so rename is cheap)."""
     head, tail = posixpath.split(path)
     return posixpath.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+_W = TypeVar("_W", bound="CommitOnExit")
+
+
+class CommitOnExit:
+    """Context-manager behaviour shared by the shard writers: ``close()`` (commit) on a clean exit,
+    ``abort()`` on an exception, so nothing half-written ever appears under a final name."""
+
+    def close(self) -> Any:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _W) -> _W:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
 
 
 class AtomicFile:

@@ -16,7 +16,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from stallfree.shards.atomic import AtomicFile
+from stallfree.shards.atomic import AtomicFile, CommitOnExit
 from stallfree.shards.errors import CorruptShardError, DuplicateKeyError, WriteError
 from stallfree.shards.idx import IdxSample, idx_path_for, render_idx
 from stallfree.shards.manifest import ShardInfo
@@ -139,7 +139,7 @@ def prepare(sample: dict[str, Any]) -> PreparedSample:
     return PreparedSample(key, members, nbytes)
 
 
-class TarShardWriter:
+class TarShardWriter(CommitOnExit):
     """Writes one tar shard (and its ``.idx``) under temp names, renamed into place on ``close``.
 
     >>> with TarShardWriter("/data/shard-000000.tar") as w:
@@ -230,15 +230,6 @@ class TarShardWriter:
     def abort(self) -> None:
         """Drop everything written; nothing appears under the final names."""
         self._file.abort()
-
-    def __enter__(self) -> TarShardWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
 
 
 def parse_header(

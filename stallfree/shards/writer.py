@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 
 from stallfree.shards.arrow import ArrowShardWriter
-from stallfree.shards.atomic import check_writable
+from stallfree.shards.atomic import CommitOnExit, check_writable
 from stallfree.shards.errors import WriteError
 from stallfree.shards.manifest import FORMAT_VERSION, FORMATS, Manifest, ShardInfo
 from stallfree.shards.tar import TarShardWriter, prepare
@@ -47,7 +47,7 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-class ShardWriter:
+class ShardWriter(CommitOnExit):
     """Write samples into shards of at most ``max_bytes`` / ``max_samples`` each.
 
     >>> with ShardWriter("s3://bucket/train", format="tar", max_bytes=256_000_000) as w:
@@ -194,12 +194,3 @@ class ShardWriter:
         cur, self._current = self._current, None
         if cur is not None:
             cur.abort()
-
-    def __enter__(self) -> ShardWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
