@@ -9,27 +9,18 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from stallfree.cache.base import CacheStats
+
 # Cache stats are reported per worker process. Only event counters add up across workers (sent as
 # deltas); ratios are recomputed from the summed counters; anything else (entries, used_bytes, ...)
 # is a level, kept per worker as last reported.
 CACHE_COUNTERS = frozenset(
     (
-        "hits",
-        "misses",
-        "puts",
-        "admitted",
-        "rejected",
-        "bytes_in",
-        "bytes_out",
-        "evictions",
+        *CacheStats.FIELDS,  # the event counters every cache tier keeps
         "node_evictions",
-        "errors",
-        "corrupt",
-        "get_calls",
-        "put_calls",
         "get_seconds",
         "put_seconds",
-        "read_samples",
+        "read_samples",  # read_through's ReadStats
         "read_cache_hits",
         "read_storage_reads",
     )
