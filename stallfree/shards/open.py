@@ -67,11 +67,11 @@ def _manifest_for_files(
     shards, fields = [], {}
     for path in arrows:
         reader = ArrowShardReader(fs, path, relative(root, path))
-        for name in reader._reader.schema.names:
+        reader.close()  # what is needed was read when it opened
+        for name in reader.schema.names:
             if name != "__key__":
                 fields.setdefault(name, None)
         shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None))
-        reader.close()
     return Manifest(FORMAT_VERSION, "arrow", list(fields), shards), None
 
 

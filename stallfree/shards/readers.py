@@ -185,6 +185,16 @@ class TarShardReader:
                 raise MissingShardError("shard not found", shard=shard) from None
         else:
             self.size = size = _file_size(fs, path, shard)
+        try:  # any check below may fail: the mapping must not outlive the error (nor the traceback)
+            self._load_index(samples, verify_hash)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load_index(self, samples: list[IdxSample] | None, verify_hash: bool) -> None:
+        """Check size (and sha256 if asked), then build the index columns and check the first and
+        last sample's headers against them."""
+        fs, path, shard, info, size = self.fs, self.path, self.shard, self.info, self.size
         _check_size(size, info, shard)
         if verify_hash and info is not None and info.sha256:
             actual = sha256_of(fs, path)
@@ -413,11 +423,11 @@ class ArrowShardReader:
         verify_hash: bool = False,
     ) -> None:
         import pyarrow as pa
-        import pyarrow.ipc as ipc
 
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
         self.local = is_local(fs)
         self._lock = threading.Lock()
+        self._reader: Any = None
         try:
             if self.local:
                 self._source = pa.memory_map(path, "r")
@@ -429,6 +439,18 @@ class ArrowShardReader:
                 )
         except FileNotFoundError:
             raise MissingShardError("shard not found", shard=shard) from None
+        try:  # any check below may fail: the source must not outlive the error (nor the traceback)
+            self._open_file(verify_hash)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open_file(self, verify_hash: bool) -> None:
+        """Check size (and sha256 if asked), open the IPC file and count its rows."""
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        fs, path, shard, info = self.fs, self.path, self.shard, self.info
         _check_size(self.size, info, shard)
         if verify_hash and info is not None and info.sha256:
             actual = sha256_of(fs, path)
@@ -438,7 +460,8 @@ class ArrowShardReader:
             self._reader = ipc.open_file(self._source)
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard) from None
-        nb = self._reader.num_record_batches
+        self._schema = self._reader.schema
+        self.batches = nb = self._reader.num_record_batches
         expected = info.samples if info is not None else None
         if expected is not None and nb == expected:
             self._starts = None  # one row per batch (how we write): batch index == row
@@ -452,7 +475,7 @@ class ArrowShardReader:
             self.rows = total
         from stallfree.shards.arrow import row_converter
 
-        self._convert = row_converter(self._reader.schema, shard)
+        self._convert = row_converter(self._schema, shard)
         if expected is not None and self.rows != expected:
             raise IndexMismatchError(
                 f"the file holds {self.rows} rows, the manifest says {expected}", shard=shard
@@ -461,11 +484,14 @@ class ArrowShardReader:
     def _batch(self, b: int):
         import pyarrow as pa
 
+        reader = self._reader
+        if reader is None:
+            raise ValueError(f"the reader of {self.shard} is closed")
         try:
             if self.local:  # memory-mapped reads are thread-safe
-                return self._reader.get_batch(b)
+                return reader.get_batch(b)
             with self._lock:  # a Python file underneath: one seek+read at a time
-                return self._reader.get_batch(b)
+                return reader.get_batch(b)
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorruptShardError(f"cannot read record batch {b}: {exc}", shard=self.shard) from None
 
@@ -487,7 +513,7 @@ class ArrowShardReader:
 
     def check_all(self) -> list[ShardError]:
         problems: list[ShardError] = []
-        for b in range(self._reader.num_record_batches):
+        for b in range(self.batches):
             try:
                 self._batch(b).validate(full=True)
             except ShardError as exc:
@@ -496,5 +522,13 @@ class ArrowShardReader:
                 problems.append(CorruptShardError(f"record batch {b} is invalid: {exc}", shard=self.shard))
         return problems
 
+    @property
+    def schema(self):
+        """The file's Arrow schema (fields, types)."""
+        return self._schema
+
     def close(self) -> None:
+        """Close the file and drop the IPC reader: its footer buffers would keep a local file's
+        mapping alive after the file is closed."""
+        self._reader = None
         self._source.close()
