@@ -43,22 +43,23 @@ def parse_idx(text: str | bytes, shard: str) -> list[IdxSample]:
     """Parse an index; IndexMismatchError (naming the shard and line) if it is malformed."""
     if isinstance(text, bytes):
         text = text.decode("utf-8", "surrogateescape")
-    lines = text.splitlines()
-    if not lines:
+    if not text:
         raise IndexMismatchError("empty .idx file", shard=shard)
+    lines = text.split("\n")  # as DALI reads it; the numbers in errors are then an editor's
     head = lines[0].split()
     if len(head) != 2 or head[0] != IDX_VERSION or not head[1].isdigit():
         raise IndexMismatchError(
             f".idx must start with '{IDX_VERSION} N', found {lines[0][:40]!r}", shard=shard
         )
     count = int(head[1])
-    body = [line for line in lines[1:] if line.strip()]
+    # blank lines are skipped, but errors name the line's real 1-based number in the file
+    body = [(lineno, line) for lineno, line in enumerate(lines[1:], start=2) if line.strip()]
     if len(body) != count:
         raise IndexMismatchError(f".idx header says {count} samples but has {len(body)} lines", shard=shard)
     samples = []
-    for lineno, line in enumerate(body, start=2):
+    for lineno, line in body:
         tokens = line.split()
-        if not tokens or len(tokens) % 4:
+        if len(tokens) % 4:
             raise IndexMismatchError(
                 f".idx line {lineno}: expected groups of 'FIELD OFFSET SIZE NAME'", shard=shard
             )

@@ -56,6 +56,62 @@ def test_malformed(text, message):
     assert info.value.shard == "s.tar"
 
 
+GOOD = "jpg 512 3 a.jpg"
+
+
+@pytest.mark.parametrize(
+    "bad, message, offset",
+    [
+        ("jpg 512 3", "expected groups of 'FIELD OFFSET SIZE NAME'", None),
+        ("jpg x 3 b.jpg", "bad offset/size 'x' '3'", None),
+        ("jpg 100 3 b.jpg", "impossible offset/size", 100),
+        ("jpg 2048 3 b.jpg png 3072 3 c.png", "member 'c.png' does not belong to the sample", 3072),
+    ],
+)
+@pytest.mark.parametrize(
+    "before, lineno",
+    [
+        ([GOOD], 3),  # no blank line: header, good line, bad line
+        (["", GOOD], 4),  # a blank line before the good one
+        (["", "  ", GOOD, "\t"], 6),  # blank and whitespace-only lines
+        ([GOOD, ""], 4),  # a blank line right before the bad one
+    ],
+)
+def test_malformed_line_named_by_its_line_in_the_file(before, lineno, bad, message, offset):
+    text = "\n".join(["v1.2 2", *before, bad]) + "\n"
+    assert text.split("\n")[lineno - 1] == bad  # the number is the line an editor shows
+    with pytest.raises(IndexMismatchError) as info:
+        parse_idx(text, "s.tar")
+    assert info.value.reason == f".idx line {lineno}: {message}"
+    assert (info.value.shard, info.value.offset) == ("s.tar", offset)
+
+
+def test_crlf_and_blank_lines_parse_and_count_lines():
+    text = "v1.2 2\r\n\r\njpg 512 3 a.jpg\r\n\r\njpg 1536 3 b.jpg\r\n"
+    assert parse_idx(text, "s.tar") == [
+        IdxSample("a", [("jpg", 512, 3, "a.jpg")]),
+        IdxSample("b", [("jpg", 1536, 3, "b.jpg")]),
+    ]
+    with pytest.raises(IndexMismatchError) as info:
+        parse_idx(text.replace("1536", "15x6"), "s.tar")
+    assert info.value.reason == ".idx line 5: bad offset/size '15x6' '3'"
+
+
+def test_reader_names_the_real_line_of_a_bad_idx(tar_dataset):
+    """Through ``open_dataset``: a blank line in a shard's .idx, then a bad entry further down."""
+    from stallfree.shards.open import open_dataset
+
+    idx = tar_dataset / "shard-000001.idx"
+    lines = idx.read_text().split("\n")
+    lines[3] += " x"  # the third sample's entry (line 4) gets a stray token
+    lines.insert(1, "")  # ... and is line 5 once a blank line precedes it
+    idx.write_text("\n".join(lines))
+    with pytest.raises(IndexMismatchError) as info:
+        open_dataset(str(tar_dataset))[5]
+    assert info.value.shard == "shard-000001.tar"
+    assert info.value.reason == ".idx line 5: expected groups of 'FIELD OFFSET SIZE NAME'"
+
+
 def test_pax_path_record_later_one_wins_and_bad_lengths_stop():
     from stallfree.shards.scan import pax_path
 
