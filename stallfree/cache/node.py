@@ -63,14 +63,19 @@ class NodeCache(BaseCache):
         return {"path": self.path, "capacity_bytes": self.capacity_bytes, "policy": self.policy.name}
 
     # -- LMDB plumbing ---------------------------------------------------------------------------
-    def _open(self) -> tuple[lmdb.Environment, Any, Any, Any, Any]:
-        """This process's environment and tables; call inside ``lmdbenv.using()``."""
+    def _open_handle(self) -> lmdbenv.Handle:
+        """This process's shared environment for ``path``; call inside ``lmdbenv.using()``."""
         with self._lock:
             handle = self._handle
             if handle is None or self._pid != os.getpid() or handle.generation != lmdbenv.generation():
                 self._handle = handle = lmdbenv.acquire(self.path, self.map_size)
                 self._pid = os.getpid()
-            return (handle.env, *handle.dbs)
+            return handle
+
+    def _open(self) -> tuple[lmdb.Environment, Any, Any, Any, Any]:
+        """This process's environment and tables; call inside ``lmdbenv.using()``."""
+        handle = self._open_handle()
+        return (handle.env, *handle.dbs)
 
     def _close(self) -> None:
         with self._lock:
@@ -115,12 +120,16 @@ class NodeCache(BaseCache):
                         self._touched[k] = None
                 overflow = len(self._touched) > _MAX_TOUCHED
             if overflow:
-                self._put([])
+                try:
+                    self._put([])
+                except Exception as exc:  # the reads succeeded; only the recency update failed (and is kept)
+                    self._failed("recency update", exc)
         return out
 
     def _put(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
-        env, data, meta, atime, order = self._open()
-        self._handle.check_readers()
+        handle = self._open_handle()
+        env, (data, meta, atime, order) = handle.env, handle.dbs
+        handle.check_readers()
         with self._lock:
             touched, self._touched = list(self._touched), {}
         cap = self.capacity_bytes
@@ -156,9 +165,32 @@ class NodeCache(BaseCache):
                     txn.put(b"evictions", _U64.pack(self._meta(txn, meta, b"evictions") + evicted), db=meta)
         except lmdb.MapFullError:
             log.warning("node cache %s: LMDB map full; not admitting this batch", self.path)
-            return PutResult(0, 0, len(items))
+            self._keep_touched(touched)
+            return PutResult(0, 0, self._count_absent(env, data, items))
+        except BaseException:
+            self._keep_touched(touched)  # the transaction was aborted: these hits are still unrecorded
+            raise
         self._stats.add(evictions=evicted)
         return PutResult(admitted, nbytes, rejected)
+
+    def _keep_touched(self, touched: list[bytes]) -> None:
+        """Put hits a failed write could not record back in front of those recorded since (they are
+        older), so a failure does not make recently read entries the first to be evicted."""
+        if not touched:
+            return
+        with self._lock:
+            kept = dict.fromkeys(k for k in touched if k not in self._touched)
+            kept.update(self._touched)
+            if len(kept) > _MAX_TOUCHED:  # keep the most recent ones
+                kept = dict.fromkeys(list(kept)[-_MAX_TOUCHED:])
+            self._touched = kept
+
+    @staticmethod
+    def _count_absent(env: lmdb.Environment, data: Any, items: Sequence[tuple[bytes, bytes]]) -> int:
+        """Distinct keys of ``items`` not stored: what a batch that could not be written turned away
+        (entries already present count as neither admitted nor rejected)."""
+        with env.begin(db=data) as txn:
+            return len({key for key, _ in items if txn.get(key) is None})
 
     @staticmethod
     def _stamp(txn: Any, atime: Any, order: Any, key: bytes, seq: int, must_exist: Any = None) -> int:
