@@ -2,8 +2,10 @@
 
 One sequential pass per shard checks size and sha256 and, for tar shards, walks the headers
 (truncation, corrupt headers, duplicate keys) to compare against the ``.idx`` and the manifest's
-sample count; Arrow shards are opened and counted. ``decode=True`` also decodes image fields with
-PIL. Problems are collected (not raised) so one run lists them all, each naming the shard, the
+sample count; Arrow shards are opened and counted. Every shard's keys are checked against the
+shards before it, so a key two shards share is found too (the dataset would yield it twice; a
+cache or a resume keyed by it would confuse the two). ``decode=True`` also decodes image fields
+with PIL. Problems are collected (not raised) so one run lists them all, each naming the shard, the
 sample key and the byte offset where known.
 """
 
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 BLOCK = 512
 IMAGE_FIELDS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "ppm", "pgm", "tif", "tiff"}
 ProgressFn = Callable[[int], None]  # bytes checked
+KeyAt = tuple[str, int | None]  # a sample key and the byte offset of its first header (tar)
+MAX_LISTED = 10  # problems of one kind listed per shard before a "... and N more" line
 
 
 @dataclass
@@ -269,7 +273,9 @@ def verify_tar_shard(
     *,
     decode: bool,
     progress: ProgressFn | None,
-) -> None:
+) -> list[KeyAt]:
+    """Check one tar shard, adding problems to ``report``; returns its samples' keys (with the
+    offset of each one's first header) for the cross-shard duplicate check."""
     from stallfree.shards.idx import idx_path_for, parse_idx
 
     shard = info.path
@@ -313,6 +319,7 @@ def verify_tar_shard(
                     problem = _decode_image(kept[m.name], shard, key, m.offset, m.name[len(key) + 1 :])
                     if problem:
                         report.problems.append(problem)
+    return [(key, ms[0].offset - BLOCK) for key, ms in samples]
 
 
 def _compare_idx(
@@ -385,7 +392,9 @@ def verify_arrow_shard(
     *,
     decode: bool,
     progress: ProgressFn | None,
-) -> None:
+) -> list[KeyAt]:
+    """Check one Arrow shard, adding problems to ``report``; returns its rows' keys (as the dataset
+    yields them: ``stem/row`` where the file has no ``__key__`` column) for the cross-shard check."""
     import pyarrow as pa
 
     shard = info.path
@@ -393,6 +402,8 @@ def verify_arrow_shard(
         reader = _HashingReader(f, progress)
         reader.read_rest()
     _check_size_and_hash(reader, info, report)
+    stem = posixpath.splitext(shard)[0]
+    found: list[KeyAt] = []
     try:
         with fs.open(path, "rb") as f:
             ipc = pa.ipc.open_file(f)
@@ -413,6 +424,7 @@ def verify_arrow_shard(
                             )
                         )
                     seen.add(key)
+                    found.append((str(key) if key is not None else f"{stem}/{rows + r}", None))
                     if decode:
                         for name in batch.schema.names:
                             if name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS:
@@ -427,7 +439,7 @@ def verify_arrow_shard(
         report.problems.append(
             Problem.from_error(CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard))
         )
-        return
+        return found
     report.samples += rows
     if rows != info.samples:
         report.problems.append(
@@ -437,6 +449,52 @@ def verify_arrow_shard(
                 )
             )
         )
+    return found
+
+
+class KeyOwners:
+    """The shard each sample key was first seen in, to find keys that two shards share. Holds
+    every key once (a dict entry, ~100 bytes plus the key: ~200 MB for 1.3M keys), which only
+    ``verify`` pays; opening a dataset does not check this."""
+
+    def __init__(self) -> None:
+        self._first: dict[str, int] = {}  # key -> position of its shard in the manifest
+        self._names: list[str] = []
+
+    def add(self, shard: str, keys: list[KeyAt]) -> list[Problem]:
+        """Record the next shard's keys; a problem for each key an earlier shard already holds (a
+        key repeated inside one shard is that shard's own problem, reported where it is read)."""
+        me = len(self._names)
+        self._names.append(shard)
+        first, found = self._first, []
+        for key, offset in keys:
+            owner = first.setdefault(key, me)
+            if owner != me:
+                found.append((key, offset, self._names[owner]))
+        problems = []
+        for key, offset, owner in found[:MAX_LISTED]:
+            twice = " (the manifest lists that file twice)" if owner == shard else ""
+            problems.append(
+                Problem.from_error(
+                    DuplicateKeyError(
+                        f"duplicate sample key across shards: also in {owner}{twice}",
+                        shard=shard,
+                        key=key,
+                        offset=offset,
+                    )
+                )
+            )
+        if len(found) > MAX_LISTED:
+            owners = sorted({owner for _, _, owner in found})
+            more = f" and {len(owners) - 5} more shards" if len(owners) > 5 else ""
+            problems.append(
+                Problem(
+                    "DuplicateKeyError",
+                    f"... and {len(found) - MAX_LISTED} more sample keys also in {', '.join(owners[:5])}{more}",
+                    shard,
+                )
+            )
+        return problems
 
 
 def verify_dataset(
@@ -461,13 +519,15 @@ def verify_dataset(
         return report
     report.format = manifest.format
     check = verify_tar_shard if manifest.format == "tar" else verify_arrow_shard
+    owners = KeyOwners()
     for info in manifest.shards:
         shard_path = join(root, info.path)
         report.shards += 1
         try:
             if not fs.exists(shard_path):
                 raise MissingShardError(f"shard file {shard_path} is missing", shard=info.path)
-            check(fs, shard_path, info, report, decode=decode, progress=progress)
+            keys = check(fs, shard_path, info, report, decode=decode, progress=progress)
+            report.problems.extend(owners.add(info.path, keys))
         except ShardError as exc:
             report.problems.append(Problem.from_error(exc))
         except OSError as exc:

@@ -148,3 +148,108 @@ def test_no_manifest_points_to_stallfree_index(tmp_path: Path) -> None:
     report = verify_dataset(str(tmp_path))
     assert errors(report) == [("MissingShardError", "manifest.json")]
     assert "stallfree index" in report.problems[0].message
+
+
+# -- a sample key two shards share ---------------------------------------------------------------
+
+
+def write(root: Path, fmt: str, keys: list[str], per_shard: int) -> Path:
+    from stallfree.shards.writer import ShardWriter
+
+    with ShardWriter(str(root), format=fmt, max_samples=per_shard) as w:
+        for i, key in enumerate(keys):
+            w.write({"__key__": key, "txt": f"text {i}", "cls": i})
+    return root
+
+
+def header_offset(root: Path, shard: str, key: str) -> int:
+    idx = parse_idx((root / shard.replace(".tar", ".idx")).read_text(), shard)
+    return next(s for s in idx if s.key == key).members[0][1] - 512
+
+
+def dup(report) -> list[tuple[str, str | None, str | None, int | None]]:
+    return [(p.message, p.shard, p.key, p.offset) for p in report.problems if p.error == "DuplicateKeyError"]
+
+
+def test_key_in_two_tar_shards(tmp_path: Path) -> None:
+    root = write(tmp_path / "ds", "tar", ["a", "b", "c", "d", "b", "e", "f", "g", "a"], per_shard=3)
+    report = verify_dataset(str(root))
+    assert (report.shards, report.samples) == (3, 9)
+    assert errors(report) == [
+        ("DuplicateKeyError", "shard-000001.tar"),
+        ("DuplicateKeyError", "shard-000002.tar"),
+    ]
+    assert dup(report) == [
+        (
+            "duplicate sample key across shards: also in shard-000000.tar",
+            "shard-000001.tar",
+            "b",
+            header_offset(root, "shard-000001.tar", "b"),
+        ),
+        (
+            "duplicate sample key across shards: also in shard-000000.tar",
+            "shard-000002.tar",
+            "a",
+            header_offset(root, "shard-000002.tar", "a"),
+        ),
+    ]
+    assert header_offset(root, "shard-000001.tar", "b") > 0  # not the shard's first sample
+
+
+def test_key_in_two_arrow_shards(tmp_path: Path) -> None:
+    root = write(tmp_path / "ds", "arrow", ["a", "b", "c", "d", "e", "f", "x", "c"], per_shard=3)
+    report = verify_dataset(str(root))
+    assert dup(report) == [
+        ("duplicate sample key across shards: also in shard-000000.arrow", "shard-000002.arrow", "c", None)
+    ]
+    assert errors(report) == [("DuplicateKeyError", "shard-000002.arrow")]
+
+
+def test_distinct_keys_across_shards_are_fine(tmp_path: Path) -> None:
+    for fmt in ("tar", "arrow"):
+        report = verify_dataset(str(write(tmp_path / fmt, fmt, [f"k{i}" for i in range(7)], per_shard=2)))
+        assert report.ok, report.problems
+
+
+def test_many_shared_keys_are_listed_up_to_ten_then_counted(tmp_path: Path) -> None:
+    keys = [f"k{i:02d}" for i in range(12)]
+    root = write(tmp_path / "ds", "tar", keys + keys, per_shard=12)  # the same keys written twice
+    report = verify_dataset(str(root))
+    assert [(p.shard, p.key) for p in report.problems[:10]] == [("shard-000001.tar", k) for k in keys[:10]]
+    assert [(p.error, p.message, p.shard, p.key) for p in report.problems[10:]] == [
+        ("DuplicateKeyError", "... and 2 more sample keys also in shard-000000.tar", "shard-000001.tar", None)
+    ]
+
+
+def test_manifest_listing_one_shard_twice(tmp_path: Path) -> None:
+    root = write(tmp_path / "ds", "tar", ["a", "b", "c", "d"], per_shard=2)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["shards"].append(manifest["shards"][0])
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_dataset(str(root))
+    assert [(p.message, p.shard, p.key) for p in report.problems] == [
+        (
+            "duplicate sample key across shards: also in shard-000000.tar (the manifest lists that file twice)",
+            "shard-000000.tar",
+            key,
+        )
+        for key in ("a", "b")
+    ]
+
+
+def test_cli_verify_reports_a_key_two_shards_share(tmp_path: Path, capsys) -> None:
+    from stallfree.cli import main
+
+    root = write(tmp_path / "ds", "tar", ["a", "b", "c", "a"], per_shard=2)
+    assert main(["verify", str(root), "--json", "--no-progress"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False
+    assert report["problems"] == [
+        {
+            "error": "DuplicateKeyError",
+            "shard": "shard-000001.tar",
+            "key": "a",
+            "offset": header_offset(root, "shard-000001.tar", "a"),
+            "message": "duplicate sample key across shards: also in shard-000000.tar",
+        }
+    ]
