@@ -261,7 +261,7 @@ class FastIterator:
             if slot is not None:
                 storage = self._adopt(wid, slot, new_storage)
                 batch = shm.materialise(
-                    desc, storage, pin=self.pin, release=_releaser(eng.free_qs[wid], slot)
+                    desc, storage, pin=self.pin, release=_releaser(eng.free_qs[wid], slot, storage)
                 )
             else:
                 batch = desc
@@ -362,8 +362,9 @@ class FastIterator:
                 )
 
 
-def _releaser(free_q: Any, slot: int) -> Callable[[], None]:
+def _releaser(free_q: Any, slot: int, storage: torch.UntypedStorage) -> Callable[[], None]:
     def release() -> None:
+        shm.release_pages(storage)  # the consumer is done: only the worker's refill maps them again
         try:
             free_q.put(slot)
         except (ValueError, OSError, AssertionError):  # the pool is already shut down

@@ -4,10 +4,19 @@ A worker collates straight into a slot (a shared ``UntypedStorage`` sent to the 
 once) and sends only a small description: the batch's structure with every tensor replaced by
 ``(offset, dtype, shape)``. The main process copies the tensors out (into pinned memory when
 asked) and hands the slot back. No tensor is pickled; no shared-memory file is created per batch.
+
+A slot's pages stay in shared memory while it is idle, but each process lets go of its own
+mapping of them (``release_pages``) once it is done with the batch: a process's resident set then
+holds only the batch it is filling or reading, not every slot it has touched (benchmarks/RESULTS.md,
+"Loader": peak RSS of main + 2 workers went below torch's).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import logging
+import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +26,42 @@ import torch
 from torch.utils.data._utils.collate import collate, default_collate_fn_map
 
 ALIGN = 64
+PAGE = mmap.PAGESIZE
+logger = logging.getLogger(__name__)
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = libc.madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_MADVISE = _madvise() if hasattr(mmap, "MADV_DONTNEED") else None
+
+
+def release_pages(storage: torch.UntypedStorage | None) -> bool:
+    """Drop this process's mapping of a shared slot's pages; the data stays in shared memory.
+
+    For a shared mapping MADV_DONTNEED only clears this process's page-table entries: the next
+    touch maps the same page again (a minor fault), so nothing is lost and any other process
+    mapping the slot is unaffected. Returns False where the platform has no madvise.
+    """
+    if _MADVISE is None or storage is None:
+        return False
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    start = -(-start // PAGE) * PAGE  # only whole pages inside the storage
+    end = end // PAGE * PAGE
+    if end <= start:
+        return True
+    if _MADVISE(start, end - start, mmap.MADV_DONTNEED) != 0:
+        logger.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
+        return False
+    return True
 
 
 @dataclass(frozen=True)

@@ -61,33 +61,11 @@ class WorkerSpec:
     auto_collation: bool = True  # False with batch_size=None: one sample per task, collate_fn(sample)
     threads: int = 1  # decode threads in each worker
     fetch_threads: int = 1  # tasks read at once by each worker's fetch thread(s)
-    retain_memory: bool = True  # keep freed batch memory in worker processes (glibc mallopt)
     parent_pid: int = field(default_factory=os.getpid)
     start_method: str | None = None  # the workers' multiprocessing start method (set by the engine)
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats of this worker, made in the worker
     source: Any = None  # what the fetch stage reads: the dataset, or a ConcurrentShards over it (remote)
     cache_baseline: dict | None = None  # cache counters at the worker's last report
-
-
-_MEMORY_RETAINED = False
-
-
-def memory_retained() -> bool:
-    """True inside a loader worker process whose allocator keeps freed batch memory (glibc)."""
-    return _MEMORY_RETAINED
-
-
-def _retain_memory() -> None:
-    """Keep freed sample memory in this worker (process-wide glibc setting: fine in our own worker
-    processes, never done in the user's main process): batched reads otherwise fault every batch's
-    memory in again after glibc trimmed it (get_many 22k -> 172k samples/s in bench_read.py)."""
-    global _MEMORY_RETAINED
-    from stallfree.shards.memory import retain_freed_memory
-
-    try:
-        _MEMORY_RETAINED = retain_freed_memory()
-    except Exception:  # noqa: BLE001 - an allocator tweak must never stop a worker
-        logger.debug("retain_freed_memory failed", exc_info=True)
 
 
 def _seed_worker(spec: WorkerSpec, wid: int) -> int:
@@ -339,8 +317,6 @@ def _wrap(exc: BaseException, wid: int, index: int | None, key: str | None) -> E
 def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: Any, progress: Any) -> None:
     """Entry point of one worker (a process, or a thread when ``spec.in_process``)."""
     if not spec.in_process:
-        if spec.retain_memory:
-            _retain_memory()
         torch.set_num_threads(1)
         seed = _seed_worker(spec, wid)
         _torch_worker._worker_info = _torch_worker.WorkerInfo(
@@ -376,6 +352,8 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             msg = _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
             result_q.put(msg)
+            if msg[0] == "batch" and msg[4] is not None:  # the slot is the main process's until it returns
+                shm.release_pages(slots.storages[msg[4]])
     except KeyboardInterrupt:
         return
     finally:

@@ -90,11 +90,21 @@ def indices(loader) -> list[int]:
     return [i for b in loader for i in b["i"].tolist()]
 
 
-class WorkerProbe(Numbers):
-    """Sample i also says, from inside the worker, whether the loader set up the worker's
-    allocator (retain_freed_memory) and which process served it."""
+def rss_shmem() -> int:
+    """Shared-memory pages this process has mapped right now (bytes, /proc/self/status RssShmem)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssShmem:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+class WorkerProbe(Big):
+    """Sample i also says, from inside the worker, which process served it and how many shared
+    pages that process had mapped when it started on the sample."""
+
+    def __init__(self, n: int, nbytes: int = 64) -> None:
+        super().__init__(n, nbytes)
 
     def __getitem__(self, i: int) -> dict:
-        from stallfree.loader import workers
-
-        return {**super().__getitem__(i), "retained": int(workers.memory_retained()), "pid": os.getpid()}
+        return {**super().__getitem__(i), "shm_mapped": rss_shmem(), "pid": os.getpid()}
