@@ -27,6 +27,7 @@ from stallfree.shards.idx import IdxSample, idx_path_for
 from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, join
 from stallfree.shards.readers import ArrowShardReader, TarShardReader
 from stallfree.shards.scan import manifest_for_tars, relative, resolve
+from stallfree.shards.verify import KeyOwners
 
 log = logging.getLogger(__name__)
 
@@ -205,9 +206,11 @@ class ShardedDataset:
             yield from self.get_many(range(start, min(self._len, start + _ITER_CHUNK)))
 
     def verify(self, hashes: bool = True) -> list[ShardError]:
-        """Check every shard: present, size, sha256 (if ``hashes``), index vs tar headers, rows.
-        Returns the problems found (empty list: all good); reads every shard in full."""
+        """Check every shard: present, size, sha256 (if ``hashes``), index vs tar headers, rows,
+        keys no earlier shard holds. Returns the problems found (empty list: all good); reads
+        every shard in full."""
         problems: list[ShardError] = []
+        owners = KeyOwners()  # a key two shards share
         for s, info in enumerate(self.manifest.shards):
             try:
                 if self.manifest.format == "tar" and self._scanned is None:
@@ -216,6 +219,7 @@ class ShardedDataset:
                 reader = self._open_reader(s, hashes)
                 try:
                     problems.extend(reader.check_all())
+                    problems.extend(owners.add(info.path, reader.keys()))
                 finally:
                     reader.close()
             except ShardError as exc:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import posixpath
 import threading
 from array import array
 from bisect import bisect_right
@@ -405,6 +406,12 @@ class TarShardReader:
                     )
         return problems
 
+    def keys(self) -> Iterator[tuple[str, int]]:
+        """``(key, offset of its first member's header)`` for every row, in order."""
+        starts = self._starts
+        for key, j in zip(self._keys, self._first, strict=False):  # first has one entry more
+            yield key, starts[j] - BLOCK
+
     def close(self) -> None:
         if self._mm is not None:
             self._mm.close()
@@ -521,6 +528,19 @@ class ArrowShardReader:
             except Exception as exc:  # noqa: BLE001 - pyarrow's validation errors vary by version
                 problems.append(CorruptShardError(f"record batch {b} is invalid: {exc}", shard=self.shard))
         return problems
+
+    def keys(self) -> Iterator[tuple[str, None]]:
+        """``(key, None)`` for every row with a key, in order: its ``__key__``, or ``stem/row`` (as
+        ``get`` makes it) where the file has no such column. Reads every record batch."""
+        if "__key__" not in self._schema.names:
+            stem = posixpath.splitext(self.shard)[0]
+            for row in range(self.rows):
+                yield f"{stem}/{row}", None
+            return
+        for b in range(self.batches):
+            for key in self._batch(b).column("__key__").to_pylist():
+                if key is not None:  # a null key names nothing to collide with
+                    yield str(key), None
 
     @property
     def schema(self):

@@ -15,7 +15,7 @@ import hashlib
 import io
 import logging
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -403,7 +403,7 @@ def verify_arrow_shard(
         reader.read_rest()
     _check_size_and_hash(reader, info, report)
     stem = posixpath.splitext(shard)[0]
-    found: list[KeyAt] = []
+    found: list[KeyAt] = []  # as the dataset yields them; rows with a null key have none
     try:
         with fs.open(path, "rb") as f:
             ipc = pa.ipc.open_file(f)
@@ -411,11 +411,8 @@ def verify_arrow_shard(
             seen: set[str] = set()
             for b in range(ipc.num_record_batches):
                 batch = ipc.get_batch(b)
-                keys = (
-                    batch.column("__key__").to_pylist()
-                    if "__key__" in batch.schema.names
-                    else [None] * batch.num_rows
-                )
+                has_key = "__key__" in batch.schema.names
+                keys = batch.column("__key__").to_pylist() if has_key else [None] * batch.num_rows
                 for r, key in enumerate(keys):
                     if key is not None and key in seen:
                         report.problems.append(
@@ -424,7 +421,10 @@ def verify_arrow_shard(
                             )
                         )
                     seen.add(key)
-                    found.append((str(key) if key is not None else f"{stem}/{rows + r}", None))
+                    if key is not None:
+                        found.append((str(key), None))
+                    elif not has_key:
+                        found.append((f"{stem}/{rows + r}", None))
                     if decode:
                         for name in batch.schema.names:
                             if name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS:
@@ -455,14 +455,14 @@ def verify_arrow_shard(
 class KeyOwners:
     """The shard each sample key was first seen in, to find keys that two shards share. Holds
     every key once (a dict entry, ~100 bytes plus the key: ~200 MB for 1.3M keys), which only
-    ``verify`` pays; opening a dataset does not check this."""
+    verifying pays; opening a dataset does not check this."""
 
     def __init__(self) -> None:
         self._first: dict[str, int] = {}  # key -> position of its shard in the manifest
         self._names: list[str] = []
 
-    def add(self, shard: str, keys: list[KeyAt]) -> list[Problem]:
-        """Record the next shard's keys; a problem for each key an earlier shard already holds (a
+    def add(self, shard: str, keys: Iterable[KeyAt]) -> list[DuplicateKeyError]:
+        """Record the next shard's keys; an error for each key an earlier shard already holds (a
         key repeated inside one shard is that shard's own problem, reported where it is read)."""
         me = len(self._names)
         self._names.append(shard)
@@ -471,30 +471,26 @@ class KeyOwners:
             owner = first.setdefault(key, me)
             if owner != me:
                 found.append((key, offset, self._names[owner]))
-        problems = []
+        errors = []
         for key, offset, owner in found[:MAX_LISTED]:
             twice = " (the manifest lists that file twice)" if owner == shard else ""
-            problems.append(
-                Problem.from_error(
-                    DuplicateKeyError(
-                        f"duplicate sample key across shards: also in {owner}{twice}",
-                        shard=shard,
-                        key=key,
-                        offset=offset,
-                    )
+            errors.append(
+                DuplicateKeyError(
+                    f"duplicate sample key across shards: also in {owner}{twice}",
+                    shard=shard,
+                    key=key,
+                    offset=offset,
                 )
             )
         if len(found) > MAX_LISTED:
-            owners = sorted({owner for _, _, owner in found})
-            more = f" and {len(owners) - 5} more shards" if len(owners) > 5 else ""
-            problems.append(
-                Problem(
-                    "DuplicateKeyError",
-                    f"... and {len(found) - MAX_LISTED} more sample keys also in {', '.join(owners[:5])}{more}",
-                    shard,
+            owners = sorted({owner for _, _, owner in found[MAX_LISTED:]})
+            where = ", ".join(owners[:5]) + (f" and {len(owners) - 5} more shards" if len(owners) > 5 else "")
+            errors.append(
+                DuplicateKeyError(
+                    f"... and {len(found) - MAX_LISTED} more sample keys also in {where}", shard=shard
                 )
             )
-        return problems
+        return errors
 
 
 def verify_dataset(
@@ -527,7 +523,7 @@ def verify_dataset(
             if not fs.exists(shard_path):
                 raise MissingShardError(f"shard file {shard_path} is missing", shard=info.path)
             keys = check(fs, shard_path, info, report, decode=decode, progress=progress)
-            report.problems.extend(owners.add(info.path, keys))
+            report.problems.extend(Problem.from_error(e) for e in owners.add(info.path, keys))
         except ShardError as exc:
             report.problems.append(Problem.from_error(exc))
         except OSError as exc:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from stallfree.shards.idx import parse_idx
+from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
 from stallfree.shards.sources import open_source
 from stallfree.shards.verify import verify_dataset
@@ -229,7 +230,8 @@ def test_manifest_listing_one_shard_twice(tmp_path: Path) -> None:
     report = verify_dataset(str(root))
     assert [(p.message, p.shard, p.key) for p in report.problems] == [
         (
-            "duplicate sample key across shards: also in shard-000000.tar (the manifest lists that file twice)",
+            "duplicate sample key across shards: also in shard-000000.tar"
+            " (the manifest lists that file twice)",
             "shard-000000.tar",
             key,
         )
@@ -252,4 +254,85 @@ def test_cli_verify_reports_a_key_two_shards_share(tmp_path: Path, capsys) -> No
             "offset": header_offset(root, "shard-000001.tar", "a"),
             "message": "duplicate sample key across shards: also in shard-000000.tar",
         }
+    ]
+
+
+def test_shared_keys_past_ten_name_at_most_five_shards(tmp_path: Path) -> None:
+    from stallfree.shards.writer import ShardWriter
+
+    keys = [f"k{i:02d}" for i in range(16)]
+    root = tmp_path / "ds"
+    with ShardWriter(str(root), max_samples=16, start_index=16) as w:  # all 16 keys in shard 16
+        for key in keys:
+            w.write({"__key__": key, "txt": key})
+    last = json.loads((root / "manifest.json").read_text())["shards"]
+    write(root, "tar", keys, per_shard=1)  # shards 0..15: one key each (rewrites the manifest)
+    manifest = json.loads((root / "manifest.json").read_text())
+    manifest["shards"] += last
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    report = verify_dataset(str(root))
+    assert [(p.shard, p.key, p.message) for p in report.problems[:10]] == [
+        ("shard-000016.tar", k, f"duplicate sample key across shards: also in shard-0000{i:02d}.tar")
+        for i, k in enumerate(keys[:10])
+    ]
+    assert [(p.shard, p.key, p.message) for p in report.problems[10:]] == [
+        (
+            "shard-000016.tar",
+            None,
+            "... and 6 more sample keys also in shard-000010.tar, shard-000011.tar, shard-000012.tar, "
+            "shard-000013.tar, shard-000014.tar and 1 more shards",
+        )
+    ]
+    problems = open_dataset(str(root)).verify()
+    assert [(type(p).__name__, p.shard, p.key) for p in problems] == [
+        ("DuplicateKeyError", "shard-000016.tar", k) for k in keys[:10]
+    ] + [("DuplicateKeyError", "shard-000016.tar", None)]
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_dataset_verify_finds_a_key_two_shards_share(tmp_path: Path, fmt: str) -> None:
+    """The Python API's ``ShardedDataset.verify`` checks the same."""
+    root = write(tmp_path / "ds", fmt, ["a", "b", "c", "d", "b", "e", "f", "g", "a"], per_shard=3)
+    ds = open_dataset(str(root))
+    assert [s["__key__"] for s in ds] == ["a", "b", "c", "d", "b", "e", "f", "g", "a"]
+    problems = ds.verify()
+    ext = f".{fmt}"
+    offset = (
+        (lambda shard, key: header_offset(root, shard, key)) if fmt == "tar" else (lambda shard, key: None)
+    )
+    assert [(type(p).__name__, p.reason, p.shard, p.key, p.offset) for p in problems] == [
+        (
+            "DuplicateKeyError",
+            f"duplicate sample key across shards: also in shard-000000{ext}",
+            f"shard-00000{n}{ext}",
+            key,
+            offset(f"shard-00000{n}{ext}", key),
+        )
+        for n, key in ((1, "b"), (2, "a"))
+    ]
+    clean = write(tmp_path / "clean", fmt, [f"k{i}" for i in range(7)], per_shard=2)
+    assert open_dataset(str(clean)).verify() == []
+
+
+def test_arrow_rows_without_key_collide_by_the_key_the_dataset_gives_them(tmp_path: Path) -> None:
+    """A file without ``__key__`` yields ``stem/row`` keys; another shard's real key can equal one."""
+    import pyarrow as pa
+
+    root = tmp_path / "ds"
+    root.mkdir()
+    for name, table in (
+        ("a.arrow", pa.table({"txt": ["x", "y"]})),  # keys a/0, a/1
+        ("b.arrow", pa.table({"__key__": ["b0", "a/1"], "txt": ["z", "w"]})),
+    ):
+        with pa.ipc.new_file(str(root / name), table.schema) as w:
+            w.write_table(table)
+    ds = open_dataset(str(root / "*.arrow"))
+    assert [s["__key__"] for s in ds] == ["a/0", "a/1", "b0", "a/1"]
+    assert [(p.reason, p.shard, p.key) for p in ds.verify()] == [
+        ("duplicate sample key across shards: also in a.arrow", "b.arrow", "a/1")
+    ]
+    ds.manifest.save(str(root / "manifest.json"))
+    report = verify_dataset(str(root))
+    assert [(p.error, p.message, p.shard, p.key) for p in report.problems] == [
+        ("DuplicateKeyError", "duplicate sample key across shards: also in a.arrow", "b.arrow", "a/1")
     ]
