@@ -1,0 +1,253 @@
+"""Table files as a source: rows of JSONL, Parquet or Arrow IPC files, one sample per row,
+column types kept. Rows are listed per line / row group / record batch and read back in chunks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
+
+TABLE_SUFFIXES = {
+    ".jsonl": "jsonl",
+    ".ndjson": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".feather": "arrow",
+}
+KEY_COLUMNS = ("__key__", "key")
+
+
+class TableSource(Source):
+    """Rows of JSONL / Parquet / Arrow IPC files, one sample per row, column types kept. The key
+    comes from a ``__key__`` (dropped from the fields) or ``key`` column, else the global row
+    number (zero-padded). Null values are left out of the sample."""
+
+    def __init__(self, paths: Sequence[str | Path], kind: str, *, on_error: str = "raise") -> None:
+        super().__init__()
+        if kind not in ("jsonl", "parquet", "arrow"):
+            raise SourceError(f"unknown table kind {kind!r}")
+        self.kind = kind
+        self.paths = [str(p) for p in paths]
+        self.on_error = on_error
+        self._cache: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_cache"] = None
+        return state
+
+    def schema(self):
+        """The Arrow schema of the table files (``None`` for JSONL: types come from the values)."""
+        if self.kind == "jsonl":
+            return None
+        path = self.paths[0]
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return pq.read_schema(path)
+        with _open_ipc(path) as reader:
+            return reader.schema
+
+    # -- listing ---------------------------------------------------------------------------------
+    def _list(self) -> list[Item]:
+        items: list[Item] = []
+        lister = {"jsonl": self._list_jsonl, "parquet": self._list_parquet, "arrow": self._list_arrow}[
+            self.kind
+        ]
+        for fi, path in enumerate(self.paths):
+            try:
+                rows = lister(fi, path, len(items))
+            except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+                self._skip_or_raise(
+                    self.on_error, path, SourceReadError(f"{type(exc).__name__}: {exc}", path=path)
+                )
+                continue
+            items.extend(rows)
+        return items
+
+    def _list_jsonl(self, fi: int, path: str, base: int) -> list[Item]:
+        items = []
+        offset = 0
+        line_no = 0
+        with open(path, "rb") as f:
+            for line in f:
+                line_no += 1
+                if line.strip():
+                    ref = (fi, offset, len(line), line_no, base + len(items))
+                    items.append(Item(f"{path}:{line_no}", (len(line),), ref))
+                offset += len(line)
+        return items
+
+    def _list_parquet(self, fi: int, path: str, base: int) -> list[Item]:
+        import pyarrow.parquet as pq
+
+        md = pq.ParquetFile(path).metadata
+        items = []
+        for g in range(md.num_row_groups):
+            rg = md.row_group(g)
+            n = rg.num_rows
+            sizes = tuple(rg.column(c).total_uncompressed_size // max(n, 1) for c in range(rg.num_columns))
+            start = base + len(items)
+            items.extend(Item(f"{path}:group {g} row {r}", sizes, (fi, g, r, start + r)) for r in range(n))
+        return items
+
+    def _list_arrow(self, fi: int, path: str, base: int) -> list[Item]:
+        items = []
+        with _open_ipc(path) as reader:
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                n = batch.num_rows
+                sizes = tuple(col.nbytes // max(n, 1) for col in batch.columns)
+                start = base + len(items)
+                items.extend(
+                    Item(f"{path}:batch {b} row {r}", sizes, (fi, b, r, start + r)) for r in range(n)
+                )
+        return items
+
+    # -- reading ---------------------------------------------------------------------------------
+    def read(self, item: Item) -> dict[str, Any]:
+        if self.kind == "jsonl":
+            return self._read_jsonl(item)
+        fi, chunk, row, row_number = item.ref
+        rows = self._chunk_rows(fi, chunk)
+        return self._sample(dict(rows[row]), row_number)
+
+    def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        if self.kind == "jsonl":
+            yield from self._read_jsonl_many(items)
+            return
+        chunks = [it.ref[:2] for it in items]
+        if all(a <= b for a, b in zip(chunks, chunks[1:], strict=False)):  # file order: stream by chunk
+            yield from super().read_many(items)
+            return
+        yield from self._read_shuffled(items)
+
+    def _read_shuffled(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        """Rows in any order: load each needed chunk once, keep only this shard's rows (as Arrow,
+        compact), then yield in the asked order. Shuffled input would otherwise re-read a whole
+        row group per row."""
+        wanted: dict[tuple[int, int], list[int]] = {}
+        for pos, it in enumerate(items):
+            wanted.setdefault(it.ref[:2], []).append(pos)
+        where: dict[int, Any] = {}
+        for (fi, chunk), positions in wanted.items():
+            try:
+                table = self._load_chunk(fi, chunk)
+                sub = table.take([items[pos].ref[2] for pos in positions])
+            except SourceReadError as exc:
+                for pos in positions:
+                    where[pos] = exc
+                continue
+            for j, pos in enumerate(positions):
+                where[pos] = (sub, j)
+        for pos, it in enumerate(items):
+            got = where.pop(pos)
+            if isinstance(got, SourceReadError):
+                yield got
+                continue
+            sub, j = got
+            yield self._sample(sub.slice(j, 1).to_pylist()[0], it.ref[3])
+
+    def _read_jsonl_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        handles: dict[int, Any] = {}
+        try:
+            for item in items:
+                try:
+                    yield self._read_jsonl(item, handles)
+                except SourceReadError as exc:
+                    yield exc
+        finally:
+            for f in handles.values():
+                f.close()
+
+    def _sample(self, row: dict[str, Any], row_number: int) -> dict[str, Any]:
+        key = row.pop("__key__", None)
+        if key is None:
+            key = row.get("key")
+        sample: dict[str, Any] = {"__key__": str(key) if key is not None else f"{row_number:09d}"}
+        sample.update((k, v) for k, v in row.items() if v is not None)
+        return sample
+
+    def _read_jsonl(self, item: Item, handles: dict[int, Any] | None = None) -> dict[str, Any]:
+        fi, offset, length, line_no, row_number = item.ref
+        path = self.paths[fi]
+        try:
+            if handles is None:
+                with open(path, "rb") as f:
+                    f.seek(offset)
+                    line = f.read(length)
+            else:
+                f = handles.get(fi)
+                if f is None:
+                    f = handles[fi] = open(path, "rb")  # noqa: SIM115 - closed by _read_jsonl_many
+                f.seek(offset)
+                line = f.read(length)
+            row = json.loads(line)
+        except OSError as exc:
+            raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path, offset=offset) from exc
+        except ValueError as exc:
+            raise SourceReadError(
+                f"line {line_no} is not valid JSON: {exc}", path=path, offset=offset
+            ) from exc
+        if not isinstance(row, dict):
+            raise SourceReadError(f"line {line_no} is not a JSON object", path=path, offset=offset)
+        return self._sample(row, row_number)
+
+    def _load_chunk(self, fi: int, chunk: int):
+        """One Parquet row group or Arrow record batch, as Arrow data."""
+        path = self.paths[fi]
+        try:
+            if self.kind == "parquet":
+                import pyarrow.parquet as pq
+
+                return pq.ParquetFile(path).read_row_group(chunk)
+            with _open_ipc(path) as reader:
+                return reader.get_batch(chunk)
+        except (OSError, ValueError) as exc:
+            raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path) from exc
+
+    def _chunk_rows(self, fi: int, chunk: int) -> list[dict[str, Any]]:
+        if self._cache is not None and self._cache[0] == (fi, chunk):
+            return self._cache[1]
+        rows = self._load_chunk(fi, chunk).to_pylist()
+        self._cache = ((fi, chunk), rows)
+        return rows
+
+
+class _open_ipc:
+    """Arrow IPC file (or stream) reader over a memory map, as a context manager."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self):
+        import pyarrow as pa
+
+        self._mm = pa.memory_map(self.path, "r")
+        try:
+            return pa.ipc.open_file(self._mm)
+        except pa.ArrowInvalid:
+            self._mm.seek(0)
+            table = pa.ipc.open_stream(self._mm).read_all()
+            return _TableBatches(table)
+
+    def __exit__(self, *exc: object) -> None:
+        self._mm.close()
+
+
+@dataclass
+class _TableBatches:
+    table: Any
+    batches: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.batches = self.table.to_batches()
+        self.schema = self.table.schema
+        self.num_record_batches = len(self.batches)
+
+    def get_batch(self, i: int):
+        return self.batches[i]
