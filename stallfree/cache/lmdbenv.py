@@ -7,6 +7,13 @@ open the same files again while the inherited handle exists. So every NodeCache 
 shares one environment per path, and just before ``os.fork`` (DataLoader workers) the parent
 waits for in-flight LMDB operations, closes its environments cleanly and reopens them lazily
 afterwards; the child starts with none and opens its own.
+
+Growing the map of an open environment (a NodeCache with a larger capacity joins, or another process
+grew the store beyond this process's map) must wait for a moment when this process runs no LMDB
+transaction at all: ``mdb_env_set_mapsize`` replaces the memory map under every open transaction
+(py-lmdb invalidates them, and a reader inside LMDB at that moment reads unmapped memory). So a grow
+is only recorded where it is asked for and applied when the last in-flight operation ends; new
+operations wait for it the way they wait for a fork.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ log = logging.getLogger(__name__)
 
 _DB_NAMES = (b"data", b"meta", b"atime", b"order")
 _FORK_WAIT_S = 10.0
+_REMAP_WAIT_S = 10.0  # an operation waits at most this long for a pending grow before going ahead
 
 
 @dataclass
@@ -36,6 +44,8 @@ class Handle:
     generation: int
     refs: int = 0
     checked_at: float = 0.0
+    want_map: int = 0  # the largest map size asked for in this process
+    remap: bool = False  # a grow to want_map waits for the next moment with no operation running
 
     def check_readers(self, every_s: float = 5.0) -> None:
         """Free reader slots of processes that died (killed workers), at most every ``every_s``:
@@ -51,23 +61,57 @@ _active = 0
 _forking = False
 _generation = 0
 _envs: dict[str, Handle] = {}
+_local = threading.local()  # this thread's using() depth: a nested operation never waits for itself
 
 
 @contextmanager
 def using() -> Iterator[None]:
-    """Hold around every LMDB operation so a fork never closes an environment mid-use."""
+    """Hold around every LMDB operation (all its transactions inside) so that neither a fork nor a
+    map grow happens while it runs."""
     global _active
+    depth = getattr(_local, "depth", 0)
     with _cond:
         while _forking:
             _cond.wait()
+        if not depth:
+            deadline = time.monotonic() + _REMAP_WAIT_S
+            while _remap_pending() and (left := deadline - time.monotonic()) > 0:
+                _cond.wait(left)
         _active += 1
+    _local.depth = depth + 1
     try:
         yield
+    except lmdb.MapResizedError:
+        # another process grew the store beyond this process's map: adopt its size at the next safe point
+        with _cond:
+            for handle in _envs.values():
+                handle.remap = True
+        raise
     finally:
+        _local.depth = depth
         with _cond:
             _active -= 1
             if not _active:
+                _remap()
                 _cond.notify_all()
+
+
+def _remap_pending() -> bool:
+    return any(handle.remap for handle in _envs.values())
+
+
+def _remap() -> None:
+    """Apply pending grows; only with ``_cond`` held and no operation of this process running."""
+    for path, handle in _envs.items():
+        if not handle.remap:
+            continue
+        handle.remap = False
+        try:
+            handle.env.set_mapsize(0)  # adopt the size the store was last grown to, by any process
+            if handle.env.info()["map_size"] < handle.want_map:
+                handle.env.set_mapsize(handle.want_map)
+        except lmdb.Error as exc:
+            log.warning("cannot grow the LMDB map of %s to %d bytes: %s", path, handle.want_map, exc)
 
 
 def generation() -> int:
@@ -76,7 +120,10 @@ def generation() -> int:
 
 
 def acquire(path: str, map_size: int) -> Handle:
-    """The process's environment for ``path`` (opened on first use); call inside ``using()``."""
+    """The process's environment for ``path`` (opened on first use); call inside ``using()``.
+
+    An environment already open with a smaller map grows to ``map_size`` once no operation of this
+    process is running (at the latest when the caller's own ``using()`` ends)."""
     with _cond:
         handle = _envs.get(path)
         if handle is None:
@@ -94,8 +141,10 @@ def acquire(path: str, map_size: int) -> Handle:
             )
             handle = _envs[path] = Handle(env, tuple(env.open_db(n) for n in _DB_NAMES), _generation)
             handle.check_readers(0.0)  # free reader slots left by crashed processes
-        elif handle.env.info()["map_size"] < map_size:
-            handle.env.set_mapsize(map_size)
+        if map_size > handle.want_map:
+            handle.want_map = map_size
+            # never here: other threads may be inside transactions (the caller is inside using())
+            handle.remap = handle.remap or handle.env.info()["map_size"] < map_size
         handle.refs += 1
         return handle
 
@@ -147,10 +196,11 @@ def _after_fork_parent() -> None:
 
 
 def _after_fork_child() -> None:
-    global _cond, _active, _forking
+    global _cond, _active, _forking, _local
     _cond = threading.Condition()  # the inherited one is held by a thread that does not exist here
     _active = 0
     _forking = False
+    _local = threading.local()
     _envs.clear()
 
 

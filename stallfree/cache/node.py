@@ -88,26 +88,32 @@ class NodeCache(BaseCache):
         raw = txn.get(name, db=meta)
         return _U64.unpack(raw)[0] if raw is not None else 0
 
-    # -- primitives: each holds lmdbenv.using() so a fork in another thread waits for it -------------
+    # -- primitives: each holds lmdbenv.using() so a fork or map grow in another thread waits for it ----
+    def _run(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` inside ``lmdbenv.using()``; once more when another process had grown the store
+        beyond this process's map (the failed attempt's end adopts the new size)."""
+        try:
+            with lmdbenv.using():
+                return fn(*args)
+        except lmdb.MapResizedError:
+            log.info("node cache %s: the store grew in another process; adopting its map size", self.path)
+            with lmdbenv.using():
+                return fn(*args)
+
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        with lmdbenv.using():
-            return self._get(keys)
+        return self._run(self._get, keys)
 
     def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
-        with lmdbenv.using():
-            return self._put(items)
+        return self._run(self._put, items)
 
     def _delete_raw(self, keys: Sequence[bytes]) -> None:
-        with lmdbenv.using():
-            self._delete(keys)
+        self._run(self._delete, keys)
 
     def _contains_raw(self, key: bytes) -> bool:
-        with lmdbenv.using():
-            return self._contains(key)
+        return self._run(self._contains, key)
 
     def _tier_stats(self) -> dict[str, Any]:
-        with lmdbenv.using():
-            return self._stats_inner()
+        return self._run(self._stats_inner)
 
     def _get(self, keys: Sequence[bytes]) -> list[bytes | None]:
         env, data, _, _, _ = self._open()
@@ -245,6 +251,7 @@ class NodeCache(BaseCache):
             used = self._meta(txn, meta, b"used")
             node_evictions = self._meta(txn, meta, b"evictions")
             entries = txn.stat(data)["entries"]
+        map_size = env.info()["map_size"]
         return {
             "entries": entries,
             "used_bytes": used,
@@ -252,4 +259,5 @@ class NodeCache(BaseCache):
             "policy": self.policy.name,
             "path": self.path,
             "node_evictions": node_evictions,
+            "map_size": map_size,  # this process's LMDB map (the most the store can grow to here)
         }
