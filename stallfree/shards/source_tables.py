@@ -229,11 +229,15 @@ class _open_ipc:
 
         self._mm = pa.memory_map(self.path, "r")
         try:
-            return pa.ipc.open_file(self._mm)
-        except pa.ArrowInvalid:
-            self._mm.seek(0)
-            table = pa.ipc.open_stream(self._mm).read_all()
-            return _TableBatches(table)
+            try:
+                return pa.ipc.open_file(self._mm)
+            except pa.ArrowInvalid:
+                self._mm.seek(0)
+                table = pa.ipc.open_stream(self._mm).read_all()
+                return _TableBatches(table)
+        except BaseException:  # __exit__ does not run when __enter__ raises
+            self._mm.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self._mm.close()
