@@ -70,13 +70,16 @@ def using() -> Iterator[None]:
     map grow happens while it runs."""
     global _active
     depth = getattr(_local, "depth", 0)
+    deadline = time.monotonic() + _REMAP_WAIT_S
     with _cond:
-        while _forking:
-            _cond.wait()
-        if not depth:
-            deadline = time.monotonic() + _REMAP_WAIT_S
-            while _remap_pending() and (left := deadline - time.monotonic()) > 0:
-                _cond.wait(left)
+        while True:
+            if _forking:
+                _cond.wait()
+                continue
+            left = deadline - time.monotonic()
+            if depth or left <= 0 or not _remap_pending():
+                break
+            _cond.wait(left)
         _active += 1
     _local.depth = depth + 1
     try:

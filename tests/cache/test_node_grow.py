@@ -124,3 +124,21 @@ def test_store_grown_by_another_process_is_adopted(tmp_path):
     assert (stats["hits"], stats["misses"], stats["errors"]) == (80, 0, 0)
     assert stats["map_size"] >= NodeCache(path, capacity_bytes=64 << 20).map_size
     small.close()
+
+
+def test_grow_asked_inside_an_operation_waits_for_its_end(tmp_path):
+    """Nested use in one thread (an outer ``using()`` held open) runs on the old map and never waits
+    for itself; the grow happens when the outermost operation ends."""
+    path = str(tmp_path / "node")
+    small = small_cache(path)
+    with lmdbenv.using():
+        handle = lmdbenv.acquire(path, small.map_size)
+        big = NodeCache(path, capacity_bytes=8 << 20)
+        big.put_many([(key(1000), b"inside")])
+        assert small.get_many([key(0)]) == [value(0)]
+        assert handle.env.info()["map_size"] == SMALL_MAP  # still the old map: an operation is running
+    assert big.stats()["map_size"] >= big.map_size
+    assert big.get_many([key(1000)]) == [b"inside"]
+    assert small.stats()["errors"] == big.stats()["errors"] == 0
+    small.close()
+    big.close()
