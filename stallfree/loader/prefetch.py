@@ -273,6 +273,7 @@ class FastIterator:
                 self.stats.add_cache(cache_stats, wid)
             self._count_failures(failures, fails)
             pending[seq] = (batch, n_good)
+            batch = None  # the consumer's drop must be the last reference: it hands the slot back
             if not self.in_order:
                 for s in list(pending):
                     self._emit(s, *pending.pop(s), failures)

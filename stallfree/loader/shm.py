@@ -51,11 +51,17 @@ def release_pages(storage: torch.UntypedStorage | None) -> bool:
     touch maps the same page again (a minor fault), so nothing is lost and any other process
     mapping the slot is unaffected. Returns False where the platform has no madvise.
     """
-    if _MADVISE is None or storage is None:
+    if storage is None:
         return False
-    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    start = -(-start // PAGE) * PAGE  # only whole pages inside the storage
-    end = end // PAGE * PAGE
+    return release_range(storage.data_ptr(), storage.nbytes())
+
+
+def release_range(addr: int, nbytes: int) -> bool:
+    """``release_pages`` for the whole pages inside ``[addr, addr + nbytes)`` of a shared mapping."""
+    if _MADVISE is None:
+        return False
+    start = -(-addr // PAGE) * PAGE
+    end = (addr + nbytes) // PAGE * PAGE
     if end <= start:
         return True
     if _MADVISE(start, end - start, mmap.MADV_DONTNEED) != 0:
@@ -109,9 +115,13 @@ def _collate_tensor_into(arena: Arena) -> Callable[..., torch.Tensor]:
     return fn
 
 
-def default_collate_into(batch: list[Any], arena: Arena) -> Any:
-    """torch's ``default_collate``, but stacking tensors straight into ``arena`` when they fit."""
-    fn_map = dict(default_collate_fn_map)
+def default_collate_into(batch: list[Any], arena: Arena, extra: Mapping[type, Callable] | None = None) -> Any:
+    """torch's ``default_collate``, but stacking tensors straight into ``arena`` when they fit.
+
+    ``extra``: more ``collate_fn_map`` entries, looked up first (rows already written: rows.py).
+    """
+    fn_map = dict(extra or {})
+    fn_map.update(default_collate_fn_map)
     fn_map[torch.Tensor] = _collate_tensor_into(arena)
     return collate(batch, collate_fn_map=fn_map)
 

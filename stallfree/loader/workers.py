@@ -10,6 +10,7 @@ and sends a small description to the main process. Errors carry the worker id an
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as _torch_worker
 
-from stallfree.loader import pipeline, shardio, shm
+from stallfree.loader import pipeline, rows, shardio, shm
 from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
 
 logger = logging.getLogger(__name__)
@@ -295,6 +296,21 @@ class _Slots:
         self.last_size = max(self.last_size, nbytes)
         return storage
 
+    def reserve(self, slot: int, nbytes: int) -> torch.UntypedStorage:
+        """The slot's storage, grown first if it holds fewer than ``nbytes`` (nothing in it yet)."""
+        storage = self.storages[slot]
+        if storage is None or storage.nbytes() < nbytes:
+            storage = self.grow(slot, nbytes)
+            if slot not in self.fresh:
+                self.fresh.append(slot)
+        return storage
+
+    def give_back(self, slot: int, announced: torch.UntypedStorage | None) -> None:
+        """Return an unused slot; one whose storage was about to be announced stays unannounced."""
+        self.free.append(slot)
+        if announced is not None:
+            self.fresh.append(slot)
+
     def announce(self, slot: int) -> torch.UntypedStorage | None:
         """The slot's storage if the main process has not been sent it yet."""
         if slot in self.fresh:
@@ -365,52 +381,29 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
 
 def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress) -> tuple:
     t0 = time.perf_counter()
+    writer = slot = None
     if not mapped and not spec.raw_only and spec.map_fn is not None:
-        items = _map_tracking(items, indices, spec.map_fn, progress, spec.threads)
+        if spec.use_shm and spec.auto_collation and spec.collate_fn is None:
+            slot = slots.acquire()
+            writer = rows.RowWriter(len(items), functools.partial(slots.reserve, slot))
+        items = _map_tracking(items, indices, spec.map_fn, progress, spec.threads, writer)
+        if writer is not None:
+            items = writer.final(items)
     t1 = time.perf_counter()
     good, good_idx, bad = pipeline.split_failures(items, indices)
+    if slot is not None and (not good or (bad and spec.on_error == "raise")):
+        slots.free.append(slot)
+        slot = None
     if bad and spec.on_error == "raise":
         f = bad[0]
         return ("error", gen, seq, wid, f.index, f.key, _wrap(f.cause, wid, f.index, f.key))
     timing = dict(timing, map_s=timing.get("map_s", 0.0) + (t1 - t0))
     failures = [_failure_tuple(f) for f in bad]
     cache_stats = _cache_delta(spec)
-    if spec.raw_only or not good:
-        return ("batch", gen, seq, wid, None, None, good, failures, timing, cache_stats, len(good), [])
-    try:
-        if not spec.use_shm:
-            batch = _collate(spec, good, None)
-            timing["collate_s"] = time.perf_counter() - t1
-            return ("batch", gen, seq, wid, None, None, batch, failures, timing, cache_stats, len(good), [])
-        slot = slots.acquire()
-        storage = slots.storages[slot]
-        new_storage = slots.announce(slot)
-        arena = shm.Arena(storage)
-        batch = _collate(spec, good, arena)
-        desc, needed = shm.describe(batch, arena)
-        if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
-            slots.free.append(slot)
-            if new_storage is not None:
-                slots.fresh.append(slot)
-            timing["collate_s"] = time.perf_counter() - t1
-            return (
-                "batch",
-                gen,
-                seq,
-                wid,
-                None,
-                None,
-                batch,
-                failures,
-                timing,
-                cache_stats,
-                len(good),
-                slots.take_dropped(),
-            )
-        if desc is None:
-            storage = new_storage = slots.grow(slot, needed + (1 << 16))
-            desc, _ = shm.describe(batch, shm.Arena(storage))
+
+    def message(slot: int | None, new_storage: Any, payload: Any) -> tuple:
         timing["collate_s"] = time.perf_counter() - t1
+        dropped = slots.take_dropped() if spec.use_shm else []
         return (
             "batch",
             gen,
@@ -418,13 +411,36 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             wid,
             slot,
             new_storage,
-            desc,
+            payload,
             failures,
             timing,
             cache_stats,
             len(good),
-            slots.take_dropped(),
+            dropped,
         )
+
+    if spec.raw_only or not good:
+        return message(None, None, good)
+    try:
+        if not spec.use_shm:
+            return message(None, None, _collate(spec, good, None))
+        if slot is None:
+            slot = slots.acquire()
+        storage = slots.storages[slot]
+        new_storage = slots.announce(slot)
+        streamed = writer is not None and writer.active and writer.arena is not None
+        arena = writer.arena if streamed else shm.Arena(storage)
+        good_pos = [pos for pos, it in enumerate(items) if not isinstance(it, pipeline.SampleFailure)]
+        extra = writer.collate_map(good_pos) if streamed else None
+        batch = _collate(spec, good, arena, extra)
+        desc, needed = shm.describe(batch, arena)
+        if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
+            slots.give_back(slot, new_storage)
+            return message(None, None, batch)
+        if desc is None:
+            storage = new_storage = slots.grow(slot, needed + (1 << 16))
+            desc, _ = shm.describe(batch, shm.Arena(storage))
+        return message(slot, new_storage, desc)
     except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
         return (
             "error",
@@ -440,7 +456,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _collate(spec: WorkerSpec, good: list[Any], arena: shm.Arena | None) -> Any:
+def _collate(spec: WorkerSpec, good: list[Any], arena: shm.Arena | None, extra: dict | None = None) -> Any:
     """torch's rules: ``collate_fn(list)`` when batching, ``collate_fn(sample)`` with batch_size=None;
     our default collate writes straight into the shared slot."""
     if not spec.auto_collation:
@@ -449,27 +465,29 @@ def _collate(spec: WorkerSpec, good: list[Any], arena: shm.Arena | None) -> Any:
         return spec.collate_fn(good)
     if arena is None:
         return torch.utils.data.default_collate(good)
-    return shm.default_collate_into(good, arena)
+    return shm.default_collate_into(good, arena, extra)
 
 
-def _map_tracking(items, indices, fn, progress, threads: int = 1) -> list[Any]:
+def _map_tracking(
+    items, indices, fn, progress, threads: int = 1, writer: rows.RowWriter | None = None
+) -> list[Any]:
     """Map a batch, sample by sample; with ``threads`` > 1 on a thread pool (PIL and most
-    decoders release the GIL while they work, so one worker process can keep several cores busy)."""
+    decoders release the GIL while they work, so one worker process can keep several cores busy).
+    With ``writer`` each finished sample's tensors go straight into their batch row."""
     global _POOL
+
+    def one(pos: int, sample: Any, index: int) -> Any:
+        progress[MAP_IDX] = int(index)
+        out = pipeline.apply_map([sample], [index], fn)[0]
+        if writer is not None and not isinstance(out, pipeline.SampleFailure):
+            out = writer.put(pos, out)
+        return out
+
     if threads > 1 and len(items) > 1:
         if _POOL is None or _POOL._max_workers != threads:
             _POOL = ThreadPoolExecutor(threads, thread_name_prefix="stallfree-decode")
-
-        def one(pair: tuple[Any, int]) -> Any:
-            progress[MAP_IDX] = int(pair[1])
-            return pipeline.apply_map([pair[0]], [pair[1]], fn)[0]
-
-        return list(_POOL.map(one, zip(items, indices, strict=True)))
-    out = []
-    for s, i in zip(items, indices, strict=True):
-        progress[MAP_IDX] = int(i)
-        out.extend(pipeline.apply_map([s], [i], fn))
-    return out
+        return list(_POOL.map(one, range(len(items)), items, indices))
+    return [one(pos, s, i) for pos, (s, i) in enumerate(zip(items, indices, strict=True))]
 
 
 def _cache_delta(spec: WorkerSpec) -> dict | None:

@@ -1,0 +1,161 @@
+"""Collate while decoding: each sample's tensors go into their row of the batch as soon as the
+sample is ready, and the sample's own copy is freed at once.
+
+torch's worker keeps every decoded sample of a batch alive until ``default_collate`` stacks them
+(batch bytes twice), then copies the stack into shared memory (three times). Writing rows straight
+into the worker's shared slot keeps one batch plus one sample: less resident memory, and each row is
+copied while the sample is still in cache; a written row's pages are let go of at once, so the
+worker maps about one row of the slot at a time, not the whole batch. The result is what ``default_collate`` would return:
+only exact ``torch.Tensor`` leaves of one shape and dtype per position are streamed; anything else
+(other leaves, a sample whose structure or shapes differ) is left to ``default_collate``'s own rules
+and errors, with the rows written so far handed back as tensors.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from stallfree.loader import shm
+
+Path = tuple[Any, ...]
+
+
+class Row:
+    """Stands in a sample for a tensor already written to its batch row (found by ``path``)."""
+
+    __slots__ = ("path", "pos")
+
+    def __init__(self, path: Path, pos: int) -> None:
+        self.path, self.pos = path, pos
+
+
+def _is_namedtuple(obj: Any) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+
+
+def _leaves(obj: Any, path: Path = ()) -> list[tuple[Path, Any]]:
+    """(path, leaf) pairs through plain dicts, lists, tuples and namedtuples (what we can rebuild)."""
+    if type(obj) is dict:
+        return [pair for k, v in obj.items() for pair in _leaves(v, (*path, k))]
+    if type(obj) in (list, tuple) or _is_namedtuple(obj):
+        return [pair for i, v in enumerate(obj) for pair in _leaves(v, (*path, i))]
+    return [(path, obj)]
+
+
+def _replace(obj: Any, path: Path, new: Any) -> Any:
+    """A copy of ``obj`` with the leaf at ``path`` replaced (containers copied, never mutated: the
+    user's function may return objects it keeps)."""
+    if not path:
+        return new
+    head, rest = path[0], path[1:]
+    if type(obj) is dict:
+        out = dict(obj)
+        out[head] = _replace(obj[head], rest, new)
+        return out
+    items = list(obj)
+    items[head] = _replace(items[head], rest, new)
+    if _is_namedtuple(obj):
+        return type(obj)(*items)
+    return tuple(items) if type(obj) is tuple else items
+
+
+def _streamable(t: Any) -> bool:
+    return (
+        type(t) is torch.Tensor
+        and t.layout == torch.strided
+        and t.device.type == "cpu"
+        and not t.requires_grad
+        and t.numel() > 0
+    )
+
+
+class RowWriter:
+    """Writes the tensors of the ``n`` samples of one batch into rows in a slot.
+
+    ``reserve(nbytes) -> storage`` gives the slot's storage, grown to at least ``nbytes`` (called
+    once, on the first sample, before anything is written). Thread-safe: decode threads call
+    ``put`` as their samples finish.
+    """
+
+    def __init__(self, n: int, reserve: Callable[[int], torch.UntypedStorage]) -> None:
+        self.n = n
+        self._reserve = reserve
+        self._lock = threading.Lock()
+        self.arena: shm.Arena | None = None
+        self.buffers: dict[Path, torch.Tensor] = {}
+        self._written: dict[int, Any] = {}  # pos -> the sample with Row placeholders
+        self.active = True
+
+    def put(self, pos: int, sample: Any) -> Any:
+        """The sample with its streamed tensors replaced by ``Row`` placeholders (or unchanged)."""
+        with self._lock:
+            if not self.active:
+                return sample
+            leaves = [(p, t) for p, t in _leaves(sample) if _streamable(t)]
+            if self.arena is None and not self._start(leaves):
+                return sample
+            if {p for p, _ in leaves} != set(self.buffers) or any(
+                t.shape != self.buffers[p].shape[1:] or t.dtype != self.buffers[p].dtype for p, t in leaves
+            ):
+                self._stop()
+                return sample
+            for p, t in leaves:
+                row = self.buffers[p][pos]
+                row.copy_(t)
+                # written: the slot keeps it, this process need not map it (only whole pages go)
+                shm.release_range(row.data_ptr(), row.numel() * row.element_size())
+                sample = _replace(sample, p, Row(p, pos))
+            self._written[pos] = sample
+            return sample
+
+    def _start(self, leaves: list[tuple[Path, torch.Tensor]]) -> bool:
+        if not leaves:
+            self.active = False
+            return False
+        need = sum(-(-self.n * t.numel() * t.element_size() // shm.ALIGN) * shm.ALIGN for _, t in leaves)
+        self.arena = shm.Arena(self._reserve(need + (64 << 10)))  # room for labels and other leaves
+        for p, t in leaves:
+            buf = self.arena.alloc((self.n, *t.shape), t.dtype)
+            if buf is None:  # cannot happen with the reservation above; stay correct regardless
+                self._stop()
+                return False
+            self.buffers[p] = buf
+        return True
+
+    def _stop(self) -> None:
+        """Give up streaming for this batch: samples written so far get their tensors back."""
+        self.active = False
+        for pos, sample in self._written.items():
+            for p, buf in self.buffers.items():
+                sample = _replace(sample, p, buf[pos].clone())
+            self._written[pos] = sample
+        self.buffers = {}
+
+    def final(self, items: list[Any]) -> list[Any]:
+        """The batch's items as they must be collated: with their tensors back if streaming stopped."""
+        if self.active:
+            return items
+        return [self._written.get(pos, item) for pos, item in enumerate(items)]
+
+    def collate_map(self, good_positions: list[int]) -> dict[type, Callable[..., Any]]:
+        """Extra ``collate_fn_map`` entry turning the Row placeholders into the batch's tensors.
+
+        Rows of dropped (failed) samples are closed up first, so the batch's rows are contiguous.
+        """
+        if not self.active or not self.buffers:
+            return {}
+        for k, pos in enumerate(good_positions):
+            if k != pos:
+                for buf in self.buffers.values():
+                    buf[k].copy_(buf[pos])
+        count = len(good_positions)
+        views = {p: buf[:count] for p, buf in self.buffers.items()}
+
+        def collate_rows(batch: list[Row], *, collate_fn_map: Any = None) -> torch.Tensor:
+            return views[batch[0].path]
+
+        return {Row: collate_rows}
