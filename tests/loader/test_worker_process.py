@@ -14,11 +14,8 @@ import psutil
 import pytest
 import torch
 
-from stallfree.loader import workers
 from stallfree.loader.dataloader import DataLoader
 from tests.loader.helpers import WorkerProbe, rss_shmem
-
-
 
 LINUX = sys.platform.startswith("linux")
 
