@@ -18,7 +18,7 @@ from __future__ import annotations
 import io
 import math
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -88,12 +88,22 @@ class CpuDecoder:
             self._pool = None
 
     def decode(
-        self, datas: Sequence[bytes], infos: Sequence[ImageInfo], boxes: Sequence[Box]
+        self,
+        datas: Sequence[bytes],
+        infos: Sequence[ImageInfo],
+        boxes: Sequence[Box],
+        alloc: Callable[..., torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
-        """(normalised batch, [(position, error)]); failed positions hold zeros."""
+        """(normalised batch, [(position, error)]); failed positions hold zeros.
+
+        ``alloc(shape, dtype)`` gives the output tensor (a loader worker's shared slot); when it
+        also has ``row_written(row)``, that is called with each image once it is written."""
         n = len(datas)
-        # Uninitialised and, when the consumer has dropped an earlier batch, reused (buffers.py).
-        out = self.buffers.tensor((n, 3, self.size, self.size), self.dtype)
+        row_written = getattr(alloc, "row_written", None)
+        shape = (n, 3, self.size, self.size)
+        out = alloc(shape, self.dtype) if alloc is not None else None
+        if out is None:  # uninitialised and, once the consumer dropped an earlier batch, reused
+            out = self.buffers.tensor(shape, self.dtype)
         failures: list[tuple[int, BaseException]] = []
 
         def one(i: int) -> None:
@@ -104,6 +114,8 @@ class CpuDecoder:
                 out[i].zero_()
                 return
             self.normalise_into(out[i], arr)
+            if row_written is not None:
+                row_written(out[i])
 
         if n > 1 and self.num_threads > 1:
             list(self._thread_pool().map(one, range(n)))

@@ -21,6 +21,7 @@ caller turns those into a ``BatchDecodeError``. Bad input is rare and mostly cau
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import threading
 from collections.abc import Sequence
@@ -40,11 +41,12 @@ INSTALL_HINT = (
 
 
 def dali_available() -> bool:
+    """Whether DALI is installed, without importing it: the import costs ~0.15 s and ~65 MB of
+    RSS, which every forked loader worker would then carry, even when the CPU decoder is chosen."""
     try:
-        import nvidia.dali  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except (ImportError, ValueError):  # "nvidia" itself missing or broken
         return False
-    return True
 
 
 class DaliDecoder:

@@ -12,7 +12,7 @@ Backend choice (``backend="auto"``):
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -82,6 +82,7 @@ class ImageDecode:
         self.image_field = image_field
         self.label_field = label_field
         threads = num_threads if num_threads is not None else _cpu_count()
+        self._threads_given = num_threads is not None
         gpu_id = _gpu_id(device)
         self.backend, self.reason = _choose(backend, gpu_id)
         common = {
@@ -102,8 +103,26 @@ class ImageDecode:
             self.device = torch.device("cpu")
         self._stats = {"batches": 0, "images": 0, "failures": 0, "decode_s": 0.0}
 
-    def decode_batch(self, samples: Sequence[dict], *, seed: int) -> dict[str, Any]:
-        """Decode ``samples``; raises ``BatchDecodeError`` naming every bad sample (none decoded then)."""
+    @property
+    def runs_in_workers(self) -> bool:
+        """The CPU decoder may run in the loader's worker processes (each decodes the batches it
+        reads, into shared memory); DALI stays in the main process, which owns the GPU."""
+        return self.backend == "cpu"
+
+    def use_threads(self, n: int) -> None:
+        """Set by a loader worker to its share of the cores, unless ``num_threads`` was given."""
+        if self._threads_given or not isinstance(self._decoder, CpuDecoder):
+            return
+        self._decoder.close()
+        self._decoder.num_threads = max(1, n)
+
+    def decode_batch(
+        self, samples: Sequence[dict], *, seed: int, alloc: Callable[..., torch.Tensor | None] | None = None
+    ) -> dict[str, Any]:
+        """Decode ``samples``; raises ``BatchDecodeError`` naming every bad sample (none decoded then).
+
+        ``alloc(shape, dtype)``: where the CPU decoder writes the image batch (a loader worker's
+        shared slot); None, or a None result, uses the decoder's own reused buffers."""
         t0 = time.perf_counter()
         keys = [str(s.get("__key__", i)) for i, s in enumerate(samples)]
         failures: list[tuple[int, str, BaseException]] = []
@@ -128,7 +147,7 @@ class ImageDecode:
             if isinstance(self._decoder, DaliDecoder):
                 images, bad = self._decoder.decode(datas, boxes)
             else:
-                images, bad = self._decoder.decode(datas, infos, boxes)
+                images, bad = self._decoder.decode(datas, infos, boxes, alloc=alloc)
             for j, exc in bad:
                 i = good[j]
                 failures.append((i, keys[i], SampleDecodeError(f"cannot decode image: {exc}", key=keys[i])))
@@ -198,14 +217,14 @@ class ImageDecode:
 
 
 def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
+    if backend == "cpu":
+        return "cpu", "forced by backend='cpu'"
     has_dali = dali_available()
     has_cuda = torch.cuda.is_available() and gpu_id is not None
     if backend == "dali":
         if not has_dali:
             raise ImportError(INSTALL_HINT)
         return "dali", "forced by backend='dali'" + ("" if has_cuda else " (no CUDA: DALI CPU operators)")
-    if backend == "cpu":
-        return "cpu", "forced by backend='cpu'"
     if has_dali and has_cuda:
         return "dali", f"auto: CUDA device {gpu_id} and DALI present -> DALI mixed (GPU) decode"
     if not has_dali:

@@ -59,8 +59,9 @@ class DataLoader(tud.DataLoader):
 
     Our keyword-only options: ``seed`` (epoch order; default drawn from ``generator`` or torch's
     RNG, and 0 in a multi-rank job as DistributedSampler does), ``cache`` (a stallfree cache: raw
-    reads go through it), ``decode`` (object with ``decode_batch`` run in the main process, or a
-    per-sample callable run in workers), ``device`` (copy batches there on a side CUDA stream),
+    reads go through it), ``decode`` (object with ``decode_batch``: run in the main process, or
+    in the workers when it says ``runs_in_workers`` and accepts ``alloc=``, as ImageDecode's CPU
+    decoder does; or a per-sample callable run in workers), ``device`` (copy batches there on a side CUDA stream),
     ``on_error`` (raise|skip|warn), ``max_failures`` (count, or fraction of the rank's epoch),
     ``order`` (auto|global|block|sequential), ``world`` (override rank/size), ``uneven`` (pad|drop:
     how ranks equalise an uneven tail), ``window`` (shards per block in block order),
@@ -315,6 +316,17 @@ class DataLoader(tud.DataLoader):
                 out["decode"] = dec()
             except Exception:  # noqa: BLE001 - stats are informational
                 out["decode"] = None
+        if isinstance(out.get("decode"), dict) and hasattr(self._decode, "decode_batch"):
+            out["decode"]["where"] = "workers" if self._decode_in_workers() else "main"
+            if self._decode_in_workers():  # the main process's copy decoded nothing: count here
+                decode_s = self._stats.stages.get("decode_batch_s", 0.0)
+                out["decode"].update(
+                    batches=self._stats.batches,
+                    images=self._stats.samples,
+                    failures=self._stats.failures,
+                    decode_s=decode_s,
+                    images_per_s=self._stats.samples / decode_s if decode_s > 0 else 0.0,
+                )
         return out
 
     def close(self) -> None:
@@ -350,9 +362,21 @@ class DataLoader(tud.DataLoader):
         share = order_mod.rank_share(full, start, w.rank, w.size, self._uneven)
         return order_mod.batches(share, self.batch_size, self.drop_last)
 
+    def _decode_in_workers(self) -> bool:
+        """A batch decoder that says it can (``runs_in_workers``: a CPU decoder, picklable) runs in
+        the worker processes: each decodes the batches it reads, straight to shared memory, and the
+        main process keeps its cores for training. GPU decoders stay in the main process."""
+        dec = self._decode
+        return (
+            self.num_workers > 0
+            and hasattr(dec, "decode_batch")
+            and bool(getattr(dec, "runs_in_workers", False))
+        )
+
     def _spec(self, base_seed: int) -> WorkerSpec:
         dec = self._decode
         batch_decoder = dec is not None and hasattr(dec, "decode_batch")
+        in_workers = self._decode_in_workers()
         stage = getattr(dec, "cache_stage", None) if (dec is not None and not batch_decoder) else None
         fingerprint = getattr(self.dataset, "fingerprint", None)
         if self._cache is not None and not (isinstance(fingerprint, str) and fingerprint):
@@ -368,7 +392,8 @@ class DataLoader(tud.DataLoader):
             cache=self._cache,
             stage=stage if self._cache is not None else None,
             fingerprint=fingerprint,
-            raw_only=batch_decoder,
+            raw_only=batch_decoder and not in_workers,
+            batch_decode=dec if in_workers else None,
             on_error=self._on_error,
             worker_init_fn=self.worker_init_fn,
             base_seed=base_seed,
@@ -419,9 +444,14 @@ class DataLoader(tud.DataLoader):
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             device=self._device,
             decode_batch=self._decode
-            if (self._decode is not None and hasattr(self._decode, "decode_batch"))
+            if (
+                self._decode is not None
+                and hasattr(self._decode, "decode_batch")
+                and not self._decode_in_workers()
+            )
             else None,
             decode_seed=decode_seed,
+            worker_decode=self._decode_in_workers(),
             on_error=self._on_error,
             budget=failure_budget(self._max_failures, st["samples"]) if self._on_error != "raise" else None,
             timeout=float(self.timeout or 0),

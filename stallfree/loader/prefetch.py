@@ -47,6 +47,7 @@ class FastIterator:
         device: torch.device | None,
         decode_batch: Any,
         decode_seed: Callable[[int], int],
+        worker_decode: bool = False,
         on_error: str,
         budget: int | None,
         timeout: float,
@@ -73,6 +74,7 @@ class FastIterator:
         self.device = device
         self.decode_batch = decode_batch
         self.decode_seed = decode_seed
+        self.worker_decode = worker_decode  # the workers run the batch decoder: tasks carry its seed
         self.on_error = on_error
         self.budget = budget
         self.timeout = timeout
@@ -173,7 +175,8 @@ class FastIterator:
                 seq, indices = self._dispatched, self._ahead
                 w = seq % eng.n
                 self._sizes[seq] = len(indices)
-                eng.task_qs[w].put((self.gen, seq, indices))
+                seed = self.decode_seed(seq) if self.worker_decode else None
+                eng.task_qs[w].put((self.gen, seq, indices, seed))
                 self.outstanding[w] += 1
                 self._dispatched += 1
                 self._credits -= 1
@@ -242,7 +245,7 @@ class FastIterator:
                 raise
             kind, gen, seq, wid = msg[0], msg[1], msg[2], msg[3]
             if kind == "error" and gen == -1:
-                msg[6].reraise()
+                _reraise(msg[6])
             if kind == "batch":
                 for k in msg[11]:  # slots the worker gave up: let go of our reference too
                     eng.storages.pop((wid, k), None)
@@ -255,7 +258,7 @@ class FastIterator:
             with self._lock:
                 outstanding[wid] -= 1
             if kind == "error":
-                msg[6].reraise()
+                _reraise(msg[6])
             t0 = time.perf_counter()
             _, _, _, _, slot, new_storage, desc, fails, timing, cache_stats, n_good, _ = msg
             if slot is not None:
@@ -361,6 +364,14 @@ class FastIterator:
                     f"DataLoader worker {wid} (pid {eng.pid(wid)}) made no progress for {self.worker_timeout:.1f} s "
                     f"{eng.doing(wid)}"
                 )
+
+
+def _reraise(payload: Any) -> None:
+    """A worker's error: our own exceptions travel as themselves (a BatchDecodeError keeps its
+    type and failures), anything else in torch's ExceptionWrapper (type and worker traceback)."""
+    if isinstance(payload, BaseException):
+        raise payload
+    payload.reraise()
 
 
 def _releaser(free_q: Any, slot: int, storage: torch.UntypedStorage) -> Callable[[], None]:

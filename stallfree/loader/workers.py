@@ -30,6 +30,7 @@ from torch.utils.data._utils import worker as _torch_worker
 
 from stallfree.loader import pipeline, rows, shardio, shm
 from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
+from stallfree.shards.errors import BatchDecodeError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,7 @@ class WorkerSpec:
     num_workers: int
     collate_fn: Any = None  # None: default collate straight into the slot
     map_fn: Any = None  # per-sample decode/transform
+    batch_decode: Any = None  # a decode_batch decoder that runs in the workers (its runs_in_workers)
     cache: Any = None
     stage: str | None = None  # cache stage of map_fn's output (its cache_stage attribute)
     fingerprint: str | None = None
@@ -133,7 +135,7 @@ def _drain(task_q: Any, backlog: deque) -> bool:
 
 def _warm_ahead(source: Any, backlog: deque, warmed: set) -> None:
     """Open the shards of the worker's queued tasks before their turn (remote sharded datasets)."""
-    for gen, seq, indices in backlog:
+    for gen, seq, indices, _ in backlog:
         if (gen, seq) not in warmed:
             warmed.add((gen, seq))
             try:
@@ -146,7 +148,7 @@ def _warm_ahead(source: Any, backlog: deque, warmed: set) -> None:
 
 def _fetch_task(spec: WorkerSpec, task: tuple, progress: Any) -> tuple:
     """Read one task's raw samples (or, with a stage cache, its cached/decoded samples)."""
-    gen, seq, indices = task
+    gen, seq, indices, seed = task
     t0 = time.perf_counter()
     progress[FETCH_SEQ] = seq
 
@@ -165,7 +167,7 @@ def _fetch_task(spec: WorkerSpec, task: tuple, progress: Any) -> tuple:
         timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
     if progress[FETCH_SEQ] == seq:
         progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
-    return (gen, seq, indices, items, timing, mapped)
+    return (gen, seq, indices, items, timing, mapped, seed)
 
 
 def _next_task(spec: WorkerSpec, task_q: Any, timeout: float) -> Any:
@@ -344,6 +346,8 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             except Exception as exc:  # noqa: BLE001 - reported to the main process
                 result_q.put(("error", -1, -1, wid, None, None, _wrap(exc, wid, None, None)))
                 return
+    if spec.batch_decode is not None and hasattr(spec.batch_decode, "use_threads"):
+        spec.batch_decode.use_threads(spec.threads)  # this worker's share of the cores
     if shardio.wants_concurrency(spec.dataset):
         spec.source = shardio.ConcurrentShards(spec.dataset)
     if spec.cache is not None:
@@ -363,9 +367,9 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             item = ready.get()
             if item is None:
                 break
-            gen, seq, indices, items, timing, mapped = item
+            gen, seq, indices, items, timing, mapped, seed = item
             progress[MAP_SEQ], progress[MAP_IDX] = seq, indices[0] if indices else -1
-            msg = _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress)
+            msg = _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress, seed)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
             result_q.put(msg)
             if msg[0] == "batch" and msg[4] is not None:  # the slot is the main process's until it returns
@@ -379,7 +383,7 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             spec.source = None
 
 
-def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress) -> tuple:
+def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress, seed=None) -> tuple:
     t0 = time.perf_counter()
     writer = slot = None
     if not mapped and not spec.raw_only and spec.map_fn is not None:
@@ -391,13 +395,26 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             items = writer.final(items)
     t1 = time.perf_counter()
     good, good_idx, bad = pipeline.split_failures(items, indices)
+    decoded = alloc = None
+    if spec.batch_decode is not None and good and not (bad and spec.on_error == "raise"):
+        slot = slots.acquire()
+        alloc = _SlotAlloc(slots, slot)
+        try:
+            decoded, good, good_idx, more = _decode_batch(spec, good, good_idx, seed, alloc)
+        except BatchDecodeError as exc:  # on_error="raise": the error as the main process would raise it
+            slots.free.append(slot)
+            return ("error", gen, seq, wid, good_idx[exc.failures[0][0]], exc.failures[0][1], exc)
+        finally:
+            timing = dict(timing, decode_batch_s=time.perf_counter() - t1)
+        bad += more
+        t1 = time.perf_counter()
     if slot is not None and (not good or (bad and spec.on_error == "raise")):
         slots.free.append(slot)
         slot = None
     if bad and spec.on_error == "raise":
         f = bad[0]
         return ("error", gen, seq, wid, f.index, f.key, _wrap(f.cause, wid, f.index, f.key))
-    timing = dict(timing, map_s=timing.get("map_s", 0.0) + (t1 - t0))
+    timing = dict(timing, map_s=timing.get("map_s", 0.0) + (t1 - t0) - timing.get("decode_batch_s", 0.0))
     failures = [_failure_tuple(f) for f in bad]
     cache_stats = _cache_delta(spec)
 
@@ -430,9 +447,13 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         new_storage = slots.announce(slot)
         streamed = writer is not None and writer.active and writer.arena is not None
         arena = writer.arena if streamed else shm.Arena(storage)
-        good_pos = [pos for pos, it in enumerate(items) if not isinstance(it, pipeline.SampleFailure)]
-        extra = writer.collate_map(good_pos) if streamed else None
-        batch = _collate(spec, good, arena, extra)
+        if alloc is not None and alloc.arena is not None:
+            arena = alloc.arena  # the decoder wrote its output there: describing it copies nothing
+        if decoded is not None:
+            batch = decoded
+        else:
+            good_pos = [pos for pos, it in enumerate(items) if not isinstance(it, pipeline.SampleFailure)]
+            batch = _collate(spec, good, arena, writer.collate_map(good_pos) if streamed else None)
         desc, needed = shm.describe(batch, arena)
         if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
             slots.give_back(slot, new_storage)
@@ -451,6 +472,53 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             pipeline.sample_key(good[0], good_idx[0]),
             _wrap(exc, wid, good_idx[0], None),
         )
+
+
+class _SlotAlloc:
+    """Handed to a worker-run batch decoder as ``alloc``: its output tensor is made in the slot."""
+
+    def __init__(self, slots: _Slots, slot: int) -> None:
+        self.slots, self.slot = slots, slot
+        self.arena: shm.Arena | None = None
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        self.arena = shm.Arena(self.slots.reserve(self.slot, nbytes + (64 << 10)))  # + labels
+        return self.arena.alloc(shape, dtype)
+
+    def row_written(self, row: torch.Tensor) -> None:
+        """A finished image: the slot keeps it; this worker need not map it (as rows.py does)."""
+        shm.release_range(row.data_ptr(), row.numel() * row.element_size())
+
+
+def _decode_batch(
+    spec: WorkerSpec, good: list, good_idx: list[int], seed: int | None, alloc: _SlotAlloc
+) -> tuple:
+    """Run the batch decoder in this worker; with on_error skip/warn, drop the samples it names and
+    decode the rest again (as the main process does for decoders that run there).
+
+    Returns (batch or None, samples kept, their indices, failures); raises BatchDecodeError
+    under on_error="raise"."""
+    failures: list[pipeline.SampleFailure] = []
+    while good:
+        try:
+            return (
+                spec.batch_decode.decode_batch(good, seed=int(seed or 0), alloc=alloc),
+                good,
+                good_idx,
+                failures,
+            )
+        except BatchDecodeError as exc:
+            if spec.on_error == "raise" or not exc.failures:
+                raise
+            bad = {pos for pos, _, _ in exc.failures}
+            failures += [
+                pipeline.SampleFailure(good_idx[pos], key, "decode_batch", cause)
+                for pos, key, cause in exc.failures
+            ]
+            good = [s for p, s in enumerate(good) if p not in bad]
+            good_idx = [i for p, i in enumerate(good_idx) if p not in bad]
+    return None, [], [], failures
 
 
 _POOL: ThreadPoolExecutor | None = None

@@ -93,3 +93,45 @@ def test_loader_on_error_skip_drops_only_bad_samples(shards, backend):
     keys, labels, _ = _epoch(loader)
     assert sorted(keys) == [f"img{i:03d}" for i in range(10) if i not in (3, 7)]
     assert labels.tolist() == [int(k[3:]) for k in keys]
+
+
+# -- the CPU decoder in the loader's worker processes (runs_in_workers) --------------------------
+
+
+def test_workers_decode_the_same_pixels_as_the_main_process(shards):
+    main, _ = _loader(shards / "good", "cpu")
+    in_workers, dec = _loader(shards / "good", "cpu", num_workers=2)
+    assert dec.runs_in_workers
+    keys, labels, imgs = _epoch(main)
+    keys_w, labels_w, imgs_w = _epoch(in_workers)
+    assert keys_w == keys and torch.equal(labels_w, labels)
+    assert all(torch.equal(imgs[k], imgs_w[k]) for k in keys)
+    stats = in_workers.stats()["decode"]
+    assert stats["where"] == "workers" and stats["images"] == N and stats["backend"] == "cpu"
+    assert dec.stats()["images"] == 0  # the main process's copy decoded nothing
+    assert main.stats()["decode"]["where"] == "main"
+
+
+def test_dali_decoder_stays_in_the_main_process_with_workers(shards):
+    loader, dec = _loader(shards / "good", "dali", num_workers=2)
+    assert not dec.runs_in_workers
+    keys, _, _ = _epoch(loader)
+    assert sorted(keys) == [f"img{i:03d}" for i in range(N)]
+    assert loader.stats()["decode"]["where"] == "main" and dec.stats()["images"] == N
+
+
+def test_workers_decoding_raise_a_batch_decode_error_naming_the_sample(shards):
+    loader, _ = _loader(shards / "bad", "cpu", num_workers=2)
+    with pytest.raises(BatchDecodeError, match=r"img00[37]") as info:
+        _epoch(loader)
+    assert {key for _, key, _ in info.value.failures} <= {"img003", "img007"}
+
+
+def test_workers_decoding_skip_only_bad_samples_and_count_them(shards):
+    loader, _ = _loader(shards / "bad", "cpu", on_error="skip", max_failures=2, num_workers=2)
+    keys, labels, _ = _epoch(loader)
+    assert sorted(keys) == [f"img{i:03d}" for i in range(10) if i not in (3, 7)]
+    assert labels.tolist() == [int(k[3:]) for k in keys]
+    stats = loader.stats()
+    assert stats["failures"] == 2
+    assert sorted(stats["failed_keys"]) == ["img003", "img007"]

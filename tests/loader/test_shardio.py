@@ -102,7 +102,7 @@ def test_fetch_thread_warms_every_queued_task_before_reading_the_first():
     spec = workers.WorkerSpec(dataset=None, num_workers=1, in_process=True, source=src)
     task_q: queue.Queue = queue.Queue()
     for seq, idx in enumerate([[0, 1], [15, 25], [31, 47]]):
-        task_q.put((0, seq, idx))
+        task_q.put((0, seq, idx, None))
     task_q.put(None)
     ready: queue.Queue = queue.Queue()
     t = threading.Thread(target=workers._reader, args=(spec, task_q, ready, threading.Event(), [-1] * 4))
