@@ -404,6 +404,10 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         except BatchDecodeError as exc:  # on_error="raise": the error as the main process would raise it
             slots.free.append(slot)
             return ("error", gen, seq, wid, good_idx[exc.failures[0][0]], exc.failures[0][1], exc)
+        except Exception as exc:  # noqa: BLE001 - a decoder bug: reported with the batch's first sample
+            slots.free.append(slot)
+            key = pipeline.sample_key(good[0], good_idx[0])
+            return ("error", gen, seq, wid, good_idx[0], key, _wrap(exc, wid, good_idx[0], key))
         finally:
             timing = dict(timing, decode_batch_s=time.perf_counter() - t1)
         bad += more
