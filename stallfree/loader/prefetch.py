@@ -208,13 +208,12 @@ class FastIterator:
 
     # -- assembler thread ----------------------------------------------------------------
     def _put(self, item: tuple) -> bool:
-        while not self.stop.is_set():
-            try:
-                self.out_q.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
+        """Queue an item for the consumer. ``out_q`` needs no bound of its own: dispatch credits
+        (one back per batch taken) already cap what is in flight, so this never blocks."""
+        if self.stop.is_set():
+            return False
+        self.out_q.put(item)
+        return True
 
     def _run(self) -> None:
         try:

@@ -10,6 +10,8 @@ and sends a small description to the main process. Errors carry the worker id an
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
 import functools
 import logging
 import multiprocessing as mp
@@ -335,6 +337,9 @@ def _wrap(exc: BaseException, wid: int, index: int | None, key: str | None) -> E
 def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: Any, progress: Any) -> None:
     """Entry point of one worker (a process, or a thread when ``spec.in_process``)."""
     if not spec.in_process:
+        if not faulthandler.is_enabled():  # a crash in native code (a decoder) leaves a Python stack
+            with contextlib.suppress(Exception):
+                faulthandler.enable()
         torch.set_num_threads(1)
         seed = _seed_worker(spec, wid)
         _torch_worker._worker_info = _torch_worker.WorkerInfo(
@@ -378,6 +383,10 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
         return
     finally:
         stop.set()
+        with contextlib.suppress(queue.Empty):  # a reader blocked on the full queue sees stop next
+            while True:
+                ready.get_nowait()
+        reader.join(timeout=2.0)  # let it finish its read before its source closes under it
         if spec.source is not None:
             spec.source.close()
             spec.source = None

@@ -108,3 +108,12 @@ class WorkerProbe(Big):
 
     def __getitem__(self, i: int) -> dict:
         return {**super().__getitem__(i), "shm_mapped": rss_shmem(), "pid": os.getpid()}
+
+
+def segfault_on_3(sample: dict) -> dict:
+    """A decode that crashes the process in native code at sample 3 (a broken C decoder)."""
+    if sample["i"] == 3:
+        import ctypes
+
+        ctypes.string_at(0)
+    return sample

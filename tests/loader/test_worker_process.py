@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from stallfree.loader.dataloader import DataLoader
-from tests.loader.helpers import WorkerProbe, rss_shmem
+from stallfree.loader.errors import WorkerDiedError
+from tests.loader.helpers import Numbers, WorkerProbe, rss_shmem, segfault_on_3
 
 LINUX = sys.platform.startswith("linux")
 
@@ -81,7 +82,8 @@ _ORPHAN = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from stallfree.loader.dataloader import DataLoader
-from tests.loader.helpers import WorkerProbe, rss_shmem
+from stallfree.loader.errors import WorkerDiedError
+from tests.loader.helpers import Numbers, WorkerProbe, rss_shmem, segfault_on_3
 if __name__ == "__main__":
     dl = DataLoader(WorkerProbe(8), batch_size=2, shuffle=True, seed=0, num_workers=2,
                     multiprocessing_context={ctx!r}, persistent_workers=True)
@@ -110,3 +112,22 @@ def test_workers_exit_when_the_main_process_is_killed(ctx, tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids if alive(p)]
+
+
+def test_a_worker_crashing_in_native_code_leaves_its_python_stack(capfd):
+    """A fresh (forkserver) worker has no fault handler of pytest's: the loader turns one on, so a
+    segfault in a decoder prints where it happened, and the loader names the worker and sample."""
+    dl = DataLoader(
+        Numbers(8),
+        batch_size=4,
+        shuffle=False,
+        seed=0,
+        num_workers=1,
+        decode=segfault_on_3,
+        multiprocessing_context="forkserver",
+        decode_threads=1,
+    )
+    with pytest.raises(WorkerDiedError, match=r"exit code -11, while loading sample 3"):
+        list(dl)
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Segmentation fault" in err and "in segfault_on_3" in err
