@@ -35,11 +35,18 @@ class ServerStats:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def record(self, path: str, nbytes: int, ranged: bool) -> None:
+        """Count a request. Called before the response's last byte goes out, so a client that
+        has its response always sees it counted (tests read the counters right after a read)."""
         with self._lock:
             self.requests += 1
             self.range_requests += int(ranged)
             self.bytes_sent += nbytes
             self.paths[path] = self.paths.get(path, 0) + 1
+
+    def add_bytes(self, nbytes: int) -> None:
+        """Body bytes about to be written (counted first, for the same reason as ``record``)."""
+        with self._lock:
+            self.bytes_sent += nbytes
 
     def reset(self) -> None:
         with self._lock:
@@ -128,8 +135,8 @@ def _make_handler(
             if path is None:
                 self.send_response(404)
                 self.send_header("Content-Length", "0")
-                self.end_headers()
                 stats.record(self.path, 0, False)
+                self.end_headers()
                 return
             size = path.stat().st_size
             start, end, ranged = 0, size - 1, False
@@ -147,8 +154,8 @@ def _make_handler(
                     self.send_response(416)
                     self.send_header("Content-Range", f"bytes */{size}")
                     self.send_header("Content-Length", "0")
-                    self.end_headers()
                     stats.record(self.path, 0, True)
+                    self.end_headers()
                     return
             length = max(0, end - start + 1)
             self.send_response(206 if ranged else 200)
@@ -157,9 +164,9 @@ def _make_handler(
             self.send_header("Content-Length", str(length))
             if ranged:
                 self.send_header("Content-Range", f"bytes {start}-{end}/{size}")
+            stats.record(self.path, 0, ranged)
             self.end_headers()
             if not body:
-                stats.record(self.path, 0, ranged)
                 return
             sent = 0
             with open(path, "rb") as f:
@@ -170,6 +177,7 @@ def _make_handler(
                     if not chunk:
                         break
                     done_at = link.reserve(len(chunk)) if link is not None else None
+                    stats.add_bytes(len(chunk))
                     self.wfile.write(chunk)
                     sent += len(chunk)
                     if done_at is not None:
@@ -178,7 +186,6 @@ def _make_handler(
                         ahead = sent / bandwidth - (time.perf_counter() - t0)
                         if ahead > 0:
                             time.sleep(ahead)
-            stats.record(self.path, sent, ranged)
 
     return Handler
 

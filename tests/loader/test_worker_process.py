@@ -64,7 +64,7 @@ def test_forkserver_workers_stay_alive_while_idle(shuffle):
         batch_size=4,
         shuffle=shuffle,
         num_workers=2,
-        multiprocessing_context="forkserver",
+        multiprocessing_context="spawn",
         persistent_workers=True,
         seed=0 if shuffle else None,
     )
@@ -115,7 +115,7 @@ def test_workers_exit_when_the_main_process_is_killed(ctx, tmp_path):
 
 
 def test_a_worker_crashing_in_native_code_leaves_its_python_stack(capfd):
-    """A fresh (forkserver) worker has no fault handler of pytest's: the loader turns one on, so a
+    """A spawned worker has no fault handler of pytest's: the loader turns one on, so a
     segfault in a decoder prints where it happened, and the loader names the worker and sample."""
     dl = DataLoader(
         Numbers(8),
@@ -124,7 +124,7 @@ def test_a_worker_crashing_in_native_code_leaves_its_python_stack(capfd):
         seed=0,
         num_workers=1,
         decode=segfault_on_3,
-        multiprocessing_context="forkserver",
+        multiprocessing_context="spawn",
         decode_threads=1,
     )
     with pytest.raises(WorkerDiedError, match=r"exit code -11, while loading sample 3"):
