@@ -54,8 +54,12 @@ def _run(args: argparse.Namespace, work: Path) -> int:
 
     print(f"[2/4] sharding into {shards} (tar + DALI .idx + manifest.json)", flush=True)
     summary = shard_dataset(
-        open_source(str(images)), str(shards), format="tar", max_samples=max(8, args.images // 4),
-        workers=1, overwrite=True,
+        open_source(str(images)),
+        str(shards),
+        format="tar",
+        max_samples=max(8, args.images // 4),
+        workers=1,
+        overwrite=True,
     )
     ds = open_dataset(str(shards))
     print(

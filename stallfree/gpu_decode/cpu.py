@@ -64,17 +64,19 @@ class CpuDecoder:
         self._inv_std_np = (1.0 / np.asarray(std, np.float32)).reshape(3, 1, 1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
+        self._local = threading.local()  # per decode thread: a one-image scratch buffer
         self.buffers = BufferPool(reuse_buffers)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_pool"] = None
-        del state["_pool_lock"]
+        del state["_pool_lock"], state["_local"]
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._pool_lock = threading.Lock()
+        self._local = threading.local()
 
     def _thread_pool(self) -> ThreadPoolExecutor:
         with self._pool_lock:
@@ -97,9 +99,10 @@ class CpuDecoder:
         """(normalised batch, [(position, error)]); failed positions hold zeros.
 
         ``alloc(shape, dtype)`` gives the output tensor (a loader worker's shared slot); when it
-        also has ``row_written(row)``, that is called with each image once it is written."""
+        also has ``put_row(dst, src)``, each image is normalised into a small per-thread buffer and
+        handed to it (which writes the slot without mapping it) instead of written in place."""
         n = len(datas)
-        row_written = getattr(alloc, "row_written", None)
+        put_row = getattr(alloc, "put_row", None)
         shape = (n, 3, self.size, self.size)
         out = alloc(shape, self.dtype) if alloc is not None else None
         if out is None:  # uninitialised and, once the consumer dropped an earlier batch, reused
@@ -113,9 +116,12 @@ class CpuDecoder:
                 failures.append((i, exc))
                 out[i].zero_()
                 return
-            self.normalise_into(out[i], arr)
-            if row_written is not None:
-                row_written(out[i])
+            if put_row is None:
+                self.normalise_into(out[i], arr)
+                return
+            scratch = self._scratch(out.shape[1:], out.dtype)  # this thread's, reused: stays in cache
+            self.normalise_into(scratch, arr)
+            put_row(out[i], scratch)
 
         if n > 1 and self.num_threads > 1:
             list(self._thread_pool().map(one, range(n)))
@@ -123,6 +129,12 @@ class CpuDecoder:
             for i in range(n):
                 one(i)
         return out, sorted(failures, key=lambda f: f[0])
+
+    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
+            buf = self._local.scratch = torch.empty(shape, dtype=dtype)
+        return buf
 
     def normalise_into(self, dst: torch.Tensor, arr: np.ndarray) -> None:
         """uint8 HWC -> (x - mean) / std, CHW, written into ``dst``, in the worker thread while the

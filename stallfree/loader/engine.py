@@ -5,12 +5,15 @@ the loader's lifetime with ``persistent_workers``.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import multiprocessing as mp
 import os
 import queue
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -64,8 +67,9 @@ class Engine:
                 )
                 for w in range(self.n)
             ]
-        for p in self.procs:
-            p.start()
+        with _frozen_gc(not self.in_process and spec.start_method == "fork"):
+            for p in self.procs:
+                p.start()
 
     def doing(self, wid: int) -> str:
         """What worker ``wid`` is busy with, for error messages (reading beats decoding: it is earlier)."""
@@ -113,6 +117,27 @@ class Engine:
                 q.cancel_join_thread()
                 q.close()
         self.storages.clear()
+
+
+@contextlib.contextmanager
+def _frozen_gc(on: bool) -> Iterator[None]:
+    """Fork with every object of the parent in the collector's permanent generation.
+
+    A forked worker must never run the finalisers of the parent's garbage: a reference cycle not
+    yet collected when the worker forked (a DALI pipeline, say) would otherwise be collected in the
+    worker, and its ``__del__`` would stop threads that do not exist there (observed: a segfault
+    in ``nvidia.dali.Pipeline.__del__`` inside a worker). Frozen objects are never collected in
+    the child, and its collector does not walk (and so copy-on-write) the parent's heap. The
+    parent unfreezes at once, so its own collection is unchanged.
+    """
+    if not on:
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _context(mp_context: Any) -> Any:

@@ -4,8 +4,9 @@ sample is ready, and the sample's own copy is freed at once.
 torch's worker keeps every decoded sample of a batch alive until ``default_collate`` stacks them
 (batch bytes twice), then copies the stack into shared memory (three times). Writing rows straight
 into the worker's shared slot keeps one batch plus one sample: less resident memory, and each row is
-copied while the sample is still in cache; a written row's pages are let go of at once, so the
-worker maps about one row of the slot at a time, not the whole batch. The result is what ``default_collate`` would return:
+copied while the sample is still in cache, through the slot's file (``shm.SlotFile``: no page
+faults, nothing mapped) or, where that is unavailable, through the mapping with each written row
+let go of at once. The result is what ``default_collate`` would return:
 only exact ``torch.Tensor`` leaves of one shape and dtype per position are streamed; anything else
 (other leaves, a sample whose structure or shapes differ) is left to ``default_collate``'s own rules
 and errors, with the rows written so far handed back as tensors.
@@ -81,9 +82,16 @@ class RowWriter:
     ``put`` as their samples finish.
     """
 
-    def __init__(self, n: int, reserve: Callable[[int], torch.UntypedStorage]) -> None:
+    def __init__(
+        self,
+        n: int,
+        reserve: Callable[[int], torch.UntypedStorage],
+        file: Callable[[], shm.SlotFile | None] | None = None,
+    ) -> None:
         self.n = n
         self._reserve = reserve
+        self._file = file
+        self.file: shm.SlotFile | None = None
         self._lock = threading.Lock()
         self.arena: shm.Arena | None = None
         self.buffers: dict[Path, torch.Tensor] = {}
@@ -105,9 +113,12 @@ class RowWriter:
                 return sample
             for p, t in leaves:
                 row = self.buffers[p][pos]
-                row.copy_(t)
-                # written: the slot keeps it, this process need not map it (only whole pages go)
-                shm.release_range(row.data_ptr(), row.numel() * row.element_size())
+                if self.file is not None:
+                    self.file.write_tensor(row, t)  # through the file: nothing mapped, no faults
+                else:
+                    row.copy_(t)
+                    # written: the slot keeps it, this process need not map it (whole pages only)
+                    shm.release_range(row.data_ptr(), row.numel() * row.element_size())
                 sample = _replace(sample, p, Row(p, pos))
             self._written[pos] = sample
             return sample
@@ -118,6 +129,7 @@ class RowWriter:
             return False
         need = sum(-(-self.n * t.numel() * t.element_size() // shm.ALIGN) * shm.ALIGN for _, t in leaves)
         self.arena = shm.Arena(self._reserve(need + (64 << 10)))  # room for labels and other leaves
+        self.file = self._file() if self._file is not None else None
         for p, t in leaves:
             buf = self.arena.alloc((self.n, *t.shape), t.dtype)
             if buf is None:  # cannot happen with the reservation above; stay correct regardless

@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import logging
 import mmap
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,53 @@ def release_range(addr: int, nbytes: int) -> bool:
         logger.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
         return False
     return True
+
+
+class SlotFile:
+    """Writes into a slot through its shared-memory file (``pwrite``) instead of its mapping.
+
+    A worker that fills a slot through its mapping takes a page fault per 4 KiB page every time
+    the slot comes back (its pages were let go of, see ``release_pages``): ~4,700 faults for a
+    batch of 32 ImageNet-sized float images, 5x the time of the copy itself. ``pwrite`` copies into
+    the same shared pages from the kernel: no fault, nothing mapped, so nothing to let go of.
+    Only for storages shared by file descriptor (torch's default strategy on Linux); ``of``
+    returns None otherwise and callers write through the mapping.
+    """
+
+    def __init__(self, fd: int, base: int, nbytes: int) -> None:
+        self.fd, self.base, self.nbytes = fd, base, nbytes
+
+    @classmethod
+    def of(cls, storage: torch.UntypedStorage) -> SlotFile | None:
+        import torch.multiprocessing as tmp
+
+        if not hasattr(os, "pwrite") or tmp.get_sharing_strategy() != "file_descriptor":
+            return None
+        try:
+            fd, size = storage._share_fd_cpu_()
+        except (RuntimeError, AttributeError):
+            return None
+        if size != storage.nbytes() or size < 8:
+            return None
+        slot = cls(fd, storage.data_ptr(), size)
+        # The file's offset 0 must be the storage's first byte: check once, in the last 8 bytes.
+        marker = os.urandom(8)
+        view = torch.empty(0, dtype=torch.uint8).set_(storage)[size - 8 :]
+        slot.write(size - 8, marker)
+        return slot if bytes(view.numpy()) == marker else None
+
+    def write(self, offset: int, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+
+    def write_tensor(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst.copy_(src)`` for a contiguous ``dst`` inside this slot, without mapping it."""
+        if src.numel() != dst.numel() or not dst.is_contiguous():
+            raise ValueError(f"cannot write {tuple(src.shape)} into {tuple(dst.shape)} (contiguous only)")
+        flat = src.to(dst.dtype).contiguous().reshape(-1).view(torch.uint8)
+        self.write(dst.data_ptr() - self.base, flat.numpy())
 
 
 @dataclass(frozen=True)

@@ -261,6 +261,7 @@ class _Slots:
         self.free_q = free_q
         self.last_size = 0
         self.fresh: list[int] = []  # slots made ahead whose storage the main process has not seen
+        self.files: dict[int, shm.SlotFile | None] = {}
 
     def _drain(self) -> None:
         try:
@@ -274,6 +275,7 @@ class _Slots:
         while len(self.free) > self.max_slots:  # a burst of kept batches is over: shrink back
             k = self.free.pop()
             self.storages[k] = None
+            self.files.pop(k, None)
             self.vacant.append(k)
             self.dropped.append(k)
         if self.free:
@@ -297,6 +299,7 @@ class _Slots:
     def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
         storage = torch.UntypedStorage._new_shared(max(nbytes, 1 << 16))
         self.storages[slot] = storage
+        self.files.pop(slot, None)
         self.last_size = max(self.last_size, nbytes)
         return storage
 
@@ -308,6 +311,13 @@ class _Slots:
             if slot not in self.fresh:
                 self.fresh.append(slot)
         return storage
+
+    def file(self, slot: int) -> shm.SlotFile | None:
+        """The slot's file for writes that need no mapping (None: write through the mapping)."""
+        if slot not in self.files:
+            storage = self.storages[slot]
+            self.files[slot] = shm.SlotFile.of(storage) if storage is not None else None
+        return self.files[slot]
 
     def give_back(self, slot: int, announced: torch.UntypedStorage | None) -> None:
         """Return an unused slot; one whose storage was about to be announced stays unannounced."""
@@ -398,7 +408,9 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
     if not mapped and not spec.raw_only and spec.map_fn is not None:
         if spec.use_shm and spec.auto_collation and spec.collate_fn is None:
             slot = slots.acquire()
-            writer = rows.RowWriter(len(items), functools.partial(slots.reserve, slot))
+            writer = rows.RowWriter(
+                len(items), functools.partial(slots.reserve, slot), functools.partial(slots.file, slot)
+            )
         items = _map_tracking(items, indices, spec.map_fn, progress, spec.threads, writer)
         if writer is not None:
             items = writer.final(items)
@@ -493,15 +505,21 @@ class _SlotAlloc:
     def __init__(self, slots: _Slots, slot: int) -> None:
         self.slots, self.slot = slots, slot
         self.arena: shm.Arena | None = None
+        self.file: shm.SlotFile | None = None
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
         self.arena = shm.Arena(self.slots.reserve(self.slot, nbytes + (64 << 10)))  # + labels
+        self.file = self.slots.file(self.slot)
         return self.arena.alloc(shape, dtype)
 
-    def row_written(self, row: torch.Tensor) -> None:
-        """A finished image: the slot keeps it; this worker need not map it (as rows.py does)."""
-        shm.release_range(row.data_ptr(), row.numel() * row.element_size())
+    def put_row(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Write one finished image into its row without mapping the slot (see rows.py)."""
+        if self.file is not None:
+            self.file.write_tensor(dst, src)
+        else:
+            dst.copy_(src)
+            shm.release_range(dst.data_ptr(), dst.numel() * dst.element_size())
 
 
 def _decode_batch(

@@ -13,7 +13,16 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-_PHOTOS = ("astronaut", "coffee", "chelsea", "rocket", "immunohistochemistry", "hubble_deep_field", "retina", "cat")
+_PHOTOS = (
+    "astronaut",
+    "coffee",
+    "chelsea",
+    "rocket",
+    "immunohistochemistry",
+    "hubble_deep_field",
+    "retina",
+    "cat",
+)
 
 
 def base_photos() -> list[np.ndarray]:

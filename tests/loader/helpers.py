@@ -117,3 +117,20 @@ def segfault_on_3(sample: dict) -> dict:
 
         ctypes.string_at(0)
     return sample
+
+
+class FinaliserProbe:
+    """Cyclic garbage whose finaliser records the pid it runs in (on a pipe)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.me = self  # a cycle: only the collector frees it
+
+    def __del__(self) -> None:
+        os.write(self.fd, f"{os.getpid()}\n".encode())
+
+
+def collect_garbage(worker_id: int) -> None:
+    import gc
+
+    gc.collect()

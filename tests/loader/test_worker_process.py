@@ -16,7 +16,14 @@ import torch
 
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.errors import WorkerDiedError
-from tests.loader.helpers import Numbers, WorkerProbe, rss_shmem, segfault_on_3
+from tests.loader.helpers import (
+    FinaliserProbe,
+    Numbers,
+    WorkerProbe,
+    collect_garbage,
+    rss_shmem,
+    segfault_on_3,
+)
 
 LINUX = sys.platform.startswith("linux")
 
@@ -83,7 +90,14 @@ import os, signal, sys
 sys.path.insert(0, {root!r})
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.errors import WorkerDiedError
-from tests.loader.helpers import Numbers, WorkerProbe, rss_shmem, segfault_on_3
+from tests.loader.helpers import (
+    FinaliserProbe,
+    Numbers,
+    WorkerProbe,
+    collect_garbage,
+    rss_shmem,
+    segfault_on_3,
+)
 if __name__ == "__main__":
     dl = DataLoader(WorkerProbe(8), batch_size=2, shuffle=True, seed=0, num_workers=2,
                     multiprocessing_context={ctx!r}, persistent_workers=True)
@@ -131,3 +145,26 @@ def test_a_worker_crashing_in_native_code_leaves_its_python_stack(capfd):
         list(dl)
     err = capfd.readouterr().err
     assert "Fatal Python error: Segmentation fault" in err and "in segfault_on_3" in err
+
+
+def test_a_forked_worker_never_runs_finalisers_of_the_parents_garbage():
+    """Garbage in a reference cycle when the workers fork (a DALI pipeline, in the case that
+    crashed) is collected in the parent, never in a worker, where its threads do not exist."""
+    read_fd, write_fd = os.pipe()
+    gc.disable()  # keep the cycle uncollected until the workers have forked
+    try:
+        FinaliserProbe(write_fd)
+        dl = DataLoader(
+            Numbers(8), batch_size=2, shuffle=True, seed=0, num_workers=2, worker_init_fn=collect_garbage
+        )
+        it = iter(dl)
+        gc.enable()
+        batches = list(it)
+    finally:
+        gc.enable()
+    assert sorted(torch.cat([b["i"] for b in batches]).tolist()) == list(range(8))
+    gc.collect()  # the parent frees it now
+    os.close(write_fd)
+    with os.fdopen(read_fd) as f:
+        pids = [int(line) for line in f.read().split()]
+    assert pids == [os.getpid()]
