@@ -135,3 +135,14 @@ def test_workers_decoding_skip_only_bad_samples_and_count_them(shards):
     stats = loader.stats()
     assert stats["failures"] == 2
     assert sorted(stats["failed_keys"]) == ["img003", "img007"]
+
+
+def test_workers_decode_through_the_mapping_when_no_slot_file(shards, monkeypatch):
+    from stallfree.loader import shm
+
+    main, _ = _loader(shards / "good", "cpu")
+    monkeypatch.setattr(shm.SlotFile, "of", classmethod(lambda cls, storage: None))
+    in_workers, _ = _loader(shards / "good", "cpu", num_workers=2)
+    keys, _, imgs = _epoch(main)
+    keys_w, _, imgs_w = _epoch(in_workers)
+    assert keys_w == keys and all(torch.equal(imgs[k], imgs_w[k]) for k in keys)

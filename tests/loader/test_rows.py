@@ -135,3 +135,40 @@ def test_writer_hands_rows_back_when_a_later_sample_differs():
     final = writer.final(items)
     assert [type(s["x"]) for s in final] == [torch.Tensor] * 3
     assert torch.equal(final[0]["x"], torch.ones(2)) and final[1]["x"].dtype == torch.int64
+
+
+def test_slot_file_writes_land_in_the_slot_without_mapping_it():
+    storage = torch.UntypedStorage._new_shared(1 << 20)
+    file = shm.SlotFile.of(storage)
+    assert file is not None  # torch's default sharing strategy on Linux: by file descriptor
+    arena = shm.Arena(storage)
+    dst = arena.alloc((4, 3, 5), torch.float32)
+    src = torch.arange(15, dtype=torch.float32).reshape(3, 5)
+    file.write_tensor(dst[2], src)
+    file.write_tensor(dst[0], src.T.contiguous().T * 2)  # a non-contiguous source is laid out first
+    assert torch.equal(dst[2], src) and torch.equal(dst[0], src * 2)
+    with pytest.raises(ValueError, match="cannot write"):
+        file.write_tensor(dst[1], torch.zeros(4))
+
+
+def test_slot_file_is_not_used_under_the_file_system_strategy():
+    import torch.multiprocessing as tmp
+
+    before = tmp.get_sharing_strategy()
+    tmp.set_sharing_strategy("file_system")
+    try:
+        storage = torch.UntypedStorage._new_shared(1 << 16)
+        assert shm.SlotFile.of(storage) is None  # callers write through the mapping instead
+    finally:
+        tmp.set_sharing_strategy(before)
+
+
+def test_streaming_through_the_mapping_when_no_slot_file(monkeypatch):
+    """Where a slot has no file to write through, rows go through the mapping: same batches."""
+    monkeypatch.setattr(shm.SlotFile, "of", classmethod(lambda cls, storage: None))
+    dl = DataLoader(Numbers(24), batch_size=8, shuffle=True, seed=1, num_workers=2, decode=rich)
+    seen = []
+    for batch in dl:
+        assert_same(batch, expected(batch["i"].tolist()))
+        seen += batch["i"].tolist()
+    assert sorted(seen) == list(range(24))
