@@ -10,27 +10,35 @@ A third row runs ours with ``decode_threads=1`` (by default each of our workers 
 many threads as there are cores per worker, since PIL releases the GIL; torch's worker uses one).
 
 Reports images/s (ratio ours/torch), time to first batch, peak RSS and peak PSS of the process
-tree (psutil, main + workers; RSS counts a shared page once per process mapping it, PSS splits it),
+tree (psutil, main + workers, RSS every 10 ms, PSS every 0.5 s: see PeakRSS; RSS counts a shared
+page once per process mapping it, PSS splits it),
 private memory of the tree plus the growth of system shared memory (USS+shm: every byte once,
 including batches in flight that no process has mapped; other jobs' shared memory adds noise),
 and CPU time per image (process + reaped workers: robust to other load on the machine). The
-consumer reads each batch (``sum()``), as a training step would. Best of the rounds per figure. ``--remote-latency S`` serves the shards over the loopback HTTP server with S
+consumer reads each batch (``sum()``, on one torch thread: it stands for GPU work), as a training step would. Each trial runs in a child forked
+from the clean benchmark process (same starting memory for every trial). Best of the rounds per figure. ``--remote-latency S`` serves the shards over the loopback HTTP server with S
 seconds added per request (an object store), where batched ranged reads matter.
 
-``--retain-ab`` adds a row of ours with the workers' allocator left at glibc's defaults (the loader
-calls ``stallfree.shards.memory.retain_freed_memory()`` in each worker; this row does not), to
-measure that setting in the same run. ``--raw`` drops the decode on both sides (the loader only
-reads and collates the samples' bytes; torch with ``collate_fn=list``): the read path alone.
+``--recipe imagenet`` compares the standard ImageNet training recipe instead (RandomResizedCrop(224),
+flip, ToTensor, Normalize): torch's DataLoader with torchvision's transforms in ``__getitem__`` (the
+script every PyTorch user starts from) vs ``stallfree.DataLoader(..., decode=ImageDecode())`` (the same
+recipe, same output shape/dtype/normalisation, run by our batch decoder; CPU here). It needs torchvision,
+so it runs in the benchmark environment: ``bash benchmarks/env.sh`` then ``.venv-bench/bin/python``.
+
+``--mapped-ab`` adds a row of ours whose processes keep every shared slot they touched mapped (the
+loader normally lets go of a slot's pages once done with its batch: ``shm.release_pages``), to
+measure that trade (page faults vs resident memory) in the same run. ``--raw`` drops the decode on
+both sides (the loader only reads and collates the samples' bytes; torch with ``collate_fn=list``).
 
     .venv/bin/python benchmarks/bench_loader.py [--images 256] [--workers 2] [--epochs 2] [--rounds 2]
-        [--remote-latency 0.005] [--fetch-threads N] [--retain-ab] [--raw] [--json]
+        [--remote-latency 0.005] [--fetch-threads N] [--mapped-ab] [--raw] [--json]
+    .venv-bench/bin/python benchmarks/bench_loader.py --recipe imagenet [...]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import gc
 import io
 import json
@@ -50,6 +58,7 @@ import torch
 import torch.utils.data as tud
 from PIL import Image
 
+from stallfree.loader import shm
 from stallfree.loader.dataloader import DataLoader as StallfreeLoader
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
@@ -97,33 +106,44 @@ def _shmem() -> int:
 
 
 class PeakRSS:
-    """Samples the RSS (and PSS: shared pages split among the processes mapping them) of this
-    process and its children every 10 ms; keeps the peaks."""
+    """Peak RSS of this process and its children, sampled every 10 ms; peak PSS and USS+shm,
+    sampled every ``slow_every`` s.
 
-    def __init__(self) -> None:
+    RSS is cheap to read (/proc/PID/statm). PSS and USS are not: the kernel walks every page
+    table (psutil's memory_full_info: ~12 ms per process here), so sampling them every 10 ms
+    kept most of a core busy and throttled whatever loader ran; they are sampled sparsely.
+    """
+
+    def __init__(self, slow_every: float = 0.5) -> None:
         self.peak = 0
         self.peak_pss = 0
         self.peak_uss_shm = 0
+        self.slow_every = slow_every
         self._shm0 = _shmem()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         me = psutil.Process()
+        next_slow = 0.0
         while not self._stop.is_set():
+            slow = time.monotonic() >= next_slow
             total = pss = uss = 0
             with contextlib.suppress(psutil.Error):
-                info = me.memory_full_info()
-                total, pss, uss = info.rss, info.pss, info.uss
-                for c in me.children(recursive=True):
+                for proc in [me, *me.children(recursive=True)]:
                     with contextlib.suppress(psutil.Error):
-                        info = c.memory_full_info()
+                        if slow:
+                            info = proc.memory_full_info()
+                            pss += info.pss
+                            uss += info.uss
+                        else:
+                            info = proc.memory_info()
                         total += info.rss
-                        pss += info.pss
-                        uss += info.uss
             self.peak = max(self.peak, total)
-            self.peak_pss = max(self.peak_pss, pss)
-            self.peak_uss_shm = max(self.peak_uss_shm, uss + max(0, _shmem() - self._shm0))
+            if slow:
+                self.peak_pss = max(self.peak_pss, pss)
+                self.peak_uss_shm = max(self.peak_uss_shm, uss + max(0, _shmem() - self._shm0))
+                next_slow = time.monotonic() + self.slow_every
             time.sleep(0.01)
 
     def __enter__(self) -> PeakRSS:
@@ -142,6 +162,9 @@ def _cpu_s() -> float:
 
 
 def run_one(make, epochs: int) -> dict:
+    # The consumer's step (a sum over the batch) stands for GPU work: one CPU thread, so torch's
+    # intra-op pool does not spin on the cores the loaders' workers need (same for both loaders).
+    torch.set_num_threads(1)
     gc.collect()
     cpu0 = _cpu_s()
     with PeakRSS() as rss:
@@ -175,15 +198,67 @@ def run_one(make, epochs: int) -> dict:
     }
 
 
+def run_isolated(make, epochs: int) -> dict:
+    """``run_one`` in a child forked from this (clean) process, so that every trial starts from the
+    same memory: run in turn in one process, a later loader's workers would inherit whatever the
+    earlier trials left in the parent's heap, and its RSS would carry it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+
+    def child() -> None:
+        try:
+            send.send(run_one(make, epochs))
+        except BaseException as exc:  # noqa: BLE001 - reported by the parent
+            send.send({"error": f"{type(exc).__name__}: {exc}"})
+
+    proc = ctx.Process(target=child)
+    proc.start()
+    result = recv.recv()
+    proc.join()
+    if "error" in result:
+        raise RuntimeError(f"trial failed: {result['error']}")
+    return result
+
+
 def _rows(batch: dict) -> list[dict]:
     return [dict(zip(batch, vals, strict=True)) for vals in zip(*batch.values(), strict=True)]
 
 
-class _DefaultAllocator(StallfreeLoader):
-    """Ours with the workers' glibc allocator left at its defaults (the --retain-ab baseline)."""
+class TorchvisionRecipe(tud.Dataset):
+    """The standard ImageNet training recipe as torch users write it: torchvision in ``__getitem__``."""
 
-    def _spec(self, base_seed: int):
-        return dataclasses.replace(super()._spec(base_seed), retain_memory=False)
+    def __init__(self, ds) -> None:
+        import torchvision.transforms as T
+
+        from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
+
+        self.ds = ds
+        norm = T.Normalize([m / 255 for m in IMAGENET_MEAN], [s / 255 for s in IMAGENET_STD])
+        self.transform = T.Compose([T.RandomResizedCrop(CROP), T.RandomHorizontalFlip(), T.ToTensor(), norm])
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        sample = self.ds[i]
+        img = Image.open(io.BytesIO(sample["jpg"])).convert("RGB")
+        return {"image": self.transform(img), "label": int(sample["cls"])}
+
+
+@contextlib.contextmanager
+def slots_kept_mapped(on: bool):
+    """For the --mapped-ab row: processes keep their slot mappings (workers fork with this too)."""
+    if not on:
+        yield
+        return
+    real = shm.release_pages, shm.release_range
+    shm.release_pages, shm.release_range = (lambda storage: False), (lambda addr, nbytes: False)
+    try:
+        yield
+    finally:
+        shm.release_pages, shm.release_range = real
 
 
 def build_dataset(root: Path, n: int) -> str:
@@ -205,11 +280,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--fetch-threads", type=int, default=None, help="stallfree: tasks each worker reads at once"
     )
-    ap.add_argument("--retain-ab", action="store_true", help="add ours without retain_freed_memory")
+    ap.add_argument("--mapped-ab", action="store_true", help="add ours with slots kept mapped")
+    ap.add_argument("--recipe", choices=["fn", "imagenet"], default="fn", help="see the module docstring")
     ap.add_argument("--raw", action="store_true", help="no decode: read and collate bytes only")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
 
+    if args.recipe == "imagenet":  # imported once here, not inside each trial's timing
+        import torchvision.transforms  # noqa: F401
+
+        import stallfree.gpu_decode.select  # noqa: F401
     with tempfile.TemporaryDirectory() as tmp:
         path = build_dataset(Path(tmp), args.images)
         server = (
@@ -225,31 +305,40 @@ def main(argv: list[str] | None = None) -> int:
             def torch_loader():
                 if args.raw:
                     return tud.DataLoader(ds, batch_size=bs, shuffle=True, num_workers=nw, collate_fn=list)
-                return tud.DataLoader(TorchStyle(ds), batch_size=bs, shuffle=True, num_workers=nw)
+                data = TorchvisionRecipe(ds) if args.recipe == "imagenet" else TorchStyle(ds)
+                return tud.DataLoader(data, batch_size=bs, shuffle=True, num_workers=nw)
 
-            def our_loader(threads=None, cls=StallfreeLoader):
-                return lambda: cls(
+            def our_decode(threads):
+                if args.raw:
+                    return None
+                if args.recipe == "imagenet":
+                    from stallfree.gpu_decode.select import ImageDecode
+
+                    return ImageDecode(train=True, size=CROP, backend="cpu", num_threads=threads)
+                return decode_augment
+
+            def our_loader(threads=None):
+                return lambda: StallfreeLoader(
                     ds,
                     batch_size=bs,
                     shuffle=True,
                     num_workers=nw,
-                    decode=None if args.raw else decode_augment,
+                    decode=our_decode(threads),
                     seed=0,
-                    decode_threads=threads,
+                    decode_threads=threads if args.recipe == "fn" else None,
                     fetch_threads=args.fetch_threads,
                 )
 
             rows: dict[str, list[dict]] = {"torch": [], "stallfree": [], "stallfree_1thread": []}
-            if args.retain_ab:
-                rows["stallfree_glibc_default"] = []
+            if args.mapped_ab:
+                rows["stallfree_kept_mapped"] = []
             for _ in range(args.rounds):
-                rows["torch"].append(run_one(torch_loader, args.epochs))
-                rows["stallfree"].append(run_one(our_loader(), args.epochs))
-                rows["stallfree_1thread"].append(run_one(our_loader(1), args.epochs))
-                if args.retain_ab:
-                    rows["stallfree_glibc_default"].append(
-                        run_one(our_loader(cls=_DefaultAllocator), args.epochs)
-                    )
+                rows["torch"].append(run_isolated(torch_loader, args.epochs))
+                rows["stallfree"].append(run_isolated(our_loader(), args.epochs))
+                rows["stallfree_1thread"].append(run_isolated(our_loader(1), args.epochs))
+                if args.mapped_ab:
+                    with slots_kept_mapped(True):
+                        rows["stallfree_kept_mapped"].append(run_isolated(our_loader(), args.epochs))
 
     def best(name: str, key: str, fn=max) -> float:
         return fn(r[key] for r in rows[name])
@@ -269,13 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     summary["ratio_1thread_images_per_s"] = (
         summary["stallfree_1thread"]["images_per_s"] / summary["torch"]["images_per_s"]
     )
-    if args.retain_ab:
-        summary["ratio_retain_images_per_s"] = (
-            summary["stallfree"]["images_per_s"] / summary["stallfree_glibc_default"]["images_per_s"]
-        )
-        summary["round_ratios_retain"] = [
+    if args.mapped_ab:
+        summary["round_ratios_mapped"] = [
             s["images_per_s"] / d["images_per_s"]
-            for s, d in zip(rows["stallfree"], rows["stallfree_glibc_default"], strict=True)
+            for s, d in zip(rows["stallfree"], rows["stallfree_kept_mapped"], strict=True)
         ]
     summary["round_ratios"] = [
         s["images_per_s"] / t["images_per_s"] for t, s in zip(rows["torch"], rows["stallfree"], strict=True)
@@ -289,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.raw:
         where += ", raw: no decode"
+    elif args.recipe == "imagenet":
+        where += ", ImageNet train recipe: torchvision vs ImageDecode"
     sys.stdout.write(
         f"{args.images} JPEGs ({where}), batch {bs}, {nw} workers, {args.epochs} epochs, best of {args.rounds}, "
         f"{summary['cores']} cores\n"
@@ -312,12 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(
         f"ratio stallfree (decode_threads=1)/torch: {summary['ratio_1thread_images_per_s']:.2f}x\n"
     )
-    if args.retain_ab:
-        ratios = ", ".join(f"{x:.2f}" for x in summary["round_ratios_retain"])
-        sys.stdout.write(
-            f"ratio stallfree/stallfree_glibc_default images/s: {summary['ratio_retain_images_per_s']:.2f}x "
-            f"(rounds {ratios})\n"
-        )
+    if args.mapped_ab:
+        ratios = ", ".join(f"{x:.2f}" for x in summary["round_ratios_mapped"])
+        sys.stdout.write(f"ratio stallfree/stallfree_kept_mapped images/s per round: {ratios}\n")
     return 0
 
 
