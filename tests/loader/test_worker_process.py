@@ -89,15 +89,7 @@ _ORPHAN = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from stallfree.loader.dataloader import DataLoader
-from stallfree.loader.errors import WorkerDiedError
-from tests.loader.helpers import (
-    FinaliserProbe,
-    Numbers,
-    WorkerProbe,
-    collect_garbage,
-    rss_shmem,
-    segfault_on_3,
-)
+from tests.loader.helpers import WorkerProbe
 if __name__ == "__main__":
     dl = DataLoader(WorkerProbe(8), batch_size=2, shuffle=True, seed=0, num_workers=2,
                     multiprocessing_context={ctx!r}, persistent_workers=True)
