@@ -151,26 +151,36 @@ class Arena:
         return self.storage is not None and t.untyped_storage().data_ptr() == self.base
 
 
-def _collate_tensor_into(arena: Arena) -> Callable[..., torch.Tensor]:
+def _collate_tensor_into(arena: Arena, file: SlotFile | None = None) -> Callable[..., torch.Tensor]:
     def fn(batch: Sequence[torch.Tensor], *, collate_fn_map: Mapping | None = None) -> torch.Tensor:
         elem = batch[0]
         shape = (len(batch), *elem.shape)
         out = arena.alloc(shape, elem.dtype)
         if out is None or any(b.shape != elem.shape for b in batch):
             return torch.stack(list(batch), 0)
+        if file is not None and all(b.dtype == elem.dtype and b.device.type == "cpu" for b in batch):
+            for i, b in enumerate(batch):  # torch.stack(out=) without mapping the slot
+                file.write_tensor(out[i], b)
+            return out
         return torch.stack(list(batch), 0, out=out)
 
     return fn
 
 
-def default_collate_into(batch: list[Any], arena: Arena, extra: Mapping[type, Callable] | None = None) -> Any:
-    """torch's ``default_collate``, but stacking tensors straight into ``arena`` when they fit.
+def default_collate_into(
+    batch: list[Any],
+    arena: Arena,
+    extra: Mapping[type, Callable] | None = None,
+    file: SlotFile | None = None,
+) -> Any:
+    """torch's ``default_collate``, but stacking tensors straight into ``arena`` when they fit
+    (through ``file`` when given: the slot is then never mapped by this process).
 
     ``extra``: more ``collate_fn_map`` entries, looked up first (rows already written: rows.py).
     """
     fn_map = dict(extra or {})
     fn_map.update(default_collate_fn_map)
-    fn_map[torch.Tensor] = _collate_tensor_into(arena)
+    fn_map[torch.Tensor] = _collate_tensor_into(arena, file)
     return collate(batch, collate_fn_map=fn_map)
 
 
@@ -190,8 +200,9 @@ def _nbytes(t: torch.Tensor | np.ndarray) -> int:
     return int(t.nbytes) if isinstance(t, np.ndarray) else t.numel() * t.element_size()
 
 
-def describe(batch: Any, arena: Arena) -> tuple[Any, int]:
-    """Replace tensors by TensorRefs, copying any tensor not already in the arena into it.
+def describe(batch: Any, arena: Arena, file: SlotFile | None = None) -> tuple[Any, int]:
+    """Replace tensors by TensorRefs, copying any tensor not already in the arena into it (through
+    ``file`` when given).
 
     Returns (description, bytes needed). When the arena is too small the description is None and
     the caller grows the slot to the returned size and calls again.
@@ -214,7 +225,10 @@ def describe(batch: Any, arena: Arena) -> tuple[Any, int]:
         dst = arena.alloc(tuple(tt.shape), tt.dtype)
         if dst is None:
             raise _NoRoom
-        dst.copy_(tt)
+        if file is not None and tt.device.type == "cpu":
+            file.write_tensor(dst, tt)
+        else:
+            dst.copy_(tt)
         return TensorRef(dst.data_ptr() - arena.base, _nbytes(tt), tt.dtype, tuple(tt.shape), is_np)
 
     try:

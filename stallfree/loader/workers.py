@@ -478,14 +478,15 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             batch = decoded
         else:
             good_pos = [pos for pos, it in enumerate(items) if not isinstance(it, pipeline.SampleFailure)]
-            batch = _collate(spec, good, arena, writer.collate_map(good_pos) if streamed else None)
-        desc, needed = shm.describe(batch, arena)
+            extra = writer.collate_map(good_pos) if streamed else None
+            batch = _collate(spec, good, arena, extra, slots.file(slot))
+        desc, needed = shm.describe(batch, arena, slots.file(slot))
         if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
             slots.give_back(slot, new_storage)
             return message(None, None, batch)
         if desc is None:
             storage = new_storage = slots.grow(slot, needed + (1 << 16))
-            desc, _ = shm.describe(batch, shm.Arena(storage))
+            desc, _ = shm.describe(batch, shm.Arena(storage), slots.file(slot))
         return message(slot, new_storage, desc)
     except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
         return (
@@ -555,7 +556,13 @@ def _decode_batch(
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _collate(spec: WorkerSpec, good: list[Any], arena: shm.Arena | None, extra: dict | None = None) -> Any:
+def _collate(
+    spec: WorkerSpec,
+    good: list[Any],
+    arena: shm.Arena | None,
+    extra: dict | None = None,
+    file: shm.SlotFile | None = None,
+) -> Any:
     """torch's rules: ``collate_fn(list)`` when batching, ``collate_fn(sample)`` with batch_size=None;
     our default collate writes straight into the shared slot."""
     if not spec.auto_collation:
@@ -564,7 +571,7 @@ def _collate(spec: WorkerSpec, good: list[Any], arena: shm.Arena | None, extra: 
         return spec.collate_fn(good)
     if arena is None:
         return torch.utils.data.default_collate(good)
-    return shm.default_collate_into(good, arena, extra)
+    return shm.default_collate_into(good, arena, extra, file)
 
 
 def _map_tracking(
