@@ -27,11 +27,12 @@ so it runs in the benchmark environment: ``bash benchmarks/env.sh`` then ``.venv
 
 ``--mapped-ab`` adds a row of ours whose processes keep every shared slot they touched mapped (the
 loader normally lets go of a slot's pages once done with its batch: ``shm.release_pages``), to
-measure that trade (page faults vs resident memory) in the same run. ``--raw`` drops the decode on
+measure that trade (page faults vs resident memory) in the same run. ``--dropin`` adds ours given torch's own Dataset unchanged (the decode in
+``__getitem__``, no ``decode=``): the one-import swap. ``--raw`` drops the decode on
 both sides (the loader only reads and collates the samples' bytes; torch with ``collate_fn=list``).
 
     .venv/bin/python benchmarks/bench_loader.py [--images 256] [--workers 2] [--epochs 2] [--rounds 2]
-        [--remote-latency 0.005] [--fetch-threads N] [--mapped-ab] [--raw] [--json]
+        [--remote-latency 0.005] [--fetch-threads N] [--mapped-ab] [--dropin] [--raw] [--json]
     .venv-bench/bin/python benchmarks/bench_loader.py --recipe imagenet [...]
 """
 
@@ -281,6 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         "--fetch-threads", type=int, default=None, help="stallfree: tasks each worker reads at once"
     )
     ap.add_argument("--mapped-ab", action="store_true", help="add ours with slots kept mapped")
+    ap.add_argument(
+        "--dropin", action="store_true", help="add ours given torch's Dataset as is (decode in __getitem__)"
+    )
     ap.add_argument("--recipe", choices=["fn", "imagenet"], default="fn", help="see the module docstring")
     ap.add_argument("--raw", action="store_true", help="no decode: read and collate bytes only")
     ap.add_argument("--json", action="store_true")
@@ -332,10 +336,22 @@ def main(argv: list[str] | None = None) -> int:
             rows: dict[str, list[dict]] = {"torch": [], "stallfree": [], "stallfree_1thread": []}
             if args.mapped_ab:
                 rows["stallfree_kept_mapped"] = []
+            if args.dropin:
+                rows["stallfree_dropin"] = []
             for _ in range(args.rounds):
                 rows["torch"].append(run_isolated(torch_loader, args.epochs))
                 rows["stallfree"].append(run_isolated(our_loader(), args.epochs))
                 rows["stallfree_1thread"].append(run_isolated(our_loader(1), args.epochs))
+                if args.dropin:  # only the import changed: torch's Dataset, no decode=
+                    data = TorchvisionRecipe(ds) if args.recipe == "imagenet" else TorchStyle(ds)
+                    rows["stallfree_dropin"].append(
+                        run_isolated(
+                            lambda data=data: StallfreeLoader(
+                                data, batch_size=bs, shuffle=True, num_workers=nw, seed=0
+                            ),
+                            args.epochs,
+                        )
+                    )
                 if args.mapped_ab:
                     with slots_kept_mapped(True):
                         rows["stallfree_kept_mapped"].append(run_isolated(our_loader(), args.epochs))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 
 import torch
 import torch.utils.data as tud
@@ -134,3 +135,16 @@ def collect_garbage(worker_id: int) -> None:
     import gc
 
     gc.collect()
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+class LiveSamples(Numbers):
+    """Each sample says how many earlier samples' tensors were still alive in its worker."""
+
+    def __getitem__(self, i: int) -> dict:
+        alive = len(_LIVE)
+        sample = super().__getitem__(i)
+        _LIVE.add(sample["x"])
+        return {**sample, "alive": alive}

@@ -18,6 +18,7 @@ from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.errors import WorkerDiedError
 from tests.loader.helpers import (
     FinaliserProbe,
+    LiveSamples,
     Numbers,
     WorkerProbe,
     collect_garbage,
@@ -161,3 +162,15 @@ def test_a_forked_worker_never_runs_finalisers_of_the_parents_garbage():
     with os.fdopen(read_fd) as f:
         pids = [int(line) for line in f.read().split()]
     assert pids == [os.getpid()]
+
+
+@pytest.mark.parametrize("shuffle", [True, False])  # fast mode / sampler mode
+def test_a_plain_dataset_is_read_inline_one_sample_alive_at_a_time(shuffle):
+    """torch's Dataset as is (decode in __getitem__): the worker reads sample by sample and each
+    goes into its batch row at once, so no batch of decoded samples is held (a fetch thread would
+    hold whole batches ahead)."""
+    dl = DataLoader(LiveSamples(48, width=1024), batch_size=8, shuffle=shuffle, num_workers=2)
+    batches = list(dl)
+    assert sorted(torch.cat([b["i"] for b in batches]).tolist()) == list(range(48))
+    assert all(torch.equal(b["x"][:, 0], b["i"].float()) for b in batches)
+    assert max(b["alive"].max().item() for b in batches) <= 1
