@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from stallfree.loader.workers import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ, WorkerSpec, worker_main
+from stallfree.loader.fetch import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ
+from stallfree.loader.workers import WorkerSpec, worker_main
 
 logger = logging.getLogger(__name__)
 

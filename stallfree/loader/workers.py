@@ -1,8 +1,9 @@
 """Worker processes (or, with ``num_workers=0``, one in-process thread) of the fast path.
 
-Each worker reads its batches' raw samples ahead on a fetch thread (it knows its tasks in
-advance), decodes/transforms them on its main thread, collates straight into a shared-memory slot
-and sends a small description to the main process. Errors carry the worker id and the sample.
+Each worker reads its batches' samples (fetch.py: ahead on a fetch thread, or inline for a plain
+Dataset), decodes/transforms them on its main thread, collates straight into a shared-memory slot
+(slots.py, rows.py) and sends a small description to the main process. Errors carry the worker id
+and the sample.
 
 ``get_worker_info`` is torch's: our workers set torch's worker info, so user code calling
 ``torch.utils.data.get_worker_info()`` sees the same thing as with torch's DataLoader.
@@ -14,15 +15,13 @@ import contextlib
 import faulthandler
 import functools
 import logging
-import multiprocessing as mp
 import os
 import queue
 import random
 import threading
 import time
-from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +30,9 @@ import torch
 from torch._utils import ExceptionWrapper
 from torch.utils.data._utils import worker as _torch_worker
 
-from stallfree.loader import pipeline, rows, shardio, shm
+from stallfree.loader import fetch, pipeline, rows, shardio, shm
+from stallfree.loader import slots as slots_mod
+from stallfree.loader.fetch import MAP_IDX, MAP_SEQ
 from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
 from stallfree.shards.errors import BatchDecodeError
 
@@ -82,258 +83,6 @@ def _seed_worker(spec: WorkerSpec, wid: int) -> int:
     return seed
 
 
-def _map_with_stage_cache(spec: WorkerSpec, indices: list[int], raw_fetch) -> tuple[list[Any], dict]:
-    """Stage-cached map: hits skip fetch and decode; misses are fetched, decoded and stored."""
-    from stallfree.cache.base import CacheKey
-
-    t0 = time.perf_counter()
-    keys = [CacheKey(spec.fingerprint, i, spec.stage) for i in indices]
-    try:
-        cached = spec.cache.get_many(keys)
-    except Exception:  # noqa: BLE001 - a broken tier is a miss
-        cached = [None] * len(keys)
-    miss_pos = [p for p, v in enumerate(cached) if v is None]
-    out = list(cached)
-    t1 = time.perf_counter()
-    if miss_pos:
-        miss_idx = [indices[p] for p in miss_pos]
-        raw = raw_fetch(miss_idx)
-        t2 = time.perf_counter()
-        mapped = pipeline.apply_map(raw, miss_idx, spec.map_fn)
-        fresh = []
-        for p, v in zip(miss_pos, mapped, strict=False):
-            out[p] = v
-            if not isinstance(v, pipeline.SampleFailure):
-                fresh.append((keys[p], v))
-        if fresh:
-            try:
-                spec.cache.put_many(fresh)
-            except Exception:  # noqa: BLE001 - caching is best effort; the batch is still good
-                logger.warning("could not cache %d decoded samples", len(fresh), exc_info=True)
-        t3 = time.perf_counter()
-    else:
-        t2 = t3 = t1
-    return out, {"fetch_s": (t1 - t0) + (t2 - t1), "map_s": t3 - t2}
-
-
-# progress slots, shared with the main process: which batch/sample each stage is on (-1: idle)
-MAP_SEQ, MAP_IDX, FETCH_SEQ, FETCH_IDX = range(4)
-
-
-def _source(spec: WorkerSpec) -> Any:
-    return spec.source if spec.source is not None else spec.dataset
-
-
-def _drain(task_q: Any, backlog: deque) -> bool:
-    """Move the tasks already queued for this worker into ``backlog``; True if told to stop."""
-    while True:
-        try:
-            task = task_q.get_nowait()
-        except queue.Empty:
-            return False
-        if task is None:
-            return True
-        backlog.append(task)
-
-
-def _warm_ahead(source: Any, backlog: deque, warmed: set) -> None:
-    """Open the shards of the worker's queued tasks before their turn (remote sharded datasets)."""
-    for gen, seq, indices, _ in backlog:
-        if (gen, seq) not in warmed:
-            warmed.add((gen, seq))
-            try:
-                source.warm(source.shards_of(indices))
-            except Exception:  # noqa: BLE001 - warming is a hint; the read reports real errors
-                logger.debug("warming shards ahead failed", exc_info=True)
-    if len(warmed) > 4096:
-        warmed.clear()
-
-
-def _fetch_task(spec: WorkerSpec, task: tuple, progress: Any) -> tuple:
-    """Read one task's raw samples (or, with a stage cache, its cached/decoded samples)."""
-    gen, seq, indices, seed = task
-    t0 = time.perf_counter()
-    progress[FETCH_SEQ] = seq
-
-    def on_sample(i: int) -> None:
-        progress[FETCH_IDX] = i
-
-    if spec.stage is not None and spec.cache is not None and not spec.raw_only:
-        items, timing = _map_with_stage_cache(
-            spec,
-            indices,
-            lambda idx: pipeline.fetch(_source(spec), idx, spec.cache, on_sample, spec.read_stats),
-        )
-        mapped = True
-    else:
-        items = pipeline.fetch(_source(spec), indices, spec.cache, on_sample, spec.read_stats)
-        timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
-    if progress[FETCH_SEQ] == seq:
-        progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
-    return (gen, seq, indices, items, timing, mapped, seed)
-
-
-def _next_task(spec: WorkerSpec, task_q: Any, timeout: float) -> Any:
-    """The next task, None when told to stop (or the main process is gone), _NONE when idle."""
-    try:
-        return task_q.get(timeout=timeout)
-    except queue.Empty:
-        if not spec.in_process and _main_process_gone(spec):
-            return None
-        return _NONE
-
-
-def _main_process_gone(spec: WorkerSpec) -> bool:
-    """Whether the process that made this worker has exited. The sentinel that multiprocessing
-    gives every child (a pipe from its creator, at EOF once the creator is gone) is right under
-    fork, spawn and forkserver alike; the parent pid is not: under a fork server the parent is the
-    server. Under fork a sibling forked later may hold the pipe open too, so a changed parent pid
-    (re-parented to init) also counts there."""
-    parent = mp.parent_process()
-    if parent is not None and not parent.is_alive():
-        return True
-    return spec.start_method == "fork" and os.getppid() != spec.parent_pid
-
-
-_NONE = object()
-
-
-def _reader(spec: WorkerSpec, task_q: Any, ready: queue.Queue, stop: threading.Event, progress: Any) -> None:
-    """Fetch thread: reads the worker's next tasks ahead while the main thread decodes; with
-    ``spec.fetch_threads`` > 1 several tasks are read at once (remote stores: hide latency)."""
-    if spec.fetch_threads <= 1:
-        # open queued tasks' shards ahead; not with a cache: hits need no shard (opening costs requests)
-        ahead = spec.source if hasattr(spec.source, "warm") and spec.cache is None else None
-        backlog: deque = deque()
-        warmed: set = set()
-        done = False
-        while not stop.is_set():
-            if not backlog and not done:
-                task = _next_task(spec, task_q, 1.0)
-                if task is None:
-                    done = True
-                elif task is not _NONE:
-                    backlog.append(task)
-            if ahead is not None and not done:
-                done = _drain(task_q, backlog)
-                _warm_ahead(ahead, backlog, warmed)
-            if not backlog:
-                if done:
-                    break
-                continue
-            ready.put(_fetch_task(spec, backlog.popleft(), progress))
-        ready.put(None)
-        return
-    pending: deque[Future] = deque()
-    done = False
-    with ThreadPoolExecutor(spec.fetch_threads, thread_name_prefix="stallfree-fetch") as pool:
-        while not stop.is_set():
-            while pending and pending[0].done():  # hand over in task order
-                ready.put(pending.popleft().result())
-            if done and not pending:
-                break
-            if not done and len(pending) < spec.fetch_threads:
-                task = _next_task(spec, task_q, 0.005 if pending else 1.0)
-                if task is None:
-                    done = True
-                elif task is not _NONE:
-                    pending.append(pool.submit(_fetch_task, spec, task, progress))
-                continue
-            wait([pending[0]], timeout=0.5)
-    ready.put(None)
-
-
-class _Slots:
-    """The worker's shared slots. A slot is leased to the main process with a batch and comes
-    back (on ``free_q``) once the consumer has dropped every tensor of that batch. In-flight
-    batches are bounded by the main process's dispatching, so a missing free slot means the
-    consumer is keeping batches: then a new slot is made rather than waiting (no deadlock), and
-    slots beyond ``max_slots`` are given up again once they come back.
-    """
-
-    HARD_CAP = 256
-
-    def __init__(self, max_slots: int, free_q: Any) -> None:
-        self.storages: list[torch.UntypedStorage | None] = []
-        self.free: list[int] = []
-        self.vacant: list[int] = []
-        self.dropped: list[int] = []
-        self.max_slots = max_slots
-        self.free_q = free_q
-        self.last_size = 0
-        self.fresh: list[int] = []  # slots made ahead whose storage the main process has not seen
-        self.files: dict[int, shm.SlotFile | None] = {}
-
-    def _drain(self) -> None:
-        try:
-            while True:
-                self.free.append(self.free_q.get_nowait())
-        except queue.Empty:
-            return
-
-    def acquire(self) -> int:
-        self._drain()
-        while len(self.free) > self.max_slots:  # a burst of kept batches is over: shrink back
-            k = self.free.pop()
-            self.storages[k] = None
-            self.files.pop(k, None)
-            self.vacant.append(k)
-            self.dropped.append(k)
-        if self.free:
-            return self.free.pop()
-        if self.vacant:
-            k = self.vacant.pop()
-        elif len(self.storages) < self.HARD_CAP:
-            self.storages.append(None)
-            k = len(self.storages) - 1
-        else:
-            return self.free_q.get()
-        if self.last_size:  # size a new slot like the last batch: collate goes straight in
-            self.grow(k, self.last_size)
-            self.fresh.append(k)
-        return k
-
-    def take_dropped(self) -> list[int]:
-        out, self.dropped = self.dropped, []
-        return out
-
-    def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
-        storage = torch.UntypedStorage._new_shared(max(nbytes, 1 << 16))
-        self.storages[slot] = storage
-        self.files.pop(slot, None)
-        self.last_size = max(self.last_size, nbytes)
-        return storage
-
-    def reserve(self, slot: int, nbytes: int) -> torch.UntypedStorage:
-        """The slot's storage, grown first if it holds fewer than ``nbytes`` (nothing in it yet)."""
-        storage = self.storages[slot]
-        if storage is None or storage.nbytes() < nbytes:
-            storage = self.grow(slot, nbytes)
-            if slot not in self.fresh:
-                self.fresh.append(slot)
-        return storage
-
-    def file(self, slot: int) -> shm.SlotFile | None:
-        """The slot's file for writes that need no mapping (None: write through the mapping)."""
-        if slot not in self.files:
-            storage = self.storages[slot]
-            self.files[slot] = shm.SlotFile.of(storage) if storage is not None else None
-        return self.files[slot]
-
-    def give_back(self, slot: int, announced: torch.UntypedStorage | None) -> None:
-        """Return an unused slot; one whose storage was about to be announced stays unannounced."""
-        self.free.append(slot)
-        if announced is not None:
-            self.fresh.append(slot)
-
-    def announce(self, slot: int) -> torch.UntypedStorage | None:
-        """The slot's storage if the main process has not been sent it yet."""
-        if slot in self.fresh:
-            self.fresh.remove(slot)
-            return self.storages[slot]
-        return None
-
-
 def _failure_tuple(f: pipeline.SampleFailure) -> tuple[int, str, str, str]:
     return (f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}")
 
@@ -374,15 +123,18 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
     stop = threading.Event()
     ready: queue.Queue = queue.Queue(maxsize=2)
     reader = None
-    if _fetch_inline(spec):
-        tasks: Iterator[tuple] = _inline_tasks(spec, task_q)
+    if fetch.reads_inline(spec):
+        tasks: Iterator[tuple] = fetch.inline_tasks(spec, task_q)
     else:
         reader = threading.Thread(
-            target=_reader, args=(spec, task_q, ready, stop, progress), daemon=True, name=f"fetch-{wid}"
+            target=fetch.reader_loop,
+            args=(spec, task_q, ready, stop, progress),
+            daemon=True,
+            name=f"fetch-{wid}",
         )
         reader.start()
         tasks = iter(ready.get, None)
-    slots = _Slots(spec.max_slots, free_q)
+    slots = slots_mod.Slots(spec.max_slots, free_q)
     try:
         for item in tasks:
             gen, seq, indices, items, timing, mapped, seed = item
@@ -406,60 +158,17 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             spec.source = None
 
 
-def _fetch_inline(spec: WorkerSpec) -> bool:
-    """Whether this worker reads its samples itself, one by one, instead of on a fetch thread.
-
-    For a plain map-style dataset (torch's Dataset, decode in ``__getitem__``) there is no raw
-    read to overlap with a decode step: a fetch thread would only hold whole batches of decoded
-    samples ahead (measured: +35 MiB per worker of 19 MB batches). Read inline, each sample goes
-    into its batch row as soon as ``__getitem__`` returns, and only that sample is alive."""
-    return (
-        not spec.in_process
-        and spec.map_fn is None
-        and spec.batch_decode is None
-        and spec.cache is None
-        and not spec.raw_only
-        and spec.fetch_threads <= 1
-        and not hasattr(spec.dataset, "get_many")
-    )
-
-
-def _inline_tasks(spec: WorkerSpec, task_q: Any) -> Iterator[tuple]:
-    """Tasks as the fetch thread would hand them over, with the samples left to ``_process``."""
-    while True:
-        task = _next_task(spec, task_q, 1.0)
-        if task is None:
-            return
-        if task is not _NONE:
-            gen, seq, indices, seed = task
-            yield (gen, seq, indices, None, {}, False, seed)
-
-
-def _fetch_streaming(spec: WorkerSpec, seq: int, indices: list[int], progress: Any, writer: Any) -> list:
-    """Read a task's samples one by one; each good one goes into its row (``writer``) at once."""
-    progress[FETCH_SEQ] = seq
-    out = []
-    for pos, i in enumerate(indices):
-        progress[FETCH_IDX] = int(i)
-        sample = pipeline.fetch(_source(spec), [i], None, None, spec.read_stats)[0]
-        if writer is not None and not isinstance(sample, pipeline.SampleFailure):
-            sample = writer.put(pos, sample)
-        out.append(sample)
-    progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
-    return out
-
-
 def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress, seed=None) -> tuple:
     t0 = time.perf_counter()
     writer = slot = None
     streams = spec.use_shm and spec.auto_collation and spec.collate_fn is None
-    if items is None:  # an inline task (_fetch_inline): read here, straight into the rows
+    if items is None:  # an inline task (fetch.reads_inline): read here, straight into the rows
         if streams:
             slot = slots.acquire()
             writer = rows.RowWriter(
                 len(indices), functools.partial(slots.reserve, slot), functools.partial(slots.file, slot)
             )
-        items = _fetch_streaming(spec, seq, indices, progress, writer)
+        items = fetch.fetch_streaming(spec, seq, indices, progress, writer)
         timing = dict(timing, fetch_s=time.perf_counter() - t0)
         t0 = time.perf_counter()
         if writer is not None:
@@ -478,7 +187,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
     decoded = alloc = None
     if spec.batch_decode is not None and good and not (bad and spec.on_error == "raise"):
         slot = slots.acquire()
-        alloc = _SlotAlloc(slots, slot)
+        alloc = slots_mod.SlotAlloc(slots, slot)
         try:
             decoded, good, good_idx, more = _decode_batch(spec, good, good_idx, seed, alloc)
         except BatchDecodeError as exc:  # on_error="raise": the error as the main process would raise it
@@ -559,31 +268,8 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
         )
 
 
-class _SlotAlloc:
-    """Handed to a worker-run batch decoder as ``alloc``: its output tensor is made in the slot."""
-
-    def __init__(self, slots: _Slots, slot: int) -> None:
-        self.slots, self.slot = slots, slot
-        self.arena: shm.Arena | None = None
-        self.file: shm.SlotFile | None = None
-
-    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
-        self.arena = shm.Arena(self.slots.reserve(self.slot, nbytes + (64 << 10)))  # + labels
-        self.file = self.slots.file(self.slot)
-        return self.arena.alloc(shape, dtype)
-
-    def put_row(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Write one finished image into its row without mapping the slot (see rows.py)."""
-        if self.file is not None:
-            self.file.write_tensor(dst, src)
-        else:
-            dst.copy_(src)
-            shm.release_range(dst.data_ptr(), dst.numel() * dst.element_size())
-
-
 def _decode_batch(
-    spec: WorkerSpec, good: list, good_idx: list[int], seed: int | None, alloc: _SlotAlloc
+    spec: WorkerSpec, good: list, good_idx: list[int], seed: int | None, alloc: slots_mod.SlotAlloc
 ) -> tuple:
     """Run the batch decoder in this worker; with on_error skip/warn, drop the samples it names and
     decode the rest again (as the main process does for decoders that run there).

@@ -8,7 +8,7 @@ from collections import deque
 
 import pytest
 
-from stallfree.loader import shardio, workers
+from stallfree.loader import fetch, shardio, workers
 from stallfree.loader.dataloader import DataLoader
 from stallfree.shards.errors import ShardError
 
@@ -105,7 +105,7 @@ def test_fetch_thread_warms_every_queued_task_before_reading_the_first():
         task_q.put((0, seq, idx, None))
     task_q.put(None)
     ready: queue.Queue = queue.Queue()
-    t = threading.Thread(target=workers._reader, args=(spec, task_q, ready, threading.Event(), [-1] * 4))
+    t = threading.Thread(target=fetch.reader_loop, args=(spec, task_q, ready, threading.Event(), [-1] * 4))
     t.start()
     t.join(30)
     out = deque()
