@@ -158,16 +158,21 @@ def worker_main(wid: int, spec: WorkerSpec, task_q: Any, free_q: Any, result_q: 
             spec.source = None
 
 
+def _row_writer(slots: slots_mod.Slots, n: int) -> tuple[int, rows.RowWriter]:
+    """A slot for the next batch and the writer that puts its samples' rows into it."""
+    slot = slots.acquire()
+    return slot, rows.RowWriter(
+        n, functools.partial(slots.reserve, slot), functools.partial(slots.file, slot)
+    )
+
+
 def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress, seed=None) -> tuple:
     t0 = time.perf_counter()
     writer = slot = None
     streams = spec.use_shm and spec.auto_collation and spec.collate_fn is None
     if items is None:  # an inline task (fetch.reads_inline): read here, straight into the rows
         if streams:
-            slot = slots.acquire()
-            writer = rows.RowWriter(
-                len(indices), functools.partial(slots.reserve, slot), functools.partial(slots.file, slot)
-            )
+            slot, writer = _row_writer(slots, len(indices))
         items = fetch.fetch_streaming(spec, seq, indices, progress, writer)
         timing = dict(timing, fetch_s=time.perf_counter() - t0)
         t0 = time.perf_counter()
@@ -175,10 +180,7 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
             items = writer.final(items)
     elif not mapped and not spec.raw_only and spec.map_fn is not None:
         if streams:
-            slot = slots.acquire()
-            writer = rows.RowWriter(
-                len(items), functools.partial(slots.reserve, slot), functools.partial(slots.file, slot)
-            )
+            slot, writer = _row_writer(slots, len(items))
         items = _map_tracking(items, indices, spec.map_fn, progress, spec.threads, writer)
         if writer is not None:
             items = writer.final(items)
