@@ -166,24 +166,65 @@ def _row_writer(slots: slots_mod.Slots, n: int) -> tuple[int, rows.RowWriter]:
     )
 
 
-def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress, seed=None) -> tuple:
+def _load(spec, slots, seq, indices, items, mapped, progress, timing) -> tuple:
+    """Read (inline tasks) or decode/transform (``decode=``) a task's samples, each going into its
+    batch row as it is ready where the default collate applies. Returns (items, timing, slot,
+    writer); slot and writer are None when nothing was streamed."""
     t0 = time.perf_counter()
     writer = slot = None
+    map_s = 0.0
     streams = spec.use_shm and spec.auto_collation and spec.collate_fn is None
     if items is None:  # an inline task (fetch.reads_inline): read here, straight into the rows
         if streams:
             slot, writer = _row_writer(slots, len(indices))
         items = fetch.fetch_streaming(spec, seq, indices, progress, writer)
         timing = dict(timing, fetch_s=time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        if writer is not None:
-            items = writer.final(items)
     elif not mapped and not spec.raw_only and spec.map_fn is not None:
         if streams:
             slot, writer = _row_writer(slots, len(items))
         items = _map_tracking(items, indices, spec.map_fn, progress, spec.threads, writer)
-        if writer is not None:
-            items = writer.final(items)
+        map_s = time.perf_counter() - t0
+    timing = dict(timing, map_s=timing.get("map_s", 0.0) + map_s)
+    if writer is not None:
+        items = writer.final(items)
+    return items, timing, slot, writer
+
+
+def _into_slot(spec, slots, slot, items, good, writer, alloc, decoded) -> tuple[int | None, Any, Any]:
+    """Collate the good samples (unless decoded already) and describe the batch in its slot.
+
+    Returns (slot, storage to announce, message payload); slot None when the payload is the batch
+    itself (nothing array-like in it, or no shared memory)."""
+    if not spec.use_shm:
+        return None, None, _collate(spec, good, None)
+    if slot is None:
+        slot = slots.acquire()
+    storage = slots.storages[slot]
+    new_storage = slots.announce(slot)
+    streamed = writer is not None and writer.active and writer.arena is not None
+    arena = writer.arena if streamed else shm.Arena(storage)
+    if alloc is not None and alloc.arena is not None:
+        arena = alloc.arena  # the decoder wrote its output there: describing it copies nothing
+    if decoded is not None:
+        batch = decoded
+    else:
+        good_pos = [pos for pos, it in enumerate(items) if not isinstance(it, pipeline.SampleFailure)]
+        extra = writer.collate_map(good_pos) if streamed else None
+        batch = _collate(spec, good, arena, extra, slots.file(slot))
+    desc, needed = shm.describe(batch, arena, slots.file(slot))
+    if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
+        slots.give_back(slot, new_storage)
+        return None, None, batch
+    if desc is None:
+        storage = new_storage = slots.grow(slot, needed + (1 << 16))
+        desc, _ = shm.describe(batch, shm.Arena(storage), slots.file(slot))
+    return slot, new_storage, desc
+
+
+def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progress, seed=None) -> tuple:
+    """One task: load its samples, run a worker-side batch decoder, collate into a slot; the
+    message for the main process ("batch" or "error", naming the worker and sample)."""
+    items, timing, slot, writer = _load(spec, slots, seq, indices, items, mapped, progress, timing)
     t1 = time.perf_counter()
     good, good_idx, bad = pipeline.split_failures(items, indices)
     decoded = alloc = None
@@ -209,65 +250,33 @@ def _process(spec, wid, slots, gen, seq, indices, items, timing, mapped, progres
     if bad and spec.on_error == "raise":
         f = bad[0]
         return ("error", gen, seq, wid, f.index, f.key, _wrap(f.cause, wid, f.index, f.key))
-    timing = dict(timing, map_s=timing.get("map_s", 0.0) + (t1 - t0) - timing.get("decode_batch_s", 0.0))
     failures = [_failure_tuple(f) for f in bad]
     cache_stats = _cache_delta(spec)
-
-    def message(slot: int | None, new_storage: Any, payload: Any) -> tuple:
-        timing["collate_s"] = time.perf_counter() - t1
-        dropped = slots.take_dropped() if spec.use_shm else []
-        return (
-            "batch",
-            gen,
-            seq,
-            wid,
-            slot,
-            new_storage,
-            payload,
-            failures,
-            timing,
-            cache_stats,
-            len(good),
-            dropped,
-        )
-
-    if spec.raw_only or not good:
-        return message(None, None, good)
-    try:
-        if not spec.use_shm:
-            return message(None, None, _collate(spec, good, None))
-        if slot is None:
-            slot = slots.acquire()
-        storage = slots.storages[slot]
-        new_storage = slots.announce(slot)
-        streamed = writer is not None and writer.active and writer.arena is not None
-        arena = writer.arena if streamed else shm.Arena(storage)
-        if alloc is not None and alloc.arena is not None:
-            arena = alloc.arena  # the decoder wrote its output there: describing it copies nothing
-        if decoded is not None:
-            batch = decoded
-        else:
-            good_pos = [pos for pos, it in enumerate(items) if not isinstance(it, pipeline.SampleFailure)]
-            extra = writer.collate_map(good_pos) if streamed else None
-            batch = _collate(spec, good, arena, extra, slots.file(slot))
-        desc, needed = shm.describe(batch, arena, slots.file(slot))
-        if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
-            slots.give_back(slot, new_storage)
-            return message(None, None, batch)
-        if desc is None:
-            storage = new_storage = slots.grow(slot, needed + (1 << 16))
-            desc, _ = shm.describe(batch, shm.Arena(storage), slots.file(slot))
-        return message(slot, new_storage, desc)
-    except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
-        return (
-            "error",
-            gen,
-            seq,
-            wid,
-            good_idx[0],
-            pipeline.sample_key(good[0], good_idx[0]),
-            _wrap(exc, wid, good_idx[0], None),
-        )
+    new_storage, payload = None, good
+    if not spec.raw_only and good:
+        try:
+            slot, new_storage, payload = _into_slot(spec, slots, slot, items, good, writer, alloc, decoded)
+        except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
+            key = pipeline.sample_key(good[0], good_idx[0])
+            return ("error", gen, seq, wid, good_idx[0], key, _wrap(exc, wid, good_idx[0], None))
+    else:
+        slot = None
+    timing["collate_s"] = time.perf_counter() - t1
+    dropped = slots.take_dropped() if spec.use_shm else []
+    return (
+        "batch",
+        gen,
+        seq,
+        wid,
+        slot,
+        new_storage,
+        payload,
+        failures,
+        timing,
+        cache_stats,
+        len(good),
+        dropped,
+    )
 
 
 def _decode_batch(
