@@ -82,14 +82,23 @@ def _file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
         raise MissingShardError("shard not found", shard=shard) from None
 
 
-def _check_size(size: int, info: ShardInfo | None, shard: str) -> None:
-    if info is not None and size != info.bytes:
+def _check_size_and_hash(
+    fs: fsspec.AbstractFileSystem, path: str, size: int, info: ShardInfo | None, shard: str, verify_hash: bool
+) -> None:
+    """The open-time checks both readers make: size against the manifest, then (if asked) sha256."""
+    if info is None:
+        return
+    if size != info.bytes:
         what = "truncated" if size < info.bytes else "larger than recorded"
         raise CorruptShardError(
             f"shard is {what}: {size} bytes on storage, the manifest says {info.bytes}",
             shard=shard,
             offset=size,
         )
+    if verify_hash and info.sha256:
+        actual = sha256_of(fs, path)
+        if actual != info.sha256:
+            raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
 
 
 def _decimals(tokens: list[str]) -> np.ndarray | None:
@@ -196,11 +205,7 @@ class TarShardReader:
         """Check size (and sha256 if asked), then build the index columns and check the first and
         last sample's headers against them."""
         fs, path, shard, info, size = self.fs, self.path, self.shard, self.info, self.size
-        _check_size(size, info, shard)
-        if verify_hash and info is not None and info.sha256:
-            actual = sha256_of(fs, path)
-            if actual != info.sha256:
-                raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
+        _check_size_and_hash(fs, path, size, info, shard, verify_hash)
         columns = None
         if samples is None:
             text = self._load_idx_text()
@@ -458,11 +463,7 @@ class ArrowShardReader:
         import pyarrow.ipc as ipc
 
         fs, path, shard, info = self.fs, self.path, self.shard, self.info
-        _check_size(self.size, info, shard)
-        if verify_hash and info is not None and info.sha256:
-            actual = sha256_of(fs, path)
-            if actual != info.sha256:
-                raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
+        _check_size_and_hash(fs, path, self.size, info, shard, verify_hash)
         try:
             self._reader = ipc.open_file(self._source)
         except (pa.ArrowInvalid, OSError) as exc:
