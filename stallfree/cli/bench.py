@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+from stallfree.cli._common import parse_key_value
+
 EPILOG = """examples:
   stallfree bench ./in1k-shards --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
   stallfree bench http://127.0.0.1:8000/shards --loader stallfree,torch,webdataset --analyze
@@ -25,14 +27,11 @@ def _int_list(text: str) -> list[int]:
 
 
 def _option(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, true/false), else a string."""
-    key, sep, value = text.partition("=")
-    if not sep or not key.strip():
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    """A ``--loader-option`` value, ``KEY=VALUE`` (VALUE read as JSON when it parses)."""
     try:
-        return key.strip(), json.loads(value)
-    except json.JSONDecodeError:
-        return key.strip(), value
+        return parse_key_value(text, "loader option")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def register(sub: argparse._SubParsersAction) -> None:

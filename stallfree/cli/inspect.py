@@ -7,6 +7,8 @@ import json
 import sys
 from typing import Any
 
+from stallfree.cli._common import fail
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -63,8 +65,7 @@ def run_inspect(args: argparse.Namespace) -> int:
         manifest = ds.manifest
         first = ds[0] if len(ds) else {}
     except (ShardError, OSError, ValueError) as exc:
-        print(f"stallfree inspect: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("inspect", exc)
     key = first.get("__key__")
     sizes = {f: _field_size(v) for f, v in first.items() if not f.startswith("__")}
     info = {

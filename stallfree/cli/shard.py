@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from stallfree.cli._common import fail, parse_key_value
+
 SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
 
 
@@ -79,19 +81,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.set_defaults(func=run_index)
 
 
-def _storage_options(pairs: list[str]) -> dict[str, Any]:
-    options: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"storage option must be KEY=VALUE, got {pair!r}")
-        try:
-            options[key] = json.loads(value)
-        except ValueError:
-            options[key] = value
-    return options
-
-
 def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
@@ -106,7 +95,7 @@ def run_shard(args: argparse.Namespace) -> int:
 
     try:
         max_bytes = parse_size(args.max_bytes)
-        options = _storage_options(args.storage_option)
+        options = dict(parse_key_value(pair, "storage option") for pair in args.storage_option)
         if max_bytes <= 0:
             raise ValueError(f"--max-bytes must be positive, got {args.max_bytes}")
         if args.max_samples is not None and args.max_samples <= 0:
@@ -114,8 +103,7 @@ def run_shard(args: argparse.Namespace) -> int:
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
     except ValueError as exc:
-        print(f"stallfree shard: error: {exc}", file=sys.stderr)
-        return 2
+        return fail("shard", exc, 2)
 
     tqdm.monitor_interval = 0  # no monitor thread: worker processes are forked after the bar starts
     bar: list[Any] = []
@@ -158,8 +146,7 @@ def run_shard(args: argparse.Namespace) -> int:
     except (ShardError, ValueError, OSError) as exc:
         if bar:
             bar[0].close()
-        print(f"stallfree shard: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("shard", exc)
     if bar:
         bar[0].close()
     info = summary.to_json()
@@ -195,8 +182,7 @@ def run_index(args: argparse.Namespace) -> int:
         ) as bar:
             result = index_tars(args.tars, overwrite=args.overwrite, progress=lambda n: bar.update(n))
     except (ShardError, ValueError, OSError) as exc:
-        print(f"stallfree index: error: {exc}", file=sys.stderr)
-        return 1
+        return fail("index", exc)
     if args.json:
         print(json.dumps(result, indent=1))
     else:

@@ -1,0 +1,28 @@
+"""Small helpers the subcommand modules share (argument parsing, error lines)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+
+def parse_key_value(text: str, what: str = "option") -> tuple[str, Any]:
+    """``KEY=VALUE`` with VALUE read as JSON when it parses (numbers, true/false), else a string.
+
+    Raises ValueError naming ``what`` (e.g. "storage option") when there is no ``=`` or no key.
+    """
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ValueError(f"{what} must be KEY=VALUE, got {text!r}")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
+
+
+def fail(command: str, message: object, code: int = 1) -> int:
+    """Print ``stallfree COMMAND: error: MESSAGE`` to stderr and return the exit code."""
+    print(f"stallfree {command}: error: {message}", file=sys.stderr)
+    return code
