@@ -385,42 +385,24 @@ def _releaser(free_q: Any, slot: int, storage: torch.UntypedStorage) -> Callable
 
 
 def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device, non_blocking=non_blocking)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device, non_blocking) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_to_device(v, device, non_blocking) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(v, device, non_blocking) for v in obj)
-    return obj
+    return shm.map_leaves(obj, torch.Tensor, lambda t: t.to(device, non_blocking=non_blocking))
 
 
 def _pin(obj: Any) -> Any:
     """Pinned copies of the CPU tensors in a batch (a GPU decoder's output is left as it is)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.pin_memory() if obj.device.type == "cpu" else obj
-    if isinstance(obj, dict):
-        return {k: _pin(v) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_pin(v) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_pin(v) for v in obj)
-    return obj
+    return shm.map_leaves(obj, torch.Tensor, lambda t: t.pin_memory() if t.device.type == "cpu" else t)
 
 
 def _record_stream(obj: Any, stream: Any) -> None:
     """Tell the caching allocator that the consumer's stream uses these tensors, so their memory is
     not handed back to our side stream (and overwritten by the next copy) while still in use."""
-    if isinstance(obj, torch.Tensor):
-        if obj.device.type == "cuda":
-            obj.record_stream(stream)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            _record_stream(v, stream)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _record_stream(v, stream)
+
+    def record(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cuda":
+            t.record_stream(stream)
+        return t
+
+    shm.map_leaves(obj, torch.Tensor, record)
 
 
 def failure_budget(max_failures: int | float | None, rank_samples: int) -> int | None:

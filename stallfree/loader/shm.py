@@ -184,16 +184,22 @@ def default_collate_into(
     return collate(batch, collate_fn_map=fn_map)
 
 
-def _walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    if isinstance(obj, (torch.Tensor, np.ndarray)):
+def map_leaves(obj: Any, kinds: type | tuple[type, ...], leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt with ``leaf(x)`` for every ``x`` of ``kinds`` inside its dicts, lists, tuples
+    and namedtuples (the containers default_collate produces); everything else kept as is."""
+    if isinstance(obj, kinds):
         return leaf(obj)
     if isinstance(obj, dict):
-        return {k: _walk(v, leaf) for k, v in obj.items()}
+        return {k: map_leaves(v, kinds, leaf) for k, v in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_walk(v, leaf) for v in obj))
+        return type(obj)(*(map_leaves(v, kinds, leaf) for v in obj))
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_walk(v, leaf) for v in obj)
+        return type(obj)(map_leaves(v, kinds, leaf) for v in obj)
     return obj
+
+
+def _walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    return map_leaves(obj, (torch.Tensor, np.ndarray), leaf)
 
 
 def _nbytes(t: torch.Tensor | np.ndarray) -> int:
@@ -312,12 +318,4 @@ def materialise(
 
 
 def _walk_refs(obj: Any, leaf: Callable[[Any], Any]) -> Any:
-    if isinstance(obj, TensorRef):
-        return leaf(obj)
-    if isinstance(obj, dict):
-        return {k: _walk_refs(v, leaf) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_walk_refs(v, leaf) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_walk_refs(v, leaf) for v in obj)
-    return obj
+    return map_leaves(obj, TensorRef, leaf)
