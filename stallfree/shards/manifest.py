@@ -168,12 +168,7 @@ class Manifest:
     @classmethod
     def load(cls, url: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any) -> Manifest:
         """Read a manifest from ``url`` (a ``manifest.json`` file or a directory holding one)."""
-        if fs is None:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
-        else:
-            path = url
-        if not path.endswith(".json"):
-            path = join(path, MANIFEST_NAME)
+        fs, path = _manifest_path(url, fs, storage_options)
         try:
             text = fs.cat_file(path)
         except FileNotFoundError:
@@ -184,14 +179,22 @@ class Manifest:
         """Write atomically to ``url`` (a ``.json`` path or a directory); returns the path written."""
         from stallfree.shards.atomic import atomic_write_bytes
 
-        if fs is None:
-            fs, path = fsspec.core.url_to_fs(url, **storage_options)
-        else:
-            path = url
-        if not path.endswith(".json"):
-            path = join(path, MANIFEST_NAME)
+        fs, path = _manifest_path(url, fs, storage_options)
         atomic_write_bytes(fs, path, self.dumps().encode())
         return path
+
+
+def _manifest_path(
+    url: str, fs: fsspec.AbstractFileSystem | None, storage_options: dict[str, Any]
+) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and the manifest file's path for ``url`` (a ``.json`` path or a directory)."""
+    if fs is None:
+        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    else:
+        path = url
+    if not path.endswith(".json"):
+        path = join(path, MANIFEST_NAME)
+    return fs, path
 
 
 def join(root: str, rel: str) -> str:

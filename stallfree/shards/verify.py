@@ -30,7 +30,7 @@ from stallfree.shards.errors import (
     SampleDecodeError,
     ShardError,
 )
-from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
+from stallfree.shards.manifest import Manifest, ShardInfo, join
 from stallfree.shards.scan import pax_path
 
 log = logging.getLogger(__name__)
@@ -501,9 +501,7 @@ def verify_dataset(
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     root = posixpath.dirname(path) if path.endswith(".json") else path.rstrip("/")
     try:
-        manifest = Manifest.load(
-            path if path.endswith(".json") else posixpath.join(root, MANIFEST_NAME), fs=fs
-        )
+        manifest = Manifest.load(path, fs=fs)
     except MissingShardError as exc:
         exc.reason += (
             " (nothing to verify against; for plain WebDataset tars write one with `stallfree index`)"

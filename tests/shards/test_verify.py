@@ -47,6 +47,12 @@ def test_intact_dataset_is_ok(dataset: Path, fmt: str) -> None:
     ] + sum(s["bytes"] for s in json.loads((dataset / fmt / "manifest.json").read_text())["shards"][1:])
 
 
+def test_manifest_file_url_verifies_like_its_directory(dataset: Path) -> None:
+    whole = verify_dataset(str(dataset / "tar")).to_json()
+    direct = verify_dataset(str(dataset / "tar" / "manifest.json")).to_json()
+    assert direct["ok"] and {**direct, "dataset": None} == {**whole, "dataset": None}
+
+
 def test_flipped_byte_is_a_hash_mismatch(copy) -> None:
     root = copy()
     path = root / "shard-000001.tar"
