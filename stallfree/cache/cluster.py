@@ -34,6 +34,8 @@ from stallfree.cache.redis_ops import (
     FULL_KEY,
     USED_KEY,
     ClusterCacheError,
+    connect,
+    failure_reason,
     is_oom,
     mget_and_full,
     parse_server,
@@ -188,11 +190,7 @@ class ClusterCache(BaseCache):
         if node.down_until > now:
             return None
         if node.client is None:
-            import redis
-            from redis.backoff import NoBackoff
-            from redis.retry import Retry
-
-            node.client = redis.Redis(**node.kwargs, retry=Retry(NoBackoff(), 0), decode_responses=False)
+            node.client = connect(node.kwargs)
             node.admit = node.client.register_script(ADMIT_LUA)
             node.drop = node.client.register_script(DROP_LUA)
         if not node.configured:
@@ -220,12 +218,7 @@ class ClusterCache(BaseCache):
 
     def _failed_node(self, node: _Server, exc: BaseException) -> None:
         """Open the node's breaker: its keys are misses until the backoff has passed."""
-        import redis
-
-        if isinstance(exc, redis.AuthenticationError) or "auth" in str(exc).lower():
-            reason = f"authentication failed (check the cache password): {exc}"
-        else:
-            reason = f"{type(exc).__name__}: {exc}"
+        reason = failure_reason(exc)
         with self._lock:
             node.failures += 1
             delay = min(self.max_backoff_s, self.backoff_s * 2 ** (node.failures - 1))

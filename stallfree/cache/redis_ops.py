@@ -94,6 +94,24 @@ def is_oom(exc: BaseException) -> bool:
     return (bool(oom) and isinstance(exc, oom)) or str(exc).startswith("OOM") or "maxmemory" in str(exc)
 
 
+def connect(kwargs: dict[str, Any]) -> Any:
+    """A client that never retries: a dead server costs one timeout, then the caller decides."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return redis.Redis(**kwargs, retry=Retry(NoBackoff(), 0))
+
+
+def failure_reason(exc: BaseException) -> str:
+    """Why a server could not be used; a wrong or missing password is named as such."""
+    import redis
+
+    if isinstance(exc, redis.AuthenticationError) or "auth" in str(exc).lower():
+        return f"authentication failed (check the cache password): {exc}"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def mget_and_full(client: Any, keys: list[bytes]) -> tuple[list[bytes | None], bool]:
     pipe = client.pipeline(transaction=False)
     pipe.mget(keys)
@@ -132,22 +150,11 @@ def server_status(
         kwargs.setdefault("password", password)
     if kwargs.get("ssl") and tls_ca_certs is not None:
         kwargs["ssl_ca_certs"] = tls_ca_certs
-    from redis.backoff import NoBackoff
-    from redis.retry import Retry
-
-    client = redis.Redis(
-        **kwargs, socket_connect_timeout=timeout_s, socket_timeout=timeout_s, retry=Retry(NoBackoff(), 0)
-    )
+    client = connect({**kwargs, "socket_connect_timeout": timeout_s, "socket_timeout": timeout_s})
     try:
         status = server_info(client)
-    except redis.AuthenticationError as exc:
-        raise ClusterCacheError(f"{url}: authentication failed (check the cache password): {exc}") from exc
     except redis.RedisError as exc:
-        if "auth" in str(exc).lower():
-            raise ClusterCacheError(
-                f"{url}: authentication failed (check the cache password): {exc}"
-            ) from exc
-        raise ClusterCacheError(f"{url}: {type(exc).__name__}: {exc}") from exc
+        raise ClusterCacheError(f"{url}: {failure_reason(exc)}") from exc
     finally:
         client.close()
     lookups = status["keyspace_hits"] + status["keyspace_misses"]

@@ -14,7 +14,7 @@ import pytest
 
 from stallfree.cache import codec
 from stallfree.cache.base import CacheKey
-from stallfree.cache.cluster import ClusterCache, ClusterCacheError, rendezvous_rank
+from stallfree.cache.cluster import ClusterCache, ClusterCacheError, rendezvous_rank, server_status
 from stallfree.cache.node import NodeCache
 from stallfree.cache.readthrough import ReadStats, read_through
 from stallfree.cache.server import free_port
@@ -242,3 +242,14 @@ def test_unreachable_server_is_misses_not_exceptions():
     stats = cache.stats()
     assert stats["errors"] >= 1 and stats["misses"] == 1
     assert "Connection" in next(iter(stats["servers"].values()))["last_error"]
+
+
+def test_server_status_names_a_wrong_password_and_a_dead_server(redis_servers):
+    (server,) = redis_servers(1, password="pw")
+    assert server_status(server.url, password="pw")["url"] == server.url
+    for wrong in (None, "nope"):
+        with pytest.raises(ClusterCacheError, match=r"authentication failed \(check the cache password\)"):
+            server_status(server.url, password=wrong, timeout_s=1.0)
+    dead = f"redis://127.0.0.1:{free_port()}"
+    with pytest.raises(ClusterCacheError, match=f"^{dead}: ConnectionError"):
+        server_status(dead, timeout_s=1.0)
