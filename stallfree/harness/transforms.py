@@ -6,14 +6,14 @@ decode JPEG -> random resized crop -> horizontal flip -> float tensor normalised
 from __future__ import annotations
 
 import io
-import math
 import os
-import random
 from typing import Any
 
 import numpy as np
 import torch
 from PIL import Image
+
+from stallfree.gpu_decode.augment import random_resized_crop
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "img", "image")
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
@@ -38,33 +38,13 @@ def label_of(sample: dict[str, Any]) -> int:
     return int(value)
 
 
-def random_resized_crop_box(
-    width: int, height: int, rng: random.Random, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)
-) -> tuple[int, int, int, int]:
-    """torchvision's RandomResizedCrop box choice: (left, top, w, h); centre crop fallback."""
-    area = width * height
-    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    for _ in range(10):
-        target = area * rng.uniform(*scale)
-        aspect = math.exp(rng.uniform(*log_ratio))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
-    in_ratio = width / height
-    if in_ratio < ratio[0]:
-        w, h = width, int(round(width / ratio[0]))
-    elif in_ratio > ratio[1]:
-        h, w = height, int(round(height * ratio[1]))
-    else:
-        w, h = width, height
-    return (width - w) // 2, (height - h) // 2, w, h
+def train_transform(img: Image.Image, size: int, rng: np.random.Generator) -> torch.Tensor:
+    """RandomResizedCrop(size) + RandomHorizontalFlip + ToTensor + Normalize on a PIL image.
 
-
-def train_transform(img: Image.Image, size: int, rng: random.Random) -> torch.Tensor:
-    """RandomResizedCrop(size) + RandomHorizontalFlip + ToTensor + Normalize on a PIL image."""
+    The crop box comes from ``gpu_decode.augment`` (torchvision's sampling), the one ImageDecode uses.
+    """
     img = img.convert("RGB")
-    left, top, w, h = random_resized_crop_box(img.width, img.height, rng)
+    left, top, w, h = random_resized_crop(img.width, img.height, rng)
     img = img.resize((size, size), Image.Resampling.BILINEAR, box=(left, top, left + w, top + h))
     if rng.random() < 0.5:
         img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -81,11 +61,11 @@ class PILRecipe:
     def __init__(self, size: int = 224, seed: int = 0) -> None:
         self.size = size
         self.seed = seed
-        self._rng: random.Random | None = None
+        self._rng: np.random.Generator | None = None
 
     def __call__(self, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
         if self._rng is None:
-            self._rng = random.Random(self.seed * 1_000_003 + os.getpid())
+            self._rng = np.random.default_rng(self.seed * 1_000_003 + os.getpid())
         img = Image.open(io.BytesIO(sample[image_field(sample)]))
         return train_transform(img, self.size, self._rng), label_of(sample)
 

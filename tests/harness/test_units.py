@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import random
-
+import numpy as np
 import pytest
+import torch
 
+from stallfree.gpu_decode.augment import random_resized_crop
 from stallfree.harness import analyze, tune
 from stallfree.harness.datasets import (
     PartialCache,
@@ -16,7 +17,7 @@ from stallfree.harness.datasets import (
 )
 from stallfree.harness.metrics import RankMetrics, job_summary, percentile
 from stallfree.harness.runner import BenchConfig
-from stallfree.harness.transforms import label_of, random_resized_crop_box
+from stallfree.harness.transforms import PILRecipe, label_of
 
 
 def test_percentile_matches_linear_interpolation():
@@ -133,12 +134,25 @@ def test_tune_picks_least_cpu_among_stall_free_else_least_stall():
 
 
 def test_random_resized_crop_box_stays_inside_the_image():
-    rng = random.Random(0)
+    rng = np.random.default_rng(0)
     for w, h in [(500, 375), (32, 24), (1, 1), (1000, 10)]:
         for _ in range(50):
-            left, top, cw, ch = random_resized_crop_box(w, h, rng)
+            left, top, cw, ch = random_resized_crop(w, h, rng)
             assert 0 <= left and 0 <= top and cw > 0 and ch > 0
             assert left + cw <= w and top + ch <= h
+
+
+def test_pil_recipe_decodes_crops_and_labels_and_refuses_broken_samples():
+    from stallfree.testing.images import jpeg_bytes
+
+    (jpeg,) = jpeg_bytes(1, seed=0)
+    recipe = PILRecipe(16, seed=0)
+    image, label = recipe({"__key__": "a", "jpg": jpeg, "cls": b"7"})
+    assert image.shape == (3, 16, 16) and image.dtype == torch.float32 and label == 7
+    with pytest.raises(OSError, match="truncated"):
+        recipe({"__key__": "b", "jpg": jpeg[: len(jpeg) // 2]})
+    with pytest.raises(KeyError, match="sample 'c' has no image field"):
+        recipe({"__key__": "c", "txt": b"no image"})
 
 
 def test_label_of_reads_tar_and_arrow_forms():
