@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 
 from stallfree.cache import codec
+from stallfree.cache.policy import Policy, get_policy
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,14 @@ class BaseCache:
 
     def __init__(self) -> None:
         self._stats = CacheStats()
+
+    def _set_budget(self, capacity_bytes: int | None, policy: str | Policy) -> None:
+        """Check and keep what a bounded tier holds (encoded bytes; ``None``: no bound) and what it
+        does when full."""
+        if capacity_bytes is not None and capacity_bytes < 0:
+            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.policy = get_policy(policy)
 
     # -- the raw primitives a tier implements -------------------------------------------------
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stallfree.cache.base import BaseCache, PutResult
-from stallfree.cache.policy import Policy, get_policy
+from stallfree.cache.policy import Policy
 from stallfree.cache.redis_ops import (
     ADMIT_LUA,
     DROP_LUA,
@@ -119,11 +119,8 @@ class ClusterCache(BaseCache):
             servers = [servers]
         if not servers:
             raise ValueError("ClusterCache needs at least one server URL")
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._set_budget(capacity_bytes, policy)
         self.servers = list(servers)
-        self.capacity_bytes = capacity_bytes
-        self.policy = get_policy(policy)
         self.password = password
         self.username = username
         self.tls = tls

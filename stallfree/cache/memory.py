@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stallfree.cache.base import BaseCache, PutResult
-from stallfree.cache.policy import Policy, get_policy
+from stallfree.cache.policy import Policy
 
 
 class MemoryCache(BaseCache):
@@ -21,10 +21,7 @@ class MemoryCache(BaseCache):
 
     def __init__(self, capacity_bytes: int | None = None, policy: str | Policy = "minio") -> None:
         super().__init__()
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
-        self.policy = get_policy(policy)
+        self._set_budget(capacity_bytes, policy)
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
         self._used = 0
         self._evictions = 0

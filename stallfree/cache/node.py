@@ -25,7 +25,7 @@ import lmdb
 
 from stallfree.cache import lmdbenv
 from stallfree.cache.base import BaseCache, PutResult
-from stallfree.cache.policy import Policy, get_policy
+from stallfree.cache.policy import Policy
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +47,8 @@ class NodeCache(BaseCache):
         self, path: str | os.PathLike, capacity_bytes: int | None = None, policy: str | Policy = "minio"
     ) -> None:
         super().__init__()
-        if capacity_bytes is not None and capacity_bytes < 0:
-            raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        self._set_budget(capacity_bytes, policy)
         self.path = os.path.abspath(os.fspath(path))
-        self.capacity_bytes = capacity_bytes
-        self.policy = get_policy(policy)
         # B-tree pages and per-value page rounding cost space beyond the payload bytes
         self.map_size = _DEFAULT_MAP if capacity_bytes is None else int(capacity_bytes * 2) + (64 << 20)
         self._handle: lmdbenv.Handle | None = None

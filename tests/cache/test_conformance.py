@@ -90,6 +90,13 @@ def test_miss_and_contains(make_cache):
     assert cache.contains(key(10)) and not cache.contains(key(11))
 
 
+def test_bad_budget_is_a_clear_error(make_cache):
+    with pytest.raises(ValueError, match="capacity_bytes must be >= 0, got -"):
+        make_cache(-3)
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        make_cache(None, "fifo")
+
+
 def test_existing_entries_are_not_overwritten(make_cache):
     # entries are immutable: the same key always means the same content
     cache = make_cache()
