@@ -335,31 +335,33 @@ def _compare_idx(
         )
     actual = {(m.name, m.offset, m.size) for _, ms in samples for m in ms}
     listed = [(e.key, name, off, size) for e in entries for _, off, size, name in e.members]
-    bad = [(key, name, off, size) for key, name, off, size in listed if (name, off, size) not in actual]
-    for key, name, off, size in bad[:10]:
-        report.problems.append(
-            Problem.from_error(
-                IndexMismatchError(
-                    f".idx entry {name} ({size} bytes) does not match the tar headers",
-                    shard=shard,
-                    key=key,
-                    offset=off,
-                )
-            )
+    bad = [
+        IndexMismatchError(
+            f".idx entry {name} ({size} bytes) does not match the tar headers",
+            shard=shard,
+            key=key,
+            offset=off,
         )
-    if len(bad) > 10:
-        report.problems.append(
-            Problem("IndexMismatchError", f"... and {len(bad) - 10} more .idx mismatches", shard)
-        )
+        for key, name, off, size in listed
+        if (name, off, size) not in actual
+    ]
+    _add_capped(report, bad, ".idx mismatches", shard)
     listed_names = {name for _, name, _, _ in listed}
-    missing = [(k, m) for k, ms in samples for m in ms if m.name not in listed_names]
-    for key, m in missing[:10]:
+    missing = [
+        IndexMismatchError(f"member {m.name} is not in the .idx", shard=shard, key=key, offset=m.offset)
+        for key, ms in samples
+        for m in ms
+        if m.name not in listed_names
+    ]
+    _add_capped(report, missing, "members missing from the .idx", shard)
+
+
+def _add_capped(report: VerifyReport, errors: list[ShardError], what: str, shard: str) -> None:
+    """The first ``MAX_LISTED`` errors of one kind, then one line counting the rest."""
+    report.problems.extend(Problem.from_error(e) for e in errors[:MAX_LISTED])
+    if len(errors) > MAX_LISTED:
         report.problems.append(
-            Problem.from_error(
-                IndexMismatchError(
-                    f"member {m.name} is not in the .idx", shard=shard, key=key, offset=m.offset
-                )
-            )
+            Problem(type(errors[0]).__name__, f"... and {len(errors) - MAX_LISTED} more {what}", shard)
         )
 
 

@@ -342,3 +342,16 @@ def test_arrow_rows_without_key_collide_by_the_key_the_dataset_gives_them(tmp_pa
     assert [(p.error, p.message, p.shard, p.key) for p in report.problems] == [
         ("DuplicateKeyError", "duplicate sample key across shards: also in a.arrow", "b.arrow", "a/1")
     ]
+
+
+def test_idx_problems_past_ten_end_in_one_count(tmp_path: Path) -> None:
+    """An .idx that lists nothing: ten members are named, the rest counted in one line."""
+    root = write(tmp_path / "ds", "tar", [f"k{i:02d}" for i in range(6)], per_shard=6)  # 12 members
+    (root / "shard-000000.idx").write_text("v1.2 0\n")
+    problems = verify_dataset(str(root)).problems
+    assert [(p.error, p.key, p.message) for p in problems] == [
+        ("IndexMismatchError", None, ".idx lists 0 samples, manifest says 6")
+    ] + [
+        ("IndexMismatchError", f"k{i // 2:02d}", f"member k{i // 2:02d}.{field} is not in the .idx")
+        for i, field in zip(range(10), ["cls", "txt"] * 5, strict=True)
+    ] + [("IndexMismatchError", None, "... and 2 more members missing from the .idx")]
