@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
 from stallfree.harness.transforms import PILRecipe, collate_pairs
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,17 @@ class LoaderSettings:
         if self.worker_start == "forkserver":
             ctx.set_forkserver_preload(["torch", "stallfree.harness.loaders", "stallfree.harness.datasets"])
         return ctx
+
+    def torch_loader_kwargs(self) -> dict[str, Any]:
+        """Keywords for a torch-style DataLoader (torch's, webdataset's WebLoader): persistent
+        workers from :meth:`mp_context`, the prefetch factor when set, pinned memory for CUDA."""
+        kwargs: dict[str, Any] = {"pin_memory": self.device.startswith("cuda")}
+        if self.workers > 0:
+            kwargs["persistent_workers"] = True
+            kwargs["multiprocessing_context"] = self.mp_context()
+            if self.prefetch:
+                kwargs["prefetch_factor"] = self.prefetch
+        return kwargs
 
 
 class Adapter(abc.ABC):
@@ -141,13 +153,6 @@ class TorchAdapter(Adapter):
         self.sampler = torch.utils.data.DistributedSampler(
             s.dataset, num_replicas=s.world_size, rank=s.rank, shuffle=True, seed=s.seed, drop_last=True
         )
-        kwargs: dict[str, Any] = {}
-        if s.workers > 0:
-            kwargs["persistent_workers"] = True
-            kwargs["multiprocessing_context"] = s.mp_context()
-            if s.prefetch:
-                kwargs["prefetch_factor"] = s.prefetch
-        kwargs["pin_memory"] = s.device.startswith("cuda")  # the standard recipe for GPU training
         self.loader = torch.utils.data.DataLoader(
             _Mapped(s.dataset, PILRecipe(s.image_size, s.seed)),
             batch_size=s.batch_size,
@@ -155,7 +160,7 @@ class TorchAdapter(Adapter):
             num_workers=s.workers,
             collate_fn=collate_pairs,
             drop_last=True,
-            **kwargs,
+            **s.torch_loader_kwargs(),  # pinned memory on CUDA: the standard recipe for GPU training
         )
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
@@ -237,10 +242,6 @@ def _split_by_rank(urls: list[str], rank: int, world: int) -> list[str]:
     return list(urls)[rank::world]
 
 
-def _wds_pair(recipe: PILRecipe, sample: dict[str, Any]) -> Any:
-    return recipe(sample)
-
-
 def tar_shard_urls(dataset: Any) -> list[str]:
     """Full URLs (plain paths when local) of a tar-format shard dataset's shards, in order."""
     manifest = getattr(dataset, "manifest", None)
@@ -281,20 +282,13 @@ class WebDatasetAdapter(Adapter):
                 empty_check=False,
             )
             .shuffle(64, initial=64)
-            .map(functools.partial(_wds_pair, PILRecipe(s.image_size, s.seed)))
+            .map(PILRecipe(s.image_size, s.seed))
         )
-        kwargs: dict[str, Any] = {}
-        if s.workers > 0:
-            kwargs["persistent_workers"] = True
-            kwargs["multiprocessing_context"] = s.mp_context()
-            if s.prefetch:
-                kwargs["prefetch_factor"] = s.prefetch
-        kwargs["pin_memory"] = s.device.startswith("cuda")
         self.loader = wds.WebLoader(
             ds.batched(s.batch_size, collation_fn=collate_pairs, partial=False),
             batch_size=None,
             num_workers=s.workers,
-            **kwargs,
+            **s.torch_loader_kwargs(),
         )
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
@@ -341,8 +335,8 @@ class DaliAdapter(Adapter):
                 images,
                 dtype=types.FLOAT,
                 output_layout="CHW",
-                mean=[0.485 * 255, 0.456 * 255, 0.406 * 255],
-                std=[0.229 * 255, 0.224 * 255, 0.225 * 255],
+                mean=list(IMAGENET_MEAN),
+                std=list(IMAGENET_STD),
                 mirror=fn.random.coin_flip(),
             )
             return images, labels

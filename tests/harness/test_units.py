@@ -321,3 +321,14 @@ def test_format_table_explains_spikes_stages_epochs_and_skips():
     assert "an epoch is 32 steps (512 samples), so the run crosses 1 epoch boundary" in text
     assert "skipped dali: nvidia.dali is not installed" in text
     assert "1 ranks, step sleep 40 ms, batch 16, workers 2, 40 steps (+8 warm-up)" in text
+
+
+def test_torch_style_loaders_get_the_same_worker_keywords():
+    from stallfree.harness.loaders import LoaderSettings
+
+    assert LoaderSettings(dataset=None, workers=0).torch_loader_kwargs() == {"pin_memory": False}
+    kwargs = LoaderSettings(
+        dataset=None, workers=2, prefetch=4, device="cuda:0", worker_start="spawn"
+    ).torch_loader_kwargs()
+    assert kwargs.pop("multiprocessing_context").get_start_method() == "spawn"
+    assert kwargs == {"pin_memory": True, "persistent_workers": True, "prefetch_factor": 4}
