@@ -163,10 +163,11 @@ class BaseCache:
 
     # -- the public protocol -----------------------------------------------------------------
     def get_many(self, keys: Sequence[CacheKey]) -> list[Value | None]:
-        raw = self.get_encoded_many([k.to_bytes() for k in keys])
+        kbytes = [k.to_bytes() for k in keys]
+        raw = self.get_encoded_many(kbytes)
         out: list[Value | None] = []
         bad: list[bytes] = []
-        for key, blob in zip(keys, raw, strict=True):
+        for key, kb, blob in zip(keys, kbytes, raw, strict=True):
             if blob is None:
                 out.append(None)
                 continue
@@ -174,7 +175,7 @@ class BaseCache:
                 out.append(codec.decode(blob))
             except codec.CodecError as exc:
                 log.warning("%s: dropping corrupt entry %s: %s", self.name, key, exc)
-                bad.append(key.to_bytes())
+                bad.append(kb)
                 out.append(None)
         if bad:
             # they were counted as hits by get_encoded_many; they are misses

@@ -76,9 +76,11 @@ def read_through(
     missing = [pos for pos, value in enumerate(found) if value is None]
     if missing:
         fetched = _fetch(dataset, [indices[pos] for pos in missing])
+        fresh = []
         for pos, sample in zip(missing, fetched, strict=True):
             found[pos] = sample
-        cache.put_many([(keys[pos], sample) for pos, sample in zip(missing, fetched, strict=True)])
+            fresh.append((keys[pos], sample))
+        cache.put_many(fresh)
     if stats is not None:
         stats.add(len(indices), len(indices) - len(missing))
     return found  # type: ignore[return-value]
