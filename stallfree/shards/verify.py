@@ -157,7 +157,7 @@ def walk_tar(
                 )
             )
             break
-        if block == bytes(BLOCK) and len(block) == BLOCK:
+        if block == bytes(BLOCK):
             break  # end of archive
         try:
             name, size, typeflag = parse_header(block, offset, shard, last_key)
@@ -199,11 +199,11 @@ def walk_tar(
                 kept[name] = data[:size]
             else:
                 got = reader.skip(padded)
-            if got < min(size, padded) or got < padded:
+            if got < padded:
                 problems.append(
                     Problem.from_error(
                         CorruptShardError(
-                            f"truncated tar: member {name} needs {size} bytes, only {max(0, min(got, size))} present",
+                            f"truncated tar: member {name} needs {size} bytes, only {min(got, size)} present",
                             shard=shard,
                             key=key,
                             offset=data_offset,

@@ -355,3 +355,21 @@ def test_idx_problems_past_ten_end_in_one_count(tmp_path: Path) -> None:
         ("IndexMismatchError", f"k{i // 2:02d}", f"member k{i // 2:02d}.{field} is not in the .idx")
         for i, field in zip(range(10), ["cls", "txt"] * 5, strict=True)
     ] + [("IndexMismatchError", None, "... and 2 more members missing from the .idx")]
+
+
+def test_shard_cut_inside_a_member_names_it(tmp_path: Path) -> None:
+    root = write(tmp_path / "ds", "tar", ["a", "b"], per_shard=2)
+    (b,) = [s for s in parse_idx((root / "shard-000000.idx").read_text(), "s") if s.key == "b"]
+    field, offset, size, name = b.members[-1]
+    tar = root / "shard-000000.tar"
+    tar.write_bytes(tar.read_bytes()[: offset + 3])
+    walked = [p for p in verify_dataset(str(root)).problems if p.message.startswith("truncated")]
+    assert [(p.error, p.shard, p.key, p.offset, p.message) for p in walked] == [
+        (
+            "CorruptShardError",
+            "shard-000000.tar",
+            "b",
+            offset,
+            f"truncated tar: member {name} needs {size} bytes, only 3 present",
+        )
+    ]
