@@ -317,8 +317,9 @@ class DataLoader(tud.DataLoader):
             except Exception:  # noqa: BLE001 - stats are informational
                 out["decode"] = None
         if isinstance(out.get("decode"), dict) and hasattr(self._decode, "decode_batch"):
-            out["decode"]["where"] = "workers" if self._decode_in_workers() else "main"
-            if self._decode_in_workers():  # the main process's copy decoded nothing: count here
+            in_workers = self._decode_in_workers()
+            out["decode"]["where"] = "workers" if in_workers else "main"
+            if in_workers:  # the main process's copy decoded nothing: count here
                 decode_s = self._stats.stages.get("decode_batch_s", 0.0)
                 out["decode"].update(
                     batches=self._stats.batches,
@@ -372,6 +373,10 @@ class DataLoader(tud.DataLoader):
             and hasattr(dec, "decode_batch")
             and bool(getattr(dec, "runs_in_workers", False))
         )
+
+    def _decode_in_main(self) -> bool:
+        """A batch decoder that runs in this process (off the consumer's thread)."""
+        return hasattr(self._decode, "decode_batch") and not self._decode_in_workers()
 
     def _spec(self, base_seed: int) -> WorkerSpec:
         dec = self._decode
@@ -443,13 +448,7 @@ class DataLoader(tud.DataLoader):
             in_order=self.in_order,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             device=self._device,
-            decode_batch=self._decode
-            if (
-                self._decode is not None
-                and hasattr(self._decode, "decode_batch")
-                and not self._decode_in_workers()
-            )
-            else None,
+            decode_batch=self._decode if self._decode_in_main() else None,
             decode_seed=decode_seed,
             worker_decode=self._decode_in_workers(),
             on_error=self._on_error,
