@@ -71,29 +71,40 @@ def test_the_probes_see_an_open_reader(tar_dataset, arrow_dataset):
         assert_released(path)
 
 
-# -- tar, local (memory-mapped) ------------------------------------------------------------------
+# -- tar and Arrow alike, local (memory-mapped) --------------------------------------------------
+
+LOCAL = pytest.mark.parametrize(
+    "fixture, name, cls",
+    [("tar_dataset", TAR, TarShardReader), ("arrow_dataset", ARROW, ArrowShardReader)],
+    ids=["tar", "arrow"],
+)
 
 
-def test_tar_truncated_shard_releases_the_mapping(tar_dataset):
-    path = tar_dataset / TAR
-    info = shard_info(tar_dataset, TAR)
-    os.truncate(path, info.bytes - 1024)
+@LOCAL
+def test_truncated_shard_releases_the_file(request, fixture, name, cls):
+    root = request.getfixturevalue(fixture)
+    path, info = root / name, shard_info(root, name)
+    os.truncate(path, info.bytes - 100)
     with pytest.raises(CorruptShardError, match="shard is truncated") as err:
-        TarShardReader(fsspec.filesystem("file"), str(path), TAR, info)
-    assert (err.value.shard, err.value.offset) == (TAR, info.bytes - 1024)
+        cls(fsspec.filesystem("file"), str(path), name, info)
+    assert (err.value.shard, err.value.offset) == (name, info.bytes - 100)
     assert_released(path)
 
 
-def test_tar_hash_mismatch_releases_the_mapping(tar_dataset):
-    path = tar_dataset / TAR
-    info = shard_info(tar_dataset, TAR)
+@LOCAL
+def test_hash_mismatch_releases_the_file(request, fixture, name, cls):
+    root = request.getfixturevalue(fixture)
+    path, info = root / name, shard_info(root, name)
     data = bytearray(path.read_bytes())
-    data[600] ^= 0xFF  # inside the first member's data: same size, other hash
+    data[len(data) // 2] ^= 0xFF  # same size, other hash
     path.write_bytes(bytes(data))
     with pytest.raises(HashMismatchError, match=f"the manifest says {info.sha256}") as err:
-        TarShardReader(fsspec.filesystem("file"), str(path), TAR, info, verify_hash=True)
-    assert err.value.shard == TAR
+        cls(fsspec.filesystem("file"), str(path), name, info, verify_hash=True)
+    assert err.value.shard == name
     assert_released(path)
+
+
+# -- tar, local (memory-mapped) ------------------------------------------------------------------
 
 
 def test_tar_bad_idx_releases_the_mapping(tar_dataset):
@@ -138,28 +149,6 @@ def test_tar_failure_through_open_dataset_releases_the_mapping(tar_dataset):
 
 
 # -- Arrow, local (memory-mapped) ----------------------------------------------------------------
-
-
-def test_arrow_truncated_shard_releases_the_source(arrow_dataset):
-    path = arrow_dataset / ARROW
-    info = shard_info(arrow_dataset, ARROW)
-    os.truncate(path, info.bytes - 100)
-    with pytest.raises(CorruptShardError, match="shard is truncated") as err:
-        ArrowShardReader(fsspec.filesystem("file"), str(path), ARROW, info)
-    assert (err.value.shard, err.value.offset) == (ARROW, info.bytes - 100)
-    assert_released(path)
-
-
-def test_arrow_hash_mismatch_releases_the_source(arrow_dataset):
-    path = arrow_dataset / ARROW
-    info = shard_info(arrow_dataset, ARROW)
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    path.write_bytes(bytes(data))
-    with pytest.raises(HashMismatchError, match=f"the manifest says {info.sha256}") as err:
-        ArrowShardReader(fsspec.filesystem("file"), str(path), ARROW, info, verify_hash=True)
-    assert err.value.shard == ARROW
-    assert_released(path)
 
 
 @pytest.mark.parametrize(
