@@ -7,8 +7,15 @@ import torch
 
 from stallfree.harness.loaders import loader_available
 from stallfree.harness.runner import BenchConfig, run_bench
+from tests.harness._helpers import tiny_config
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (no GPU visible to torch); run benchmarks/gpu_check.sh on a GPU machine")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs CUDA (no GPU visible to torch); run benchmarks/gpu_check.sh on a GPU machine",
+    ),
+]
 
 
 def test_model_step_on_gpu_with_every_installed_loader(tmp_path):
@@ -16,20 +23,9 @@ def test_model_step_on_gpu_with_every_installed_loader(tmp_path):
 
     root = write_jpeg_shards(tmp_path / "shards", 64, per_shard=16, size=(64, 48))
     loaders = [n for n in ("stallfree", "torch", "dali") if loader_available(n) is None]
-    cfg = BenchConfig(
-        dataset=str(root),
-        loaders=loaders,
-        nproc=1,
-        step="model",
-        batch_size=8,
-        workers=1,
-        steps=3,
-        warmup=1,
-        image_size=32,
-        device="cuda",
-        timeline=False,
+    report = run_bench(
+        tiny_config(str(root), loaders, step="model", batch_size=8, image_size=32, device="cuda")
     )
-    report = run_bench(cfg)
     assert report["environment"]["gpu"]["count"] >= 1
     assert set(report["loaders"]) == set(loaders)
     for entry in report["loaders"].values():

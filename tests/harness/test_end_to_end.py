@@ -9,7 +9,8 @@ import pytest
 
 from stallfree.cli import main
 from stallfree.harness.loaders import loader_available
-from stallfree.harness.runner import BenchConfig, run_bench
+from stallfree.harness.runner import run_bench
+from tests.harness._helpers import bench_argv, tiny_config
 
 LOADERS = "torch,stallfree" if loader_available("stallfree") is None else "torch"
 
@@ -17,32 +18,20 @@ LOADERS = "torch,stallfree" if loader_available("stallfree") is None else "torch
 def test_two_ranks_cpu_end_to_end_json_adds_up_and_png_written(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
     rc = main(
-        [
-            "bench",
+        bench_argv(
             "synthetic:96:64x48",
-            "--nproc",
-            "2",
-            "--loader",
-            LOADERS,
-            "--step-ms",
-            "10",
-            "--batch-size",
-            "4",
-            "--workers",
-            "1",
-            "--steps",
-            "6",
-            "--warmup",
-            "1",
-            "--image-size",
-            "32",
-            "--device",
-            "cpu",
-            "--json",
-            str(out_json),
-            "--plot",
-            str(out_png),
-        ]
+            nproc=2,
+            loader=LOADERS,
+            step_ms=10,
+            batch_size=4,
+            workers=1,
+            steps=6,
+            warmup=1,
+            image_size=32,
+            device="cpu",
+            json=out_json,
+            plot=out_png,
+        )
     )
     assert rc == 0
     table = capsys.readouterr().out
@@ -70,19 +59,16 @@ def test_injected_delay_gives_the_expected_stall_share(loader):
     # Each sample sleeps 10 ms in __getitem__; with no workers the rank fetches its batch of 4
     # inline: 40 ms blocked per step, beside a 20 ms step -> stall share 40 / 60.
     delay, batch, step_ms = 0.010, 4, 20.0
-    cfg = BenchConfig(
-        dataset="synthetic:64:32x24",
-        loaders=[loader],
+    cfg = tiny_config(
+        "synthetic:64:32x24",
+        [loader],
         nproc=2,
         step="sleep",
         step_ms=step_ms,
         batch_size=batch,
         workers=0,
         steps=8,
-        warmup=1,
-        image_size=16,
         slow_delay_s=delay,
-        timeline=False,
     )
     report = run_bench(cfg)
     expected = batch * delay / (batch * delay + step_ms / 1e3)
@@ -93,26 +79,17 @@ def test_injected_delay_gives_the_expected_stall_share(loader):
 
 def test_unrunnable_loader_is_skipped_with_its_reason(capsys):
     rc = main(
-        [
-            "bench",
+        bench_argv(
             "synthetic:32:32x24",
-            "--nproc",
-            "1",
-            "--loader",
-            "torch,webdataset,nosuch",
-            "--step-ms",
-            "1",
-            "--batch-size",
-            "4",
-            "--workers",
-            "0",
-            "--steps",
-            "2",
-            "--warmup",
-            "0",
-            "--image-size",
-            "16",
-        ]
+            nproc=1,
+            loader="torch,webdataset,nosuch",
+            step_ms=1,
+            batch_size=4,
+            workers=0,
+            steps=2,
+            warmup=0,
+            image_size=16,
+        )
     )
     out = capsys.readouterr().out
     assert rc == 0
@@ -138,20 +115,7 @@ def test_tar_shards_over_loopback_http_with_every_installed_reader(tmp_path):
     root = write_jpeg_shards(tmp_path / "shards", 64, per_shard=16, size=(48, 32))
     loaders = [n for n in ("stallfree", "torch", "webdataset") if loader_available(n) is None]
     with serve_directory(root, latency_s=0.001) as server:
-        cfg = BenchConfig(
-            dataset=server.url,
-            loaders=loaders,
-            nproc=1,
-            step_ms=1,
-            batch_size=4,
-            workers=1,
-            steps=3,
-            warmup=1,
-            image_size=16,
-            decode="recipe",
-            timeline=False,
-        )
-        report = run_bench(cfg)
+        report = run_bench(tiny_config(server.url, loaders, decode="recipe"))
         assert server.stats.requests > 0
     assert set(report["loaders"]) == set(loaders) and report["skipped"] == {}
     for entry in report["loaders"].values():
@@ -163,54 +127,29 @@ def test_dali_reader_on_local_tar_shards(tmp_path):
     from stallfree.harness.fixtures import write_jpeg_shards
 
     root = write_jpeg_shards(tmp_path / "shards", 32, per_shard=16, size=(48, 32))
-    cfg = BenchConfig(
-        dataset=str(root),
-        loaders=["dali"],
-        nproc=1,
-        step_ms=1,
-        batch_size=4,
-        workers=1,
-        steps=3,
-        warmup=1,
-        image_size=16,
-        device="cpu",
-        timeline=False,
-    )
-    report = run_bench(cfg)
+    report = run_bench(tiny_config(str(root), ["dali"], device="cpu"))
     assert report["loaders"]["dali"]["job"]["samples"] == 12
 
 
 def test_analyze_and_tune_sections(tmp_path, capsys):
     out_json = tmp_path / "r.json"
     rc = main(
-        [
-            "bench",
+        bench_argv(
             "synthetic:64:32x24",
-            "--nproc",
-            "1",
-            "--loader",
-            "torch",
-            "--step-ms",
-            "2",
-            "--batch-size",
-            "4",
-            "--workers",
-            "0",
-            "--steps",
-            "3",
-            "--warmup",
-            "1",
-            "--image-size",
-            "16",
             "--analyze",
             "--tune",
-            "--tune-workers",
-            "0,1",
-            "--tune-prefetch",
-            "2",
-            "--json",
-            str(out_json),
-        ]
+            nproc=1,
+            loader="torch",
+            step_ms=2,
+            batch_size=4,
+            workers=0,
+            steps=3,
+            warmup=1,
+            image_size=16,
+            tune_workers="0,1",
+            tune_prefetch=2,
+            json=out_json,
+        )
     )
     out = capsys.readouterr().out
     assert rc == 0
