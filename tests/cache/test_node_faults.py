@@ -163,3 +163,25 @@ def test_failed_recency_flush_on_read_keeps_hits_and_touches(tmp_path, monkeypat
     # least recently used are 0 and 3..8
     assert kept(cache, N + 7) == {1, 2, 9, *range(N, N + 7)}
     cache.close()
+
+
+@pytest.mark.parametrize("damage", ["garbage data.mdb", "a file at the path"])
+def test_a_store_that_is_not_lmdb_is_misses_not_exceptions(tmp_path, damage, caplog):
+    path = tmp_path / "store"
+    if damage == "garbage data.mdb":
+        path.mkdir()
+        (path / "data.mdb").write_bytes(b"\x5a" * 100_000)
+        why = "MDB_INVALID"
+    else:
+        path.write_bytes(b"not a directory")
+        why = "FileExistsError"
+    cache = NodeCache(path, capacity_bytes=1 << 20)
+    with caplog.at_level("WARNING"):
+        assert cache.get_many([key(1), key(2)]) == [None, None]
+        cache.put_many([(key(1), value(1))])
+        assert not cache.contains(key(1))
+    assert why in caplog.text
+    stats = cache.stats()
+    assert stats["misses"] == 2 and stats["hits"] == 0 and stats["admitted"] == 0
+    assert stats["errors"] >= 3  # get, put, contains: each counted, none raised
+    cache.close()
