@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from stallfree.cache import codec
 from stallfree.cache.base import CacheKey
 from stallfree.cache.memory import MemoryCache
+from stallfree.cache.node import NodeCache
 from stallfree.cache.tiered import TieredCache
 
 
@@ -27,3 +29,19 @@ def test_contains_finds_a_key_behind_a_broken_tier():
     assert broken.stats()["errors"] == 2
     got = cache.get_many([key])
     assert got[0]["jpg"] == b"\xff\xd8data"
+
+
+def test_corrupt_entry_in_a_lower_tier_is_a_miss_and_dropped_from_every_tier(tmp_path, caplog):
+    upper, lower = MemoryCache(), NodeCache(tmp_path / "node")
+    key = CacheKey("fp", 3, "raw")
+    good = codec.encode({"__key__": "k3", "jpg": b"\xff\xd8" * 100})
+    lower.put_encoded_many([(key.to_bytes(), good[:-5] + b"\x00" * 5)])  # torn tail
+    cache = TieredCache([upper, lower])
+    with caplog.at_level("WARNING"):
+        assert cache.get_many([key]) == [None]
+    assert "corrupt" in caplog.text
+    assert cache.stats()["corrupt"] == 1
+    assert not upper.contains(key) and not lower.contains(key)  # promoted copy dropped too
+    cache.put_many([(key, {"__key__": "k3", "jpg": b"ok"})])
+    assert cache.get_many([key]) == [{"__key__": "k3", "jpg": b"ok"}]
+    cache.close()
