@@ -112,13 +112,7 @@ class RowWriter:
                 self._stop()
                 return sample
             for p, t in leaves:
-                row = self.buffers[p][pos]
-                if self.file is not None:
-                    self.file.write_tensor(row, t)  # through the file: nothing mapped, no faults
-                else:
-                    row.copy_(t)
-                    # written: the slot keeps it, this process need not map it (whole pages only)
-                    shm.release_range(row.data_ptr(), row.numel() * row.element_size())
+                shm.write_row(self.buffers[p][pos], t, self.file)  # via the file: no faults
                 sample = _replace(sample, p, Row(p, pos))
             self._written[pos] = sample
             return sample

@@ -119,6 +119,16 @@ class SlotFile:
         self.write(dst.data_ptr() - self.base, flat.numpy())
 
 
+def write_row(dst: torch.Tensor, src: torch.Tensor, file: SlotFile | None) -> None:
+    """Fill ``dst`` (a row of a slot) with ``src`` and leave it unmapped in this process: through
+    the slot's file when there is one, else through the mapping, letting go of the row's pages."""
+    if file is not None:
+        file.write_tensor(dst, src)
+    else:
+        dst.copy_(src)
+        release_range(dst.data_ptr(), dst.numel() * dst.element_size())
+
+
 @dataclass(frozen=True)
 class TensorRef:
     offset: int

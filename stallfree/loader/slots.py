@@ -122,8 +122,4 @@ class SlotAlloc:
 
     def put_row(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Write one finished image into its row without mapping the slot (see rows.py)."""
-        if self.file is not None:
-            self.file.write_tensor(dst, src)
-        else:
-            dst.copy_(src)
-            shm.release_range(dst.data_ptr(), dst.numel() * dst.element_size())
+        shm.write_row(dst, src, self.file)
