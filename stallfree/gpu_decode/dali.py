@@ -41,8 +41,9 @@ INSTALL_HINT = (
 
 
 def dali_available() -> bool:
-    """Whether DALI is installed, without importing it: the import costs ~0.15 s and ~65 MB of
-    RSS, which every forked loader worker would then carry, even when the CPU decoder is chosen."""
+    """Whether DALI is installed, without importing it: the import costs time and RSS (0.15 s and
+    65 MB in a one-off measurement here), which every forked loader worker would then carry, even
+    when the CPU decoder is chosen."""
     try:
         return importlib.util.find_spec("nvidia.dali") is not None
     except (ImportError, ValueError):  # "nvidia" itself missing or broken
