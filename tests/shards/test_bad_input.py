@@ -238,3 +238,16 @@ def test_truncated_arrow(arrow_dataset):
 def test_errors_are_shard_errors():
     for cls in (CorruptShardError, IndexMismatchError, HashMismatchError, MissingShardError, ManifestError):
         assert issubclass(cls, ShardError)
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_shard_larger_than_recorded(tar_dataset, arrow_dataset, fmt):
+    root, name = (tar_dataset, SHARD1) if fmt == "tar" else (arrow_dataset, "shard-000001.arrow")
+    path = root / name
+    size = path.stat().st_size
+    with open(path, "ab") as f:
+        f.write(b"\0" * 512)
+    ds = open_dataset(str(root))
+    with pytest.raises(CorruptShardError, match=f"larger than recorded: {size + 512} bytes") as info:
+        ds[5]
+    assert (info.value.shard, info.value.offset) == (name, size + 512)

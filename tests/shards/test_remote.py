@@ -149,3 +149,29 @@ def test_concurrent_reads_from_threads(served, fmt):
         results = list(pool.map(ds.get_many, batches))
     for batch, got in zip(batches, results, strict=True):
         assert [g["jpg"] for g in got] == [samples[i]["jpg"] for i in batch]
+
+
+def test_remote_shard_removed_after_open(served):
+    """A ranged read of a file that went away names the shard, not an HTTP error."""
+    server, root, _ = served
+    os.makedirs(root / "removed", exist_ok=True)
+    for name in (
+        "manifest.json",
+        "shard-000000.tar",
+        "shard-000000.idx",
+        "shard-000001.tar",
+        "shard-000001.idx",
+    ):
+        (root / "removed" / name).write_bytes((root / "tar" / name).read_bytes())
+    from stallfree.shards.errors import MissingShardError
+
+    ds = open_dataset(f"{server.url}/removed")
+    assert ds[1]["__key__"] == "sample00001"  # shard 0 open, its index read
+    os.remove(root / "removed" / "shard-000000.tar")
+    with pytest.raises(MissingShardError, match="shard not found") as info:
+        ds[2]
+    assert info.value.shard == "shard-000000.tar"
+    with pytest.raises(MissingShardError) as info:
+        ds.get_many([3, 4, 13])
+    assert info.value.shard == "shard-000000.tar"
+    assert ds[13]["__key__"] == "sample00013"  # the other shard still reads
