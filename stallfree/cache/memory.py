@@ -49,11 +49,12 @@ class MemoryCache(BaseCache):
                         self._data.move_to_end(key)
                     continue
                 size = len(blob)
-                if self.policy.evicts and cap is not None and size <= cap:
-                    while self._used + size > cap and self._data:
-                        _, old = self._data.popitem(last=False)
-                        self._used -= len(old)
-                        self._evictions += 1
+                need = self.policy.room_needed(self._used, size, cap)
+                while need > 0 and self._data:
+                    _, old = self._data.popitem(last=False)
+                    self._used -= len(old)
+                    need -= len(old)
+                    self._evictions += 1
                 if not self.policy.admits(self._used, size, cap):
                     rejected += 1
                     continue

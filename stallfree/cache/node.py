@@ -149,8 +149,9 @@ class NodeCache(BaseCache):
                     if cursor.set_key(key):
                         continue
                     size = len(blob)
-                    if self.policy.evicts and cap is not None and size <= cap and used + size > cap:
-                        freed, n = self._evict(txn, data, atime, order, used + size - cap)
+                    need = self.policy.room_needed(used, size, cap)
+                    if need:
+                        freed, n = self._evict(txn, data, atime, order, need)
                         used -= freed
                         evicted += n
                     if not self.policy.admits(used, size, cap):

@@ -20,6 +20,13 @@ class Policy:
     evicts: bool  # make room by evicting least recently used entries
     redis_maxmemory_policy: str  # the equivalent Redis server setting
 
+    def room_needed(self, used: int, size: int, capacity: int | None) -> int:
+        """Bytes to evict before an entry of ``size`` bytes is stored (0: none, or never evicts;
+        an entry larger than the whole capacity evicts nothing and is then not admitted)."""
+        if not self.evicts or capacity is None or size > capacity:
+            return 0
+        return max(0, used + size - capacity)
+
     def admits(self, used: int, size: int, capacity: int | None) -> bool:
         """Whether an entry of ``size`` bytes may be stored now (after any eviction LRU does)."""
         if capacity is None:

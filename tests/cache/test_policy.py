@@ -67,3 +67,10 @@ def test_policy_names():
         get_policy("fifo")
     assert MINIO.admits(90, 10, 100) and not MINIO.admits(91, 10, 100)
     assert LRU.admits(100, 10, 100) and not LRU.admits(0, 101, 100)
+
+
+def test_room_needed():
+    assert LRU.room_needed(95, 10, 100) == 5 and LRU.room_needed(90, 10, 100) == 0
+    assert LRU.room_needed(50, 101, 100) == 0  # never fits: nothing is evicted for it
+    assert LRU.room_needed(95, 10, None) == 0
+    assert MINIO.room_needed(95, 10, 100) == 0  # minio never evicts
