@@ -57,14 +57,21 @@ def whatif_share(cfg: BenchConfig, dataset_bytes: float) -> float:
     return cfg.whatif_cache_fraction
 
 
-def analysis_phases(cfg: BenchConfig) -> list[Phase]:
-    """The phases --analyze adds (labels start with ``analyze:``)."""
-    from stallfree.harness.datasets import mean_sample_bytes, resolve_dataset
+def probe_dataset(cfg: BenchConfig) -> Any:
+    """The dataset the analysis probes for sample sizes and memory read speed: the fast copy
+    (``warm_from``) when there is one. Opened once per bench and passed to both steps below."""
+    from stallfree.harness.datasets import resolve_dataset
+
+    if cfg.warm_from:
+        return resolve_dataset(cfg.warm_from)
+    return resolve_dataset(cfg.dataset, cfg.storage_options)
+
+
+def analysis_phases(cfg: BenchConfig, dataset: Any) -> list[Phase]:
+    """The phases --analyze adds (labels start with ``analyze:``); ``dataset`` from :func:`probe_dataset`."""
+    from stallfree.harness.datasets import mean_sample_bytes
 
     name = analysis_loader(cfg)
-    dataset = (
-        resolve_dataset(cfg.warm_from) if cfg.warm_from else resolve_dataset(cfg.dataset, cfg.storage_options)
-    )
     n = len(dataset)
     subset = cached_subset_size(cfg, n)
     x = whatif_share(cfg, mean_sample_bytes(dataset) * n)
@@ -154,17 +161,13 @@ def _speed(by_label: dict[str, Any], label: str) -> float:
     return phase_entry(by_label[label])["job"]["samples_per_s"]
 
 
-def analyze(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
-    """Rates, stall split, what-if prediction vs measurement, and advice, from the phases run."""
-    from stallfree.harness.datasets import resolve_dataset
+def analyze(cfg: BenchConfig, by_label: dict[str, Any], dataset: Any) -> dict[str, Any]:
+    """Rates, stall split, what-if prediction vs measurement, and advice, from the phases run;
+    sample sizes and memory read speed are probed on ``dataset`` (see :func:`probe_dataset`)."""
     from stallfree.harness.report import phase_entry
 
     name = analysis_loader(cfg)
     serial = SERIAL_FETCH_PREP.get(name, True)
-    # Probe sample sizes and memory read speed on the fast copy when there is one.
-    dataset = (
-        resolve_dataset(cfg.warm_from) if cfg.warm_from else resolve_dataset(cfg.dataset, cfg.storage_options)
-    )
     cache_bw, mean_bytes = _probe_cache_bandwidth(dataset, 64)
     total_bytes = mean_bytes * len(dataset)
     g = _speed(by_label, "analyze:synthetic")

@@ -360,8 +360,9 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     cfg.validate()
     phases, skipped = loader_phases(cfg)
     extra: list[Phase] = []
+    probe = analyze.probe_dataset(cfg) if cfg.analyze else None
     if cfg.analyze:
-        extra += analyze.analysis_phases(cfg)
+        extra += analyze.analysis_phases(cfg, probe)
     if cfg.tune:
         extra += tune.tune_phases(cfg)
     if not phases and not extra:
@@ -383,7 +384,7 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     rep = report.build_report(cfg, ran, skipped, elapsed_s=time.time() - started)
     rep["dataset_samples"] = _dataset_len(cfg)
     if cfg.analyze:
-        rep["analysis"] = analyze.analyze(cfg, by_label)
+        rep["analysis"] = analyze.analyze(cfg, by_label, probe)
     if cfg.tune:
         rep["tune"] = tune.summarize(cfg, by_label)
     return rep
