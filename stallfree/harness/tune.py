@@ -48,8 +48,9 @@ def summarize(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
     """The sweep's rows (stall, CPU, throughput per setting) and the chosen setting."""
     from stallfree.harness.report import phase_entry
 
+    phases = tune_phases(cfg)
     rows = []
-    for phase in tune_phases(cfg):
+    for phase in phases:
         job = phase_entry(by_label[phase.label])["job"]
         rows.append(
             {
@@ -62,7 +63,7 @@ def summarize(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
         )
     best = pick(rows, cfg.tune_target_stall)
     return {
-        "loader": tune_phases(cfg)[0].loader,
+        "loader": phases[0].loader,
         "target_stall": cfg.tune_target_stall,
         "rows": rows,
         "best": best,
