@@ -44,15 +44,21 @@ def _expand(src: str) -> list[str]:
     return [src]
 
 
+def _kind_of_suffixes(suffixes: set[str]) -> str | None:
+    """``tar`` for all-tar files, a table kind when every suffix names the same one, else None."""
+    if suffixes == {".tar"}:
+        return "tar"
+    kinds = {TABLE_SUFFIXES.get(s) for s in suffixes}
+    return kinds.pop() if len(kinds) == 1 and None not in kinds else None
+
+
 def detect_kind(paths: Sequence[str]) -> str:
     """Guess the source kind from file suffixes or a directory's layout."""
     if len(paths) > 1 or Path(paths[0]).is_file():
         suffixes = {Path(p).suffix.lower() for p in paths}
-        if suffixes == {".tar"}:
-            return "tar"
-        kinds = {TABLE_SUFFIXES.get(s) for s in suffixes}
-        if len(kinds) == 1 and None not in kinds:
-            return kinds.pop()  # type: ignore[return-value]
+        kind = _kind_of_suffixes(suffixes)
+        if kind is not None:
+            return kind
         raise SourceError(
             f"cannot tell the source kind of {paths[0]} (suffixes {sorted(suffixes)}); pass a kind"
         )
@@ -63,12 +69,9 @@ def detect_kind(paths: Sequence[str]) -> str:
     files = [e for e in entries if e.is_file()]
     dirs = [e for e in entries if e.is_dir()]
     if files and not dirs:
-        suffixes = {Path(e.name).suffix.lower() for e in files}
-        if suffixes == {".tar"}:
-            return "tar"
-        kinds = {TABLE_SUFFIXES.get(s) for s in suffixes}
-        if len(kinds) == 1 and None not in kinds:
-            return kinds.pop()  # type: ignore[return-value]
+        kind = _kind_of_suffixes({Path(e.name).suffix.lower() for e in files})
+        if kind is not None:
+            return kind
     if dirs and not files:
         for d in dirs:
             if any(rel.lower().endswith(IMAGE_EXTENSIONS) for rel in walk_files(Path(d.path))):

@@ -243,3 +243,26 @@ def test_every_name_still_imports_from_sources():
     from stallfree.cli import shard as shard_cli  # keeps its own copy so --help imports nothing heavy
 
     assert shard_cli.SOURCE_KINDS == sources.SOURCE_KINDS
+
+
+def test_detect_kind_from_suffixes(tmp_path: Path) -> None:
+    """Files and a directory of files are judged by the same suffix rule."""
+    for sub, names in {
+        "tars": ["a.tar", "b.tar"],
+        "jsonl": ["a.jsonl", "b.ndjson"],
+        "mixed": ["a.tar", "b.parquet"],
+        "other": ["a.jpg", "a.txt"],
+    }.items():
+        (tmp_path / sub).mkdir()
+        for name in names:
+            (tmp_path / sub / name).write_bytes(b"")
+    files = {sub: sorted(str(p) for p in (tmp_path / sub).iterdir()) for sub in ("tars", "jsonl", "mixed")}
+    assert [detect_kind(files[sub]) for sub in ("tars", "jsonl")] == ["tar", "jsonl"]
+    with pytest.raises(SourceError, match=r"suffixes \['.parquet', '.tar'\]"):
+        detect_kind(files["mixed"])
+    assert [detect_kind([str(tmp_path / sub)]) for sub in ("tars", "jsonl", "mixed", "other")] == [
+        "tar",
+        "jsonl",
+        "files",
+        "files",
+    ]
