@@ -97,6 +97,25 @@ def _fmt_row(cells: list[str], widths: list[int]) -> str:
     )
 
 
+def _cells(name: str, rank: str, figures: dict[str, Any], step_p50_ms: float) -> list[str]:
+    """One table row from a job or rank summary."""
+    return [
+        name,
+        rank,
+        f"{figures['samples_per_s']:.1f}",
+        f"{100 * figures['stall_share']:.1f}",
+        f"{figures['wait_p50_ms']:.1f}",
+        f"{figures['wait_p99_ms']:.1f}",
+        f"{step_p50_ms:.1f}",
+        f"{figures['cpu_cores']:.2f}",
+    ]
+
+
+def _world(cfg: dict[str, Any]) -> int:
+    """Ranks of the run: ``nproc`` when the harness launched them, torchrun's world size otherwise."""
+    return cfg["nproc"] if cfg.get("rank") is None else cfg.get("world_size") or 1
+
+
 def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
     """A plain-text table: one row per loader (job figures), then per rank when asked."""
     head = [
@@ -111,33 +130,9 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
     ]
     rows: list[list[str]] = []
     for name, entry in report["loaders"].items():
-        job = entry["job"]
-        rows.append(
-            [
-                name,
-                "job",
-                f"{job['samples_per_s']:.1f}",
-                f"{100 * job['stall_share']:.1f}",
-                f"{job['wait_p50_ms']:.1f}",
-                f"{job['wait_p99_ms']:.1f}",
-                f"{max(r['step_p50_ms'] for r in entry['ranks']):.1f}",
-                f"{job['cpu_cores']:.2f}",
-            ]
-        )
+        rows.append(_cells(name, "job", entry["job"], max(r["step_p50_ms"] for r in entry["ranks"])))
         if per_rank and len(entry["ranks"]) > 1:
-            for r in entry["ranks"]:
-                rows.append(
-                    [
-                        "",
-                        str(r["rank"]),
-                        f"{r['samples_per_s']:.1f}",
-                        f"{100 * r['stall_share']:.1f}",
-                        f"{r['wait_p50_ms']:.1f}",
-                        f"{r['wait_p99_ms']:.1f}",
-                        f"{r['step_p50_ms']:.1f}",
-                        f"{r['cpu_cores']:.2f}",
-                    ]
-                )
+            rows += [_cells("", str(r["rank"]), r, r["step_p50_ms"]) for r in entry["ranks"]]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = [_fmt_row(head, widths), "  ".join("-" * w for w in widths)]
     lines += [_fmt_row(r, widths) for r in rows]
@@ -156,20 +151,18 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
         if stages and batches:
             parts = ", ".join(f"{k.removesuffix('_s')} {1e3 * v / batches:.1f}" for k, v in stages.items())
             lines.append(f"{name} stages, ms per batch (rank 0, loader's own counters): {parts}")
-    n, cfg_ = report.get("dataset_samples"), report["config"]
-    world = cfg_["nproc"] if cfg_.get("rank") is None else cfg_.get("world_size") or 1
-    per_epoch = n // (cfg_["batch_size"] * world) if n else 0
-    if n and per_epoch and cfg_["warmup"] + cfg_["steps"] > per_epoch:
+    n, cfg = report.get("dataset_samples"), report["config"]
+    per_epoch = n // (cfg["batch_size"] * _world(cfg)) if n else 0
+    if n and per_epoch and cfg["warmup"] + cfg["steps"] > per_epoch:
         lines.append(
             f"note: an epoch is {per_epoch} steps ({n} samples), so the run crosses "
-            f"{(cfg_['warmup'] + cfg_['steps']) // per_epoch} epoch boundary(ies); each restarts a loader's "
+            f"{(cfg['warmup'] + cfg['steps']) // per_epoch} epoch boundary(ies); each restarts a loader's "
             f"read-ahead and shows as stall (use a larger dataset or fewer steps)"
         )
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"skipped {name}: {reason}")
-    cfg = report["config"]
     lines.append(
-        f"{cfg['nproc'] if cfg.get('rank') is None else cfg.get('world_size')} ranks, step {_step_label(cfg)}, batch {cfg['batch_size']}, workers {cfg['workers']}, {cfg['steps']} steps "
+        f"{_world(cfg)} ranks, step {_step_label(cfg)}, batch {cfg['batch_size']}, workers {cfg['workers']}, {cfg['steps']} steps "
         f"(+{cfg['warmup']} warm-up); stall % = time blocked in next() / step time, job = worst rank"
     )
     return "\n".join(lines)
