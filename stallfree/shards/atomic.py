@@ -95,10 +95,7 @@ class AtomicFile:
         try:
             self._f.write(data)
         except Exception as exc:  # noqa: BLE001
-            self.abort()
-            raise WriteError(
-                f"write failed: {type(exc).__name__}: {exc}", shard=self._shard, offset=self.size
-            ) from exc
+            raise self._failed("write failed", exc, offset=self.size) from exc
         self._sha.update(data)
         self.size += len(data)
 
@@ -116,11 +113,13 @@ class AtomicFile:
             else:
                 self.fs.mv(self.tmp, self.path)
         except Exception as exc:  # noqa: BLE001
-            self.abort()
-            raise WriteError(
-                f"cannot finish {self.path}: {type(exc).__name__}: {exc}", shard=self._shard
-            ) from exc
+            raise self._failed(f"cannot finish {self.path}", exc) from exc
         self._done = True
+
+    def _failed(self, what: str, exc: BaseException, offset: int | None = None) -> WriteError:
+        """Drop the temp file and return the error to raise (``what: ExcType: message``)."""
+        self.abort()
+        return WriteError(f"{what}: {type(exc).__name__}: {exc}", shard=self._shard, offset=offset)
 
     def abort(self) -> None:
         """Drop the temp file; never raises (it runs while another error is propagating)."""
@@ -212,10 +211,7 @@ class OverlappedHashFile(AtomicFile):
         try:
             _writev_all(self._fd, parts, total)
         except Exception as exc:  # noqa: BLE001 - same contract as AtomicFile.write
-            self.abort()
-            raise WriteError(
-                f"write failed: {type(exc).__name__}: {exc}", shard=self._shard, offset=self.size
-            ) from exc
+            raise self._failed("write failed", exc, offset=self.size) from exc
         self.size += total
         if self._hasher is None:  # the first chunk (or a small file): hash inline, the data is hot
             for part in parts:
@@ -232,10 +228,7 @@ class OverlappedHashFile(AtomicFile):
                 self._hash_to(min(self.size, self._hashed + self.chunk))
             except Exception as exc:  # noqa: BLE001
                 self._hash_lock.release()
-                self.abort()
-                raise WriteError(
-                    f"sha256 read-back failed: {type(exc).__name__}: {exc}", shard=self._shard
-                ) from exc
+                raise self._failed("sha256 read-back failed", exc) from exc
             self._hash_lock.release()
         if self.size - self._signalled >= self.chunk:
             self._signalled = self.size
@@ -260,10 +253,7 @@ class OverlappedHashFile(AtomicFile):
                 self._hash_to(self.size)
         except BaseException as exc:
             self._error = None
-            self.abort()
-            raise WriteError(
-                f"sha256 read-back failed: {type(exc).__name__}: {exc}", shard=self._shard
-            ) from exc
+            raise self._failed("sha256 read-back failed", exc) from exc
 
     def sha256(self) -> str:
         self._finish_hash()

@@ -134,3 +134,15 @@ def test_tar_writer_with_overlapped_file_is_byte_identical(tmp_path: Path) -> No
         infos[0].sha256 == infos[1].sha256 == hashlib.sha256((tmp_path / "fast.tar").read_bytes()).hexdigest()
     )
     assert infos[0].bytes == infos[1].bytes and infos[0].samples == infos[1].samples == 12
+
+
+@pytest.mark.parametrize("cls", [AtomicFile, OverlappedHashFile])
+def test_failed_rename_raises_write_error_and_leaves_nothing(tmp_path: Path, cls) -> None:
+    target = tmp_path / "x.bin"
+    (target / "inside").mkdir(parents=True)  # a non-empty directory where the file should go
+    f = cls(LOCAL, str(target))
+    f.write(b"a" * 5000)
+    with pytest.raises(WriteError, match=f"cannot finish {target}: (IsADirectoryError|OSError)") as info:
+        f.commit()
+    assert info.value.shard == "x.bin"
+    assert [p.name for p in tmp_path.iterdir()] == ["x.bin"] and target.is_dir()
