@@ -80,7 +80,7 @@ class RedisServer:
         tls_ca_cert_file: str | os.PathLike | None = None,
     ) -> None:
         self.bind = bind
-        self.port = port or free_port(bind if bind not in ("0.0.0.0", "::") else "127.0.0.1")
+        self.port = port or free_port(self.host)
         self.capacity_bytes = capacity_bytes
         self.policy = get_policy(policy)
         self.password = password
@@ -101,9 +101,13 @@ class RedisServer:
         return self.tls_cert_file is not None
 
     @property
+    def host(self) -> str:
+        """Where a client on this machine reaches the server (loopback for a wildcard bind)."""
+        return "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
+
+    @property
     def url(self) -> str:
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
-        return f"{'rediss' if self.tls else 'redis'}://{host}:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}"
 
     @property
     def logfile(self) -> Path:
@@ -170,9 +174,8 @@ class RedisServer:
         )
 
     def _ping(self) -> bool:
-        host = "127.0.0.1" if self.bind in ("0.0.0.0", "::") else self.bind
         try:
-            with socket.create_connection((host, self.port), 0.2) as raw:
+            with socket.create_connection((self.host, self.port), 0.2) as raw:
                 sock = raw
                 if self.tls:  # readiness only: checking the server's identity is the client's job
                     ctx = ssl.create_default_context()
