@@ -34,7 +34,7 @@ from stallfree.shards.errors import (
 )
 from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
-from stallfree.shards.scan import scan_tar, sha256_of
+from stallfree.shards.scan import file_size, scan_tar, sha256_of
 from stallfree.shards.tar import BLOCK, parse_header, split_name
 
 log = logging.getLogger(__name__)
@@ -73,13 +73,6 @@ def _fetch_ranges(
         if isinstance(data, BaseException):
             raise CorruptShardError(f"ranged read failed: {data}", shard=shard, offset=start) from data
     return out
-
-
-def _file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
-    try:
-        return int(fs.size(path))
-    except FileNotFoundError:
-        raise MissingShardError("shard not found", shard=shard) from None
 
 
 def _check_size_and_hash(
@@ -194,7 +187,7 @@ class TarShardReader:
             except FileNotFoundError:
                 raise MissingShardError("shard not found", shard=shard) from None
         else:
-            self.size = size = _file_size(fs, path, shard)
+            self.size = size = file_size(fs, path, shard)
         try:  # any check below may fail: the mapping must not outlive the error (nor the traceback)
             self._load_index(samples, verify_hash)
         except BaseException:
@@ -445,7 +438,7 @@ class ArrowShardReader:
                 self._source = pa.memory_map(path, "r")
                 self.size = self._source.size()
             else:
-                self.size = _file_size(fs, path, shard)
+                self.size = file_size(fs, path, shard)
                 self._source = pa.PythonFile(
                     fs.open(path, "rb", block_size=1 << 20, cache_type="none", size=self.size), mode="r"
                 )

@@ -85,15 +85,19 @@ def pax_path(data: bytes) -> str | None:
     return path
 
 
+def file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
+    """The file's size in bytes; MissingShardError naming ``shard`` if it is not there."""
+    try:
+        return int(fs.size(path))
+    except FileNotFoundError:
+        raise MissingShardError("shard not found", shard=shard) from None
+
+
 def scan_tar(fs: fsspec.AbstractFileSystem, path: str, shard: str | None = None) -> list[IdxSample]:
     """Walk a tar's headers -> samples in order. Raises CorruptShardError / DuplicateKeyError naming
     the shard, the key and the byte offset of the bad header."""
     shard = shard or posixpath.basename(path)
-    try:
-        size = fs.size(path)
-    except FileNotFoundError:
-        raise MissingShardError("shard not found", shard=shard) from None
-    reader = _RangeReader(fs, path, size)
+    reader = _RangeReader(fs, path, file_size(fs, path, shard))
     try:
         return _walk(reader, shard)
     finally:
@@ -271,10 +275,7 @@ def manifest_for_tars(
                 samples = None
         if samples is None:
             samples = scan_tar(fs, path, rel)
-        try:
-            size = fs.size(path)
-        except FileNotFoundError:
-            raise MissingShardError("shard not found", shard=rel) from None
+        size = file_size(fs, path, rel)
         for s in samples:
             for m in s.members:
                 fields.setdefault(m[0], None)
