@@ -154,6 +154,7 @@ class RedisServer:
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.config_text())
+        log_start = self.logfile.stat().st_size if self.logfile.exists() else 0  # a restart appends
         self.process = subprocess.Popen(
             [self.executable, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
         )
@@ -164,7 +165,8 @@ class RedisServer:
                 raise RuntimeError(
                     f"redis-server exited with {self.process.returncode}: {err}{self._log_tail()}"
                 )
-            if self._ping():
+            # another process may answer on the port (ours then fails to bind): wait for our own log
+            if self._ping() and self._logged_ready(log_start):
                 log.info("redis-server up at %s (pid %d)", self.url, self.process.pid)
                 return self
             time.sleep(0.02)
@@ -185,6 +187,14 @@ class RedisServer:
                 sock.sendall(b"PING\r\n")
                 reply = sock.recv(64)
             return reply.startswith(b"+PONG") or reply.startswith(b"-NOAUTH")
+        except OSError:
+            return False
+
+    def _logged_ready(self, since: int) -> bool:
+        try:
+            with open(self.logfile, "rb") as f:
+                f.seek(since)
+                return b"Ready to accept connections" in f.read()
         except OSError:
             return False
 

@@ -17,7 +17,7 @@ from stallfree.cache.base import CacheKey
 from stallfree.cache.cluster import ClusterCache, ClusterCacheError, rendezvous_rank, server_status
 from stallfree.cache.node import NodeCache
 from stallfree.cache.readthrough import ReadStats, read_through
-from stallfree.cache.server import free_port
+from stallfree.cache.server import RedisServer, free_port
 
 N = 300
 RANKS = 3
@@ -253,3 +253,13 @@ def test_server_status_names_a_wrong_password_and_a_dead_server(redis_servers):
     dead = f"redis://127.0.0.1:{free_port()}"
     with pytest.raises(ClusterCacheError, match=f"^{dead}: ConnectionError"):
         server_status(dead, timeout_s=1.0)
+
+
+def test_server_that_cannot_start_is_a_clear_error_with_its_log(redis_servers, tmp_path):
+    (running,) = redis_servers(1)
+    clash = RedisServer(running.port, workdir=tmp_path / "clash")
+    with pytest.raises(RuntimeError, match=r"(?s)redis-server exited with 1: .*already in use"):
+        clash.start()
+    clash.cleanup()
+    # a wildcard bind is reached over loopback (not started: tests bind loopback only)
+    assert RedisServer(7001, bind="0.0.0.0", workdir=tmp_path / "w").url == "redis://127.0.0.1:7001"
