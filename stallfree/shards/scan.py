@@ -2,8 +2,9 @@
 ranged reads remotely) and group members into samples, exactly as DALI's ``wds2idx`` and
 WebDataset do (members ``KEY.FIELD``; consecutive members with one key form a sample).
 
-``index_tars`` writes the ``.idx`` files and a ``manifest.json`` for existing tars
-(``stallfree index``); ``scan_tar`` is what ``open_dataset`` uses on the fly.
+``manifest_for_tars`` builds a manifest for existing tars (``open_dataset`` on the fly;
+``indexing.index_tars``, ``stallfree index``, writes it with the ``.idx`` files); ``scan_tar``
+walks one tar.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards.atomic import AtomicFile, is_local
+from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, DuplicateKeyError, MissingShardError
-from stallfree.shards.idx import IdxSample, idx_path_for, render_idx
+from stallfree.shards.idx import IdxSample, idx_path_for
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
 from stallfree.shards.tar import BLOCK, padded, parse_header, split_name
 
@@ -286,33 +287,3 @@ def manifest_for_tars(
             progress(rel, size)
     manifest = Manifest(FORMAT_VERSION, "tar", list(fields), shards)
     return manifest, indices
-
-
-def index_tars(
-    url: str,
-    *,
-    write_idx: bool = True,
-    hashes: bool = True,
-    write_manifest: bool = True,
-    progress: Callable[[str, int], None] | None = None,
-    **storage_options: Any,
-) -> Manifest:
-    """For ``stallfree index``: scan existing tars (a directory, glob or brace pattern), write a
-    DALI ``.idx`` beside each and ``manifest.json`` (with sha256 when ``hashes``) in their common
-    directory. Existing ``.idx`` files are rebuilt from the tar headers, not trusted."""
-    fs, root, paths = resolve(url, **storage_options)
-    if paths is None:
-        manifest = Manifest.load(root, fs=fs)
-        paths = [posixpath.join(root, s.path) for s in manifest.shards]
-    paths = [p for p in paths if p.endswith(".tar")]
-    if not paths:
-        raise MissingShardError(f"no .tar shards at {url}", shard=url)
-    manifest, indices = manifest_for_tars(fs, root, paths, hashes=hashes, use_idx=False, progress=progress)
-    if write_idx:
-        for path, samples in zip(paths, indices, strict=True):
-            f = AtomicFile(fs, idx_path_for(path))
-            f.write(render_idx(samples).encode())
-            f.commit()
-    if write_manifest:
-        manifest.save(root, fs=fs)
-    return manifest

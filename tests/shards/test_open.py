@@ -8,9 +8,10 @@ import pytest
 
 from stallfree.shards.errors import MissingShardError, ShardError
 from stallfree.shards.idx import idx_path_for
+from stallfree.shards.indexing import index_tars
 from stallfree.shards.manifest import Manifest
 from stallfree.shards.open import open_dataset
-from stallfree.shards.scan import expand_braces, index_tars
+from stallfree.shards.scan import expand_braces
 from stallfree.shards.writer import ShardWriter
 
 from .conftest import make_samples, tar_field
@@ -145,9 +146,11 @@ def test_index_tars_writes_same_idx_and_manifest(tar_dataset):
         os.remove(tar_dataset / f"shard-{i:06d}.idx")
     os.remove(tar_dataset / "manifest.json")
     seen = []
-    m = index_tars(str(tar_dataset), progress=lambda path, size: seen.append(path))
-    assert seen == [f"shard-{i:06d}.tar" for i in range(5)]
+    summary = index_tars([str(tar_dataset)], progress=seen.append)
+    assert seen == [1] * 5
+    assert (summary["shards"], summary["samples"]) == (5, written.samples)
     assert {i: (tar_dataset / f"shard-{i:06d}.idx").read_text() for i in range(5)} == originals
+    m = Manifest.load(summary["manifest"])
     assert [s.to_json() for s in m.shards] == [s.to_json() for s in written.shards]
     assert Manifest.load(str(tar_dataset)).fields == ["cls", "jpg", "txt"]
     assert open_dataset(str(tar_dataset)).verify() == []
