@@ -17,7 +17,7 @@ from stallfree.shards.atomic import atomic_write_bytes
 from stallfree.shards.errors import MissingShardError, WriteError
 from stallfree.shards.idx import idx_path_for, render_idx
 from stallfree.shards.manifest import MANIFEST_NAME
-from stallfree.shards.scan import manifest_for_tars, resolve
+from stallfree.shards.scan import manifest_for_tars, resolve, resolve_files
 
 
 def _tar_paths(
@@ -28,9 +28,7 @@ def _tar_paths(
         if paths is None:  # a directory that already has a manifest: index the tars in it
             paths = sorted(p for p in fs.ls(root, detail=False) if p.endswith(".tar"))
     else:
-        fs, first = fsspec.core.url_to_fs(tars[0], **storage_options)
-        paths = [first] + [fsspec.core.url_to_fs(t, **storage_options)[1] for t in tars[1:]]
-        root = posixpath.commonpath([posixpath.dirname(p) for p in paths])
+        fs, root, paths = resolve_files(tars, **storage_options)
     paths = list(dict.fromkeys(p for p in paths if p.endswith(".tar")))
     if not paths:
         raise MissingShardError(f"no .tar shards in {', '.join(tars)}", shard=tars[0])

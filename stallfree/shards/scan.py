@@ -14,7 +14,7 @@ import logging
 import mmap
 import posixpath
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import fsspec
@@ -214,10 +214,7 @@ def expand_braces(pattern: str) -> list[str]:
 def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
     """URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a manifest."""
     if "{" in url:
-        urls = expand_braces(url)
-        fs, first = fsspec.core.url_to_fs(urls[0], **storage_options)
-        paths = [first] + [fsspec.core.url_to_fs(u, **storage_options)[1] for u in urls[1:]]
-        return fs, _common_root(paths), paths
+        return resolve_files(expand_braces(url), **storage_options)
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
     if any(c in path for c in "*?[") and not fs.exists(path):
         paths = sorted(fs.glob(path))
@@ -236,6 +233,15 @@ def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem
     if not names:
         raise MissingShardError(f"{url} has no manifest.json and no .tar or .arrow files", shard=url)
     return fs, path.rstrip("/"), names
+
+
+def resolve_files(
+    urls: Sequence[str], **storage_options: Any
+) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
+    """Several file URLs (one filesystem: the first one's) -> (fs, their deepest common directory, paths)."""
+    fs, first = fsspec.core.url_to_fs(urls[0], **storage_options)
+    paths = [first] + [fsspec.core.url_to_fs(u, **storage_options)[1] for u in urls[1:]]
+    return fs, _common_root(paths), paths
 
 
 def _common_root(paths: list[str]) -> str:
