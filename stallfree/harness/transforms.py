@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from stallfree.gpu_decode.augment import random_resized_crop
+from stallfree.shards.errors import SampleDecodeError
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "img", "image")
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
@@ -66,8 +67,12 @@ class PILRecipe:
     def __call__(self, sample: dict[str, Any]) -> tuple[torch.Tensor, int]:
         if self._rng is None:
             self._rng = np.random.default_rng(self.seed * 1_000_003 + os.getpid())
-        img = Image.open(io.BytesIO(sample[image_field(sample)]))
-        return train_transform(img, self.size, self._rng), label_of(sample)
+        name = image_field(sample)
+        try:
+            image = train_transform(Image.open(io.BytesIO(sample[name])), self.size, self._rng)
+        except (OSError, ValueError) as exc:  # PIL: truncated or not an image at all
+            raise SampleDecodeError(f"cannot decode {name}: {exc}", key=sample.get("__key__")) from exc
+        return image, label_of(sample)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"size": self.size, "seed": self.seed, "_rng": None}

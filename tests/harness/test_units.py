@@ -18,6 +18,7 @@ from stallfree.harness.datasets import (
 from stallfree.harness.metrics import RankMetrics, job_summary, percentile
 from stallfree.harness.runner import BenchConfig
 from stallfree.harness.transforms import PILRecipe, label_of
+from stallfree.shards.errors import SampleDecodeError
 
 
 def test_percentile_matches_linear_interpolation():
@@ -149,8 +150,11 @@ def test_pil_recipe_decodes_crops_and_labels_and_refuses_broken_samples():
     recipe = PILRecipe(16, seed=0)
     image, label = recipe({"__key__": "a", "jpg": jpeg, "cls": b"7"})
     assert image.shape == (3, 16, 16) and image.dtype == torch.float32 and label == 7
-    with pytest.raises(OSError, match="truncated"):
+    with pytest.raises(SampleDecodeError, match="cannot decode jpg: .*truncated") as exc:
         recipe({"__key__": "b", "jpg": jpeg[: len(jpeg) // 2]})
+    assert exc.value.key == "b"
+    with pytest.raises(SampleDecodeError, match=r"cannot decode png: .*\(sample 'd'\)"):
+        recipe({"__key__": "d", "png": b"not an image"})
     with pytest.raises(KeyError, match="sample 'c' has no image field"):
         recipe({"__key__": "c", "txt": b"no image"})
 
