@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from stallfree.cli._common import parse_key_value
+from stallfree.cli._common import fail, parse_key_value
 
 EPILOG = """examples:
   stallfree bench ./in1k-shards --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
@@ -194,7 +194,8 @@ def _finite(value):
 
 def run(args: argparse.Namespace) -> int:
     from stallfree.harness import report as rpt
-    from stallfree.harness.runner import run_bench
+    from stallfree.harness.runner import RankFailed, run_bench
+    from stallfree.shards.errors import ShardError
 
     dataset = str(args.dataset)
     if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():
@@ -206,6 +207,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"stallfree bench: {exc}", file=sys.stderr)
         return 2
+    except (ShardError, RankFailed) as exc:  # bad data met by a loader, in this process or a rank
+        return fail("bench", exc)
     if result is None:  # a non-zero rank inside torchrun: rank 0 reports
         return 0
     print(rpt.format_table(result, per_rank=not args.no_per_rank))

@@ -104,6 +104,10 @@ class Phase:
     subset: int | None = None
 
 
+class RankFailed(RuntimeError):
+    """A spawned rank raised or died; the message names the rank and its error line."""
+
+
 # ---------------------------------------------------------------- inside one rank
 
 
@@ -260,11 +264,11 @@ def rank_main(
             timeout=datetime.timedelta(seconds=600),
         )
         group = dist
+    bar = _progress(cfg, phases, rank)
     try:
         base = resolve_dataset(cfg.dataset, cfg.storage_options)
         warm = resolve_dataset(cfg.warm_from) if cfg.warm_from else None
         results = []
-        bar = _progress(cfg, phases, rank)
         for phase in phases:
             logger.info("rank %d: phase %s", rank, phase.label)
             if bar is not None:
@@ -278,9 +282,9 @@ def rank_main(
             else:
                 gathered = [mine]
             results.append({"phase": asdict(phase), "ranks": gathered})
-        if bar is not None:
-            bar.close()
     finally:
+        if bar is not None:  # also when a phase raised, so an error prints below the bar
+            bar.close()
         if group is not None:
             dist.destroy_process_group()
     if rank == 0 and out_path:
@@ -313,17 +317,22 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
     if cfg.nproc == 1:
         return rank_main(cfg, phases, 0, 1, None)
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     cfg = replace(cfg, init_method=f"tcp://127.0.0.1:{_free_port()}")
     with tempfile.TemporaryDirectory(prefix="stallfree-bench-") as tmp:
         out_path = os.path.join(tmp, "results.json")
-        mp.start_processes(
-            _spawned,
-            args=(cfg, phases, cfg.nproc, out_path, logging.getLogger().level),
-            nprocs=cfg.nproc,
-            join=True,
-            start_method="spawn",
-        )
+        try:
+            mp.start_processes(
+                _spawned,
+                args=(cfg, phases, cfg.nproc, out_path, logging.getLogger().level),
+                nprocs=cfg.nproc,
+                join=True,
+                start_method="spawn",
+            )
+        except ProcessException as exc:  # its message is the rank's whole traceback
+            last = next((ln for ln in reversed(str(exc).splitlines()) if ln.strip()), "no message")
+            raise RankFailed(f"rank {exc.error_index} failed: {last.strip()}") from exc
         return json.loads(Path(out_path).read_text())
 
 

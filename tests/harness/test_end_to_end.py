@@ -161,3 +161,23 @@ def test_analyze_and_tune_sections(tmp_path, capsys):
     assert analysis["whatif"]["cache_share"] == 0.5 and analysis["whatif"]["measured_samples_per_s"] > 0
     assert [(r["workers"], r["prefetch"]) for r in report["tune"]["rows"]] == [(0, None), (1, 2)]
     assert report["tune"]["best"] in report["tune"]["rows"]
+
+
+def _shards_with_a_truncated_jpeg(root):
+    from stallfree.shards.writer import ShardWriter
+    from stallfree.testing.images import jpeg_bytes
+
+    with ShardWriter(str(root), format="tar", max_samples=16) as writer:
+        for i, jpg in enumerate(jpeg_bytes(32, seed=0, sizes=((48, 32),))):
+            writer.write({"__key__": f"{i:08d}", "jpg": jpg[: len(jpg) // 3] if i == 5 else jpg, "cls": b"1"})
+    return root
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_corrupt_sample_ends_the_bench_with_its_key(tmp_path, capsys, nproc):
+    root = _shards_with_a_truncated_jpeg(tmp_path / "bad")
+    argv = bench_argv(str(root), nproc=nproc, loader="torch", batch_size=4, workers=0, steps=8, image_size=16)
+    assert main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("stallfree bench: error: " + ("rank " if nproc > 1 else "cannot decode"))
+    assert err.endswith("cannot decode jpg: Truncated File Read (sample '00000005')")
