@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from stallfree.cli._common import fail
+
 _PASSWORD_ENV = "STALLFREE_CACHE_PASSWORD"
 
 
@@ -73,23 +75,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
+def _password(args: argparse.Namespace) -> str | None:
+    """``--password``, else ``$STALLFREE_CACHE_PASSWORD`` (kept off the process list), else none."""
+    return args.password or os.environ.get(_PASSWORD_ENV) or None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from stallfree.cache.server import RedisServer, parse_size
 
-    password = args.password or os.environ.get(_PASSWORD_ENV) or None
+    password = _password(args)
     try:
         capacity = parse_size(args.capacity)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail("cache serve", exc, 2)
     if args.bind not in ("127.0.0.1", "localhost", "::1") and not password:
         print(
             f"warning: listening on {args.bind} without a password; anyone who can reach it can read the cache",
             file=sys.stderr,
         )
     if (args.tls_cert is None) != (args.tls_key is None):
-        print("error: --tls-cert and --tls-key go together", file=sys.stderr)
-        return 2
+        return fail("cache serve", "--tls-cert and --tls-key go together", 2)
     server = RedisServer(
         args.port or None,
         bind=args.bind,
@@ -105,9 +110,8 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         server.start()
     except (RuntimeError, OSError) as exc:
-        print(f"error: could not start redis-server: {exc}", file=sys.stderr)
         server.cleanup()
-        return 1
+        return fail("cache serve", f"could not start redis-server: {exc}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stop the server on SIGTERM too
     print(server.url, flush=True)
     print(
@@ -126,7 +130,7 @@ def run_serve(args: argparse.Namespace) -> int:
 def run_stats(args: argparse.Namespace) -> int:
     from stallfree.cache.cluster import ClusterCacheError, server_status
 
-    password = args.password or os.environ.get(_PASSWORD_ENV) or None
+    password = _password(args)
     rows, failed = [], 0
     for url in args.urls:
         try:

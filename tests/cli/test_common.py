@@ -36,3 +36,11 @@ def test_bench_refuses_a_malformed_loader_option(capsys):
         main(["bench", "synthetic:8", "--loader-option", "window"])
     assert exc.value.code == 2
     assert "loader option must be KEY=VALUE, got 'window'" in capsys.readouterr().err
+
+
+def test_cache_serve_refuses_half_a_tls_pair_before_starting(tmp_path, capsys):
+    rc = main(["cache", "serve", "--port", "0", "--tls-cert", str(tmp_path / "cert.pem")])
+    assert rc == 2
+    assert capsys.readouterr().err.strip() == (
+        "stallfree cache serve: error: --tls-cert and --tls-key go together"
+    )
