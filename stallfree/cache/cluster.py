@@ -137,6 +137,7 @@ class ClusterCache(BaseCache):
         self._spill_requested = spill
         self.spill = spill and not self.policy.evicts  # lru servers make room instead
         self._nodes = [self._make_server(url) for url in self.servers]
+        self._chain = len(self._nodes) if self.spill else 1  # servers a key may live on, in rank order
         self._idents = [n.ident for n in self._nodes]
         if len(set(self._idents)) != len(self._idents):
             raise ValueError(f"duplicate cache servers in {self.servers}")
@@ -303,7 +304,7 @@ class ClusterCache(BaseCache):
         def fetch(server: int, positions: list[int]) -> Any:
             return self._call(self._nodes[server], lambda c: mget_and_full(c, [keys[p] for p in positions]))
 
-        for level in range(len(self._nodes) if self.spill else 1):
+        for level in range(self._chain):
             groups: dict[int, list[int]] = {}
             for pos in pending:
                 groups.setdefault(ranks[pos][level], []).append(pos)
@@ -342,11 +343,11 @@ class ClusterCache(BaseCache):
                 for chunk in _chunks(positions, items)
             ]
 
-        for level in range(len(self._nodes) if self.spill else 1):
+        for level in range(self._chain):
             groups: dict[int, list[int]] = {}
             for pos in pending:
                 server = ranks[pos][level]
-                skip = self.spill and level + 1 < len(self._nodes) and self._is_full(self._nodes[server])
+                skip = level + 1 < self._chain and self._is_full(self._nodes[server])
                 groups.setdefault(-1 if skip else server, []).append(pos)
             pending = groups.pop(-1, [])  # owners known to be full: straight to the next in line
             results = self._each_server(groups, store)
@@ -380,15 +381,16 @@ class ClusterCache(BaseCache):
         return [int(x) for x in node.admit(keys=keys, args=args, client=client)]
 
     def _delete_raw(self, keys: Sequence[bytes]) -> None:
-        ranks = self._ranks(keys)
-        for server in range(len(self._nodes)):
-            mine = [k for k, r in zip(keys, ranks, strict=True) if server in r]
-            if mine:
-                node = self._nodes[server]
-                self._call(node, lambda c, ks=mine, n=node: n.drop(keys=[USED_KEY, *ks], args=[], client=c))
+        groups: dict[int, list[bytes]] = {}
+        for key, rank in zip(keys, self._ranks(keys), strict=True):
+            for server in rank[: self._chain]:  # wherever a lookup may find it
+                groups.setdefault(server, []).append(key)
+        for server, mine in groups.items():
+            node = self._nodes[server]
+            self._call(node, lambda c, ks=mine, n=node: n.drop(keys=[USED_KEY, *ks], args=[], client=c))
 
     def _contains_raw(self, key: bytes) -> bool:
-        for server in self._ranks([key])[0][: len(self._nodes) if self.spill else 1]:
+        for server in self._ranks([key])[0][: self._chain]:
             node = self._nodes[server]
             if self._call(node, lambda c: c.exists(key)):
                 return True

@@ -263,3 +263,18 @@ def test_server_that_cannot_start_is_a_clear_error_with_its_log(redis_servers, t
     clash.cleanup()
     # a wildcard bind is reached over loopback (not started: tests bind loopback only)
     assert RedisServer(7001, bind="0.0.0.0", workdir=tmp_path / "w").url == "redis://127.0.0.1:7001"
+
+
+@pytest.mark.parametrize("policy", ["minio", "lru"])
+def test_corrupt_entries_are_dropped_wherever_a_lookup_finds_them(redis_servers, policy):
+    servers = redis_servers(3)
+    cache = ClusterCache([s.url for s in servers], 10_000_000, policy, configure_servers=False)
+    keys = [CacheKey("fp", i, "raw") for i in range(12)]
+    cache.put_encoded_many([(k.to_bytes(), b"SFcv-not-an-entry") for k in keys])
+    assert all(cache.contains(k) for k in keys)
+    assert cache.get_many(keys) == [None] * len(keys)
+    assert cache.stats()["corrupt"] == len(keys)
+    assert not any(cache.contains(k) for k in keys)
+    cache.put_many([(k, b"ok") for k in keys])
+    assert cache.get_many(keys) == [b"ok"] * len(keys)
+    cache.close()
