@@ -35,3 +35,9 @@ def test_demo_shards_loads_and_prints_bench_table(tmp_path, capsys):
         if line.split()[:2] in (["stallfree", "job"], ["torch", "job"])
     }
     assert rows == {"stallfree", "torch"}
+
+
+def test_demo_refuses_too_few_images(tmp_path, capsys):
+    assert main(["demo", "--images", "4", "--workdir", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == "stallfree demo: error: --images must be at least 8, got 4"
+    assert list(tmp_path.iterdir()) == []

@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from stallfree.cli._common import fail
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -31,8 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.images < 8:
-        print("demo: --images must be at least 8", flush=True)
-        return 2
+        return fail("demo", f"--images must be at least 8, got {args.images}", 2)
     with tempfile.TemporaryDirectory(prefix="stallfree-demo-") as tmp:
         work = (args.workdir or Path(tmp)).resolve()
         return _run(args, work)
@@ -64,7 +65,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
     ds = open_dataset(str(shards))
     print(
         f"      {len(ds)} samples in {len(ds.manifest.shards)} shards, "
-        f"{sum(s.bytes for s in ds.manifest.shards) / 1e6:.1f} MB, {summary.seconds:.2f}s",
+        f"{ds.manifest.bytes / 1e6:.1f} MB, {summary.seconds:.2f}s",
         flush=True,
     )
 
