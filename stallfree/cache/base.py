@@ -210,7 +210,7 @@ class BaseCache:
             self._failed("stats", exc)
             extra = {}
         for k, v in extra.items():
-            if k in out and isinstance(v, int) and not isinstance(v, bool) and k in CacheStats.FIELDS:
+            if k in CacheStats.FIELDS and isinstance(v, int) and not isinstance(v, bool):
                 out[k] += v
             else:
                 out[k] = v
