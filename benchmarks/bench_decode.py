@@ -30,25 +30,14 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-import psutil
 import torch
 
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
 from stallfree.gpu_decode.select import ImageDecode
+from stallfree.harness.metrics import process_tree_cpu_seconds
 from stallfree.testing.images import jpeg_bytes
 
 IMAGENET_SIZES = ((500, 375), (375, 500), (500, 333), (640, 480), (800, 600), (1024, 683), (320, 240))
-
-
-def _cpu_seconds() -> float:
-    proc = psutil.Process()
-    total = sum(proc.cpu_times()[:2])
-    for child in proc.children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.NoSuchProcess:
-            continue
-    return total
 
 
 class TorchvisionStyle:
@@ -205,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     per_cpu: dict[str, float] = {}  # images per CPU second (best round): robust on a shared machine
     for rnd in range(1, args.rounds + 1):
         for name, run in pipes.items():
-            c0, t0 = _cpu_seconds(), time.perf_counter()
+            c0, t0 = process_tree_cpu_seconds(), time.perf_counter()
             n = run(rnd)
-            wall, cpu = time.perf_counter() - t0, _cpu_seconds() - c0
+            wall, cpu = time.perf_counter() - t0, process_tree_cpu_seconds() - c0
             if n / wall > best.get(name, 0.0):
                 best[name], cores[name] = n / wall, cpu / wall
             per_cpu[name] = max(per_cpu.get(name, 0.0), n / max(cpu, 1e-9))

@@ -26,7 +26,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _cpu_seconds() -> float:
+def process_tree_cpu_seconds() -> float:
     """CPU time of this process and its (loader worker) children, in seconds."""
     try:
         import psutil
@@ -76,12 +76,12 @@ class RankMetrics:
     def start(self) -> None:
         """Mark the start of the loop (call right after a barrier); timeline times count from here."""
         self._t0 = self._tm = time.perf_counter()
-        self._cpu0 = _cpu_seconds()
+        self._cpu0 = process_tree_cpu_seconds()
 
     def begin_measured(self) -> None:
         """Mark the end of warm-up: CPU use is measured from here."""
         self._tm = time.perf_counter()
-        self._cpu0 = _cpu_seconds()
+        self._cpu0 = process_tree_cpu_seconds()
 
     def record(self, t_begin: float, t_data: float, t_compute: float, t_end: float, samples: int) -> None:
         """Record one step from four ``perf_counter`` stamps: begin, data in hand, computed, synced."""
@@ -91,7 +91,7 @@ class RankMetrics:
 
     def stop(self) -> None:
         self._wall = time.perf_counter() - self._tm
-        self._cpu = _cpu_seconds() - self._cpu0
+        self._cpu = process_tree_cpu_seconds() - self._cpu0
 
     def measured(self) -> list[StepRecord]:
         return self.steps[self.warmup :]
