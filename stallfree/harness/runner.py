@@ -9,6 +9,7 @@ so loaders are compared on the same data, step and processes. Ranks talk over ``
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
@@ -296,7 +297,25 @@ def _spawned(
     rank: int, cfg: BenchConfig, phases: list[Phase], world: int, out_path: str, log_level: int
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
-    rank_main(cfg, phases, rank, world, out_path)
+    try:
+        rank_main(cfg, phases, rank, world, out_path)
+    except BaseException as exc:
+        # When one rank fails, its peers fail right after in the collective (gloo: "connection
+        # closed"); the parent reports the earliest failure, the cause, not whichever it sees first.
+        line = next((ln for ln in reversed(f"{type(exc).__name__}: {exc}".splitlines()) if ln.strip()), "")
+        with contextlib.suppress(OSError):
+            Path(f"{out_path}.rank{rank}.err").write_text(json.dumps([time.time(), line.strip()]))
+        raise
+
+
+def _first_failure(out_path: str, world: int) -> tuple[int, str] | None:
+    """(rank, error line) of the rank that failed first, from the files ``_spawned`` leaves."""
+    seen = []
+    for rank in range(world):
+        with contextlib.suppress(OSError, ValueError):
+            when, line = json.loads(Path(f"{out_path}.rank{rank}.err").read_text())
+            seen.append((when, rank, line))
+    return (min(seen)[1], min(seen)[2]) if seen else None
 
 
 def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
@@ -331,8 +350,11 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
                 start_method="spawn",
             )
         except ProcessException as exc:  # its message is the rank's whole traceback
-            last = next((ln for ln in reversed(str(exc).splitlines()) if ln.strip()), "no message")
-            raise RankFailed(f"rank {exc.error_index} failed: {last.strip()}") from exc
+            first = _first_failure(out_path, cfg.nproc)
+            if first is None:  # died without raising (killed): what torch saw
+                last = next((ln for ln in reversed(str(exc).splitlines()) if ln.strip()), "no message")
+                first = (exc.error_index, last.strip())
+            raise RankFailed(f"rank {first[0]} failed: {first[1]}") from exc
         return json.loads(Path(out_path).read_text())
 
 

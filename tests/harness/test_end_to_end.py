@@ -181,3 +181,20 @@ def test_a_corrupt_sample_ends_the_bench_with_its_key(tmp_path, capsys, nproc):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("stallfree bench: error: " + ("rank " if nproc > 1 else "cannot decode"))
     assert err.endswith("cannot decode jpg: Truncated File Read (sample '00000005')")
+
+
+def test_the_rank_that_failed_first_is_reported_not_its_peers(tmp_path):
+    """A peer of a failed rank fails right after in the collective; the cause is the earlier one."""
+    import json
+
+    from stallfree.harness.runner import _first_failure
+
+    out = str(tmp_path / "results.json")
+    (tmp_path / "results.json.rank0.err").write_text(
+        json.dumps([20.5, "RuntimeError: gloo: Connection closed"])
+    )
+    (tmp_path / "results.json.rank1.err").write_text(
+        json.dumps([20.1, "SampleDecodeError: cannot decode jpg"])
+    )
+    assert _first_failure(out, 2) == (1, "SampleDecodeError: cannot decode jpg")
+    assert _first_failure(str(tmp_path / "other.json"), 2) is None  # killed ranks leave nothing
