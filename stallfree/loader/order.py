@@ -5,8 +5,10 @@ The global order never depends on the world size: rank ``r`` of ``W`` takes posi
 (ranks run in lockstep), exactly the first ``k*W`` remaining positions are consumed, so a job can
 stop anywhere and resume on any number of ranks with nothing lost or repeated.
 
-Uneven tails follow ``DistributedSampler``: ``"pad"`` repeats the first remaining positions so all
-ranks get the same count (a few samples are seen twice in that epoch), ``"drop"`` leaves out the
+Uneven tails follow ``DistributedSampler``: ``"pad"`` repeats the epoch's first positions (cycled
+when the epoch is shorter than the padding) so all ranks get the same count (a few samples are
+seen twice in that epoch) — the epoch's, not the resume point's, so a resume on the same world
+size receives exactly the padding an uninterrupted run would, ``"drop"`` leaves out the
 last ``len % W`` positions (a few samples are skipped in that epoch).
 """
 
@@ -75,7 +77,8 @@ def epoch_order(
 
 
 def remaining_for_world(order: np.ndarray, start: int, world_size: int, uneven: str = "pad") -> np.ndarray:
-    """Positions ``start:`` of ``order``, padded or cut so ``world_size`` ranks get equal counts."""
+    """Positions ``start:`` of ``order``, padded (from the epoch's start) or cut so ``world_size``
+    ranks get equal counts."""
     if uneven not in UNEVEN:
         raise ValueError(f"uneven must be one of {UNEVEN}, got {uneven!r}")
     rest = order[min(max(start, 0), len(order)) :]
@@ -84,8 +87,9 @@ def remaining_for_world(order: np.ndarray, start: int, world_size: int, uneven: 
         return rest
     if uneven == "drop":
         return rest[: len(rest) - extra]
-    pad = world_size - extra
-    return np.concatenate([rest, np.resize(rest, pad)])
+    # Pad from the epoch's first positions, not the resume point's: the padded sequence is then
+    # one fixed function of (order, world_size), and a resume continues it exactly.
+    return np.concatenate([rest, np.resize(order, world_size - extra)])
 
 
 def rank_share(order: np.ndarray, start: int, rank: int, world_size: int, uneven: str = "pad") -> np.ndarray:
