@@ -12,9 +12,13 @@ import hashlib
 import logging
 import os
 import posixpath
+import re
+import socket
 import threading
+import time
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 import fsspec
@@ -29,10 +33,93 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def _host_tag() -> str:
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "_"
+
+
 def temp_name(path: str) -> str:
-    """A hidden sibling of ``path``: same directory (same filesystem, so rename is cheap)."""
+    """A hidden sibling of ``path``: same directory (same filesystem, so rename is cheap).
+
+    ``.NAME.tmp-HOST-PID-RANDOM``: the writer's host and process id are in the name so that a
+    later run can tell the leftovers of a killed writer from the files of a live one
+    (``remove_stale_temps``)."""
     head, tail = posixpath.split(path)
-    return posixpath.join(head, f".{tail}.tmp-{uuid.uuid4().hex[:12]}")
+    return posixpath.join(head, f".{tail}.tmp-{_host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:12]}")
+
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?:(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-)?[0-9a-f]{12}$")
+FOREIGN_TEMP_AGE_S = 24 * 3600.0  # a temp file of another host (or an unmarked one) is stale after this
+
+
+@dataclass(frozen=True)
+class TempFile:
+    """A temp file of ours found in a directory: who wrote it (None when the name does not say)."""
+
+    path: str
+    host: str | None
+    pid: int | None
+
+
+def parse_temp(path: str) -> TempFile | None:
+    """The ``TempFile`` for a path named by ``temp_name`` (or the older ``.NAME.tmp-RANDOM``)."""
+    m = _TEMP.match(posixpath.basename(path))
+    if m is None:
+        return None
+    return TempFile(path, m["host"], int(m["pid"]) if m["pid"] else None)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host is running (a zombie, dead but not yet reaped, is not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's live process
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc here: kill(0) is all we know
+
+
+def _is_stale(fs: fsspec.AbstractFileSystem, temp: TempFile, now: float, max_age_s: float) -> bool:
+    """A writer on this host that is gone, or (another host's, or an unmarked name) an old file."""
+    if temp.host == _host_tag() and temp.pid is not None:
+        return not _pid_alive(temp.pid)
+    try:
+        modified = fs.modified(temp.path).timestamp()
+    except Exception:  # noqa: BLE001 - no modification time here: cannot tell, so keep it
+        return False
+    return now - modified > max_age_s
+
+
+def remove_stale_temps(
+    fs: fsspec.AbstractFileSystem, directory: str, *, max_age_s: float = FOREIGN_TEMP_AGE_S
+) -> list[str]:
+    """Remove temp files that a dead writer (one killed before it could clean up) left in
+    ``directory``; returns their paths. Only names ``temp_name`` makes are considered, and a
+    temp file of a live process on this host is never touched (another writer may be running)."""
+    try:
+        names = fs.ls(directory, detail=False)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    now = time.time()
+    for name in names:
+        temp = parse_temp(name)
+        if temp is None or not _is_stale(fs, temp, now, max_age_s):
+            continue
+        try:
+            fs.rm_file(temp.path)
+        except FileNotFoundError:
+            continue
+        except Exception as exc:  # noqa: BLE001 - a leftover is clutter, not a reason to fail
+            log.warning("could not remove stale temporary file %s: %s", temp.path, exc)
+            continue
+        log.info("removed %s, left by a writer that is gone", temp.path)
+        removed.append(temp.path)
+    return removed
 
 
 _W = TypeVar("_W", bound="CommitOnExit")

@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import posixpath
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 
-from stallfree.shards.errors import ManifestError, MissingShardError
+from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
+from stallfree.shards.idx import idx_path_for
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 FORMATS = ("tar", "arrow")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -93,6 +98,17 @@ class Manifest:
         }
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def files(self, root: str) -> list[str]:
+        """Every file the dataset reads under ``root`` besides the manifest: each shard and,
+        beside a tar, its ``.idx``. Used to keep a rewrite from touching the dataset it replaces."""
+        out = []
+        for s in self.shards:
+            path = join(root, s.path)
+            out.append(path)
+            if path.endswith(".tar"):
+                out.append(idx_path_for(path))
+        return out
 
     def to_json(self) -> dict[str, Any]:
         obj: dict[str, Any] = dict(self.extra)
@@ -183,6 +199,35 @@ class Manifest:
         atomic_write_bytes(fs, path, self.dumps().encode())
         return path
 
+    def check_written(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
+        """Before committing: every shard is in place with its recorded size (and a tar's ``.idx``
+        beside it), or WriteError naming the first that is not."""
+        for s in self.shards:
+            path = join(root, s.path)
+            size = _size_of(fs, path, s.path)
+            if size != s.bytes:
+                raise WriteError(f"{path} holds {size} bytes after writing {s.bytes}", shard=s.path)
+            if path.endswith(".tar"):
+                _size_of(fs, idx_path_for(path), s.path)
+
+    def commit(self, fs: fsspec.AbstractFileSystem, root: str, replacing: Manifest | None = None) -> str:
+        """Make this manifest the dataset at ``root``: check its shards are written, write
+        ``manifest.json`` atomically (the commit point: before it the old dataset is whole, after
+        it this one), then remove the files of ``replacing`` that this manifest does not use.
+        Returns the manifest's path. Raises WriteError (the old manifest untouched) if it cannot."""
+        self.check_written(fs, root)
+        path = join(root, MANIFEST_NAME)
+        data = self.dumps().encode()
+        try:
+            self.save(path, fs=fs)
+        except BaseException:
+            if not _holds(fs, path, data):
+                raise
+            log.warning("%s was written, but finishing the write failed; the new dataset stands", path)
+        if replacing is not None:
+            remove_replaced(fs, root, replacing, self)
+        return path
+
 
 def _manifest_path(
     url: str, fs: fsspec.AbstractFileSystem | None, storage_options: dict[str, Any]
@@ -202,3 +247,60 @@ def join(root: str, rel: str) -> str:
     if rel.startswith("/") or "://" in rel or not root:
         return rel
     return root.rstrip("/") + "/" + rel
+
+
+def _size_of(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
+    try:
+        return fs.size(path)
+    except FileNotFoundError:
+        raise WriteError(f"{path} is missing after it was written", shard=shard) from None
+    except Exception as exc:  # noqa: BLE001 - any backend error: cannot confirm the file
+        raise WriteError(f"cannot check {path}: {type(exc).__name__}: {exc}", shard=shard) from exc
+
+
+def _holds(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> bool:
+    """Whether ``path`` now holds exactly ``data`` (a write that failed after its rename did land)."""
+    try:
+        return fs.cat_file(path) == data
+    except Exception:  # noqa: BLE001 - unreadable: not committed as far as we can tell
+        return False
+
+
+def generation_stem(stem: str, generation: int) -> str:
+    """A shard's stem in a rewrite's generation: ``shard-000000`` (0), ``shard-000000.g1`` (1), ...
+    A rewrite takes the first generation whose names the dataset it replaces does not use, so the
+    old files stay whole until the new manifest is committed."""
+    return stem if generation == 0 else f"{stem}.g{generation}"
+
+
+def files_in_use(fs: fsspec.AbstractFileSystem, root: str) -> tuple[Manifest | None, set[str]]:
+    """The dataset already at ``root`` (None if none or unreadable) and the normalised paths a
+    rewrite must not write to: its files, or every file there when its manifest cannot be read."""
+    path = join(root, MANIFEST_NAME)
+    if not fs.exists(path):
+        return None, set()
+    try:
+        old = Manifest.load(path, fs=fs)
+    except Exception as exc:  # noqa: BLE001 - unreadable: keep every file there, remove none
+        log.warning("cannot read the manifest being replaced (%s); keeping every file in %s", exc, root)
+        return None, {posixpath.normpath(p) for p in fs.ls(root, detail=False)}
+    return old, {posixpath.normpath(p) for p in old.files(root)}
+
+
+def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, old: Manifest, new: Manifest) -> None:
+    """After ``new`` is committed: remove ``old``'s files (directly under ``root``) that ``new`` does
+    not use. A file that cannot be removed is left with a warning (the new dataset stands)."""
+    keep = {posixpath.normpath(p) for p in new.files(root)}
+    for s in old.shards:
+        if "/" in s.path or "://" in s.path:
+            continue  # not written by us in this directory
+        path = join(root, s.path)
+        for p in (path, idx_path_for(path)) if path.endswith(".tar") else (path,):
+            if posixpath.normpath(p) in keep:
+                continue
+            try:
+                fs.rm_file(p)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001
+                log.warning("could not remove %s of the replaced dataset: %s", p, exc)

@@ -3,17 +3,26 @@ processes each write whole shards with the single-shard writers, then write one 
 shard order. The plan depends only on the items, the limits and the shuffle seed, and each shard
 is written by one deterministic writer, so the output is byte-identical for any worker count.
 
-Failure leaves nothing behind under a final name: shards are written under temp names and
-renamed by their writers; if any shard fails, the shards this run already finished are removed
-and no manifest is written.
+Replacing a dataset (``overwrite``) is all or nothing. The new shards take names the old
+dataset does not use (``Manifest.generation_stem``: ``shard-000000.tar`` or ``shard-000000.g1.tar``),
+each written under a temp name and renamed by its writer; the new manifest is written only once
+every shard is in place (the commit point), and the old dataset's files are removed only after
+that. If anything fails before the commit, the shards this run finished are removed, no manifest is
+written, and the old dataset is exactly as it was. Temp files that a killed run left behind are
+removed at the start of the next (``atomic.remove_stale_temps``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import itertools
 import logging
 import multiprocessing
+import os
 import posixpath
+import signal
+import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
@@ -22,9 +31,17 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards.atomic import OverlappedHashFile, check_writable
+from stallfree.shards.atomic import OverlappedHashFile, check_writable, remove_stale_temps
 from stallfree.shards.errors import WriteError
-from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
+from stallfree.shards.idx import idx_path_for
+from stallfree.shards.manifest import (
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    files_in_use,
+    generation_stem,
+)
 from stallfree.shards.sources import Item, Source, SourceError, SourceReadError
 from stallfree.shards.tar import TarShardWriter
 
@@ -191,6 +208,9 @@ def write_shard(
         info = writer.close()
     except BaseException:
         writer.abort()
+        if fmt == "tar":  # a tar whose rename failed after its .idx was renamed into place
+            with contextlib.suppress(Exception):
+                fs.rm_file(idx_path_for(path))
         raise
     types = {f.name: str(f.type) for f in writer.schema if f.name != "__key__"} if fmt == "arrow" else None
     return ShardResult(index, info, writer.fields, types, skipped)
@@ -200,7 +220,18 @@ def write_shard(
 _WORKER: dict[str, Any] = {}
 
 
-def _init_worker(source: Source, fs_url: str, storage_options: dict, progress_q: Any) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Linux: have the kernel kill this worker when its parent dies (even by SIGKILL), so a worker
+    of a killed run never renames a shard into place behind a later run's back."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the request took effect
+        os._exit(1)
+
+
+def _init_worker(source: Source, fs_url: str, storage_options: dict, progress_q: Any, parent: int) -> None:
+    _die_with_parent(parent)
     _WORKER["source"] = source
     _WORKER["fs"] = fsspec.core.url_to_fs(fs_url, **storage_options)[0]
     _WORKER["q"] = progress_q
@@ -279,15 +310,13 @@ def shard_dataset(
     fs, root = fsspec.core.url_to_fs(dst, **storage_options)
     root = root.rstrip("/") or root
     manifest_path = posixpath.join(root, MANIFEST_NAME)
-    old: Manifest | None = None
-    if fs.exists(manifest_path):
-        if not overwrite:
-            raise WriteError(
-                f"{dst} already holds a dataset ({MANIFEST_NAME}); pass --overwrite (overwrite=True) to replace it"
-            )
-        with contextlib.suppress(Exception):
-            old = Manifest.load(manifest_path, fs=fs)
+    if fs.exists(manifest_path) and not overwrite:
+        raise WriteError(
+            f"{dst} already holds a dataset ({MANIFEST_NAME}); pass --overwrite (overwrite=True) to replace it"
+        )
     check_writable(fs, root)
+    remove_stale_temps(fs, root)
+    old, in_use = files_in_use(fs, root)
 
     items = source.items()
     skipped: list[dict[str, Any]] = list(source.skipped)
@@ -303,8 +332,7 @@ def shard_dataset(
     if on_plan is not None:
         on_plan(len(items), len(plan), sum(item_cost(it, format) for it in items))
     schema = _arrow_schema(source) if format == "arrow" else None
-    suffix = ".tar" if format == "tar" else ".arrow"
-    paths = [posixpath.join(root, name.format(index=i) + suffix) for i in range(len(plan))]
+    paths = [posixpath.join(root, rel) for rel in shard_names(name, len(plan), format, root, in_use)]
     jobs = [([items[j] for j in shard], i, paths[i]) for i, shard in enumerate(plan)]
 
     results: list[ShardResult] = []
@@ -329,7 +357,7 @@ def shard_dataset(
                 source, jobs, format, on_error, schema, workers, dst, storage_options, progress, results
             )
     except BaseException:
-        _remove_written(fs, results, root, format)
+        _remove_written(fs, results, root, in_use)
         raise
 
     results.sort(key=lambda r: r.index)
@@ -352,12 +380,10 @@ def shard_dataset(
         field_types=field_types if format == "arrow" else None,
     )
     try:
-        written = manifest.save(manifest_path, fs=fs)
+        written = manifest.commit(fs, root, replacing=old)
     except BaseException:
-        _remove_written(fs, results, root, format)
+        _remove_written(fs, results, root, in_use)
         raise
-    if old is not None:
-        _remove_stale(fs, root, old, manifest)
     return ShardSummary(manifest, written, time.perf_counter() - t0, skipped)
 
 
@@ -381,7 +407,7 @@ def _run_pool(
         max_workers=min(workers, len(jobs)),
         mp_context=ctx,
         initializer=_init_worker,
-        initargs=(source, dst, storage_options, progress_q),
+        initargs=(source, dst, storage_options, progress_q, os.getpid()),
     ) as pool:
         futures: set[Future] = {
             pool.submit(_worker_shard, shard_items, i, path, fmt, on_error, schema)
@@ -416,27 +442,40 @@ def _drain(q: Any, progress: ProgressFn | None) -> None:
             progress(samples, nbytes)
 
 
-def _remove_written(fs: fsspec.AbstractFileSystem, results: list[ShardResult], root: str, fmt: str) -> None:
-    """Undo a failed run: remove the shards (and ``.idx``) it already finished."""
+def shard_names(name: str, count: int, fmt: str, root: str, in_use: set[str]) -> list[str]:
+    """File names for ``count`` shards: ``name`` formatted, in the first generation
+    (``generation_stem``) none of whose files (shards and ``.idx``) is in ``in_use``."""
+    suffix = ".tar" if fmt == "tar" else ".arrow"
+    for generation in itertools.count():
+        rels = [generation_stem(name.format(index=i), generation) + suffix for i in range(count)]
+        paths = [posixpath.normpath(posixpath.join(root, rel)) for rel in rels]
+        if fmt == "tar":
+            paths += [idx_path_for(p) for p in paths]
+        if in_use.isdisjoint(paths):
+            return rels
+    raise AssertionError("unreachable")
+
+
+def _remove_written(
+    fs: fsspec.AbstractFileSystem, results: list[ShardResult], root: str, in_use: set[str]
+) -> None:
+    """Undo a failed run: remove the shards (and ``.idx``) it already finished, never a file of
+    the dataset it was to replace."""
     for r in results:
         if r.info is None:
             continue
         path = posixpath.join(root, r.info.path)
-        targets = [path, path[: -len(".tar")] + ".idx"] if fmt == "tar" else [path]
+        targets = [path, idx_path_for(path)] if path.endswith(".tar") else [path]
         for p in targets:
-            with contextlib.suppress(FileNotFoundError):
-                fs.rm(p)
+            if posixpath.normpath(p) in in_use:
+                continue
+            try:
+                fs.rm_file(p)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+                log.warning("could not remove %s after a failed run: %s", p, exc)
         log.info("removed %s after a failed run", path)
-
-
-def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, old: Manifest, new: Manifest) -> None:
-    keep = {s.path for s in new.shards}
-    for s in old.shards:
-        if s.path not in keep and "/" not in s.path:
-            path = posixpath.join(root, s.path)
-            for p in (path, path[: -len(".tar")] + ".idx") if path.endswith(".tar") else (path,):
-                with contextlib.suppress(FileNotFoundError):
-                    fs.rm(p)
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
