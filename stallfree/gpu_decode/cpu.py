@@ -184,6 +184,8 @@ def _pil_open(data: bytes, info: ImageInfo, min_w: int, min_h: int) -> Image.Ima
         if info.format == "jpeg":
             img.draft(img.mode if img.mode in ("RGB", "L", "CMYK") else "RGB", (min_w, min_h))
         img.load()
+    except Image.DecompressionBombError as exc:  # only when max_pixels is above PIL's process-wide limit
+        raise BadImageError(f"{exc} (raise PIL.Image.MAX_IMAGE_PIXELS to decode it on the CPU)") from None
     except (OSError, SyntaxError, ValueError) as exc:
         raise BadImageError(f"cannot decode {info.format} ({exc})") from None
     if img.mode in ("RGBA", "LA") or (img.mode == "P" and "transparency" in img.info):

@@ -1,58 +1,109 @@
-"""Read an encoded image's format and size from its header, and reject truncated files up front.
+"""Read an encoded image's format and size from its header, and refuse what no decoder should see.
 
-Both backends need the size before decoding (crop boxes are sampled on the host, see
-``augment.py``), and both must treat a truncated file as an error: libjpeg-turbo (inside PIL and
-DALI alike) fills a truncated JPEG's missing rows with grey and reports success, so the check has
-to happen here. A JPEG is complete when an EOI marker follows the first start-of-scan of the main
-image (markers cannot occur inside entropy-coded data, and walking the segments by length skips
-EXIF thumbnails, which carry an EOI of their own); a PNG when its IEND chunk is present.
+Every backend (the CPU decoder, DALI's CPU operators, DALI on the GPU) gets its images through
+``probe`` in ``ImageDecode.decode_batch``, so these refusals are the same everywhere and happen
+before any decoder allocates a pixel. They exist because the decoders do not make them:
 
-Policy, the same in every backend: bytes that are not an image, a truncated file, or an image the
-decoder cannot produce (bad Huffman tables, unsupported coding) fail that sample; damage inside
-the entropy-coded data that libjpeg-turbo recovers from (it warns and goes on) decodes, with the
-damage visible, as it does in PIL, DALI and torchvision.
+* Truncated files. libjpeg-turbo (inside PIL and DALI alike) fills a truncated JPEG's missing
+  rows with grey and reports success. A JPEG is complete when an EOI marker follows the first
+  start-of-scan of the main image (markers cannot occur inside entropy-coded data, and walking the
+  segments by length skips EXIF thumbnails, which carry an EOI of their own); a PNG when its chunks
+  run to an IEND chunk.
+* Headers that claim more pixels than the data can hold (a 5 KB JPEG whose frame header says
+  30000x30000: DALI spent 40 s and 4.9 GB on one and returned a grey image). The bound is what
+  the coding can achieve at best, so no valid file is under it: baseline and progressive Huffman
+  JPEG spends at least one bit on every 8x8 block of every component (its DC code); deflate (PNG)
+  at most turns 2 bits into 258 bytes (1032:1). Real files sit far above: measured on this
+  project's real-photo JPEGs, 20 to 60 bits per block at quality 50-95, and 2.3 bits per block for
+  a flat one-colour image (the cheapest content there is), ``tests/gpu_decode/test_limits.py``.
+* Images over ``max_pixels`` (``DEFAULT_MAX_PIXELS``, PIL's ``Image.MAX_IMAGE_PIXELS``; PIL warns
+  above it and refuses above twice it): a real 30000x30000 JPEG took DALI 15.6 s and 3.6 GB.
+
+Policy, the same in every backend: bytes that are not an image, a truncated or implausible file,
+an image over the limit, or an image the decoder cannot produce (bad Huffman tables, unsupported
+coding) fail that sample; damage inside the entropy-coded data that libjpeg-turbo recovers from
+(it warns and goes on) decodes, with the damage visible, as it does in PIL, DALI and torchvision.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import struct
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
 
+# PIL.Image.MAX_IMAGE_PIXELS' default (about 9459 x 9459), written out so that the limit does not
+# change with whatever another library set PIL's process-wide value to.
+DEFAULT_MAX_PIXELS = 89_478_485
+
 # Start-of-frame markers that carry the frame size (not DHT 0xC4, JPG 0xC8 or DAC 0xCC).
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+# Non-differential Huffman frames (baseline, extended, progressive, lossless), where every block of
+# every component costs at least one bit. Arithmetic coding and hierarchical frames have no such floor.
+_HUFFMAN_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3})
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel in the IDAT data
+_PNG_COMPONENTS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}  # colour type -> colour components (palette: RGB)
+_DEFLATE_MAX_RATIO = 1032  # a 258-byte match in 2 bits (1-bit length and distance codes)
 
 
-class ImageInfo(NamedTuple):
+@dataclass(frozen=True)
+class ImageInfo:
+    """What the header says, and how many bytes of coded pixel data the file holds against how
+    many an image of that size needs at least (0 where there is no such floor)."""
+
     format: str  # "jpeg", "png" or PIL's format name in lower case
     width: int
     height: int
     components: int  # colour components as stored (JPEG: 1 grey, 3 YCbCr/RGB, 4 CMYK); 0 if unknown
+    coded_bytes: int = 0  # JPEG: first scan's data to EOI; PNG: sum of IDAT lengths
+    min_coded_bytes: int = 0
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
 
 
 class BadImageError(ValueError):
     """The bytes are not a complete image in a format we can decode."""
 
 
-def probe(data: bytes | memoryview) -> ImageInfo:
-    """Format and size of an encoded image; raises ``BadImageError`` if it is unreadable or truncated."""
+class ImageTooLargeError(BadImageError):
+    """The image is larger than the decoder's ``max_pixels``."""
+
+
+def probe(data: bytes | memoryview, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> ImageInfo:
+    """Format and size of an encoded image, from its header alone (no pixel is decoded).
+
+    Raises ``BadImageError`` if it is unreadable, truncated, or claims more pixels than its data can
+    hold, and ``ImageTooLargeError`` if it has more than ``max_pixels`` pixels (None: no limit)."""
     if len(data) < 8:
         raise BadImageError(f"too short to be an image ({len(data)} bytes)")
-    head = bytes(data[:8])
-    if head[:2] == b"\xff\xd8":
-        return _probe_jpeg(data)
-    if head == _PNG_SIG:
-        return _probe_png(data)
-    return _probe_other(data)
-
-
-def _probe_jpeg(data: bytes | memoryview) -> ImageInfo:
     buf = bytes(data) if isinstance(data, memoryview) else data
+    if buf[:2] == b"\xff\xd8":
+        info = _probe_jpeg(buf)
+    elif buf[:8] == _PNG_SIG:
+        info = _probe_png(buf)
+    else:
+        info = _probe_other(buf)
+    if max_pixels is not None and info.pixels > max_pixels:
+        raise ImageTooLargeError(
+            f"{info.format} of {info.width}x{info.height} = {info.pixels:,} pixels is over the limit "
+            f"of {max_pixels:,} (ImageDecode(max_pixels=...))"
+        )
+    if info.coded_bytes < info.min_coded_bytes:
+        raise BadImageError(
+            f"implausible {info.format}: its header says {info.width}x{info.height}, which needs at "
+            f"least {info.min_coded_bytes:,} bytes of coded data, but the file holds {info.coded_bytes:,}"
+        )
+    return info
+
+
+def _probe_jpeg(buf: bytes) -> ImageInfo:
     pos, n = 2, len(buf)
-    size: tuple[int, int, int] | None = None
+    frame: tuple[int, int, int, list[tuple[int, int]]] | None = None  # (marker, w, h, sampling)
     while pos + 4 <= n:
         if buf[pos] != 0xFF:
             raise BadImageError(f"corrupt JPEG: no marker at byte {pos}")
@@ -72,38 +123,66 @@ def _probe_jpeg(data: bytes | memoryview) -> ImageInfo:
             if pos + 10 > n:
                 break
             h, w, comps = struct.unpack_from(">HHB", buf, pos + 5)
-            size = (w, h, comps)
+            if pos + 10 + 3 * comps > n:
+                break
+            sampling = [(buf[pos + 11 + 3 * c] >> 4, buf[pos + 11 + 3 * c] & 15) for c in range(comps)]
+            frame = (marker, w, h, sampling)
         if marker == 0xDA:  # start of scan: entropy-coded data follows
-            if size is None:
+            if frame is None:
                 raise BadImageError("corrupt JPEG: scan before frame header")
-            if buf.rfind(b"\xff\xd9", pos + 2 + length) < 0:  # from the end: O(1) when complete
+            start = pos + 2 + length
+            end = buf.rfind(b"\xff\xd9", start)  # from the end: O(1) when complete
+            if end < 0:
                 raise BadImageError("truncated JPEG: no end-of-image marker after the scan data")
-            w, h, comps = size
+            sof, w, h, sampling = frame
             if w == 0 or h == 0:
                 raise BadImageError(f"corrupt JPEG: frame size {w}x{h}")
-            return ImageInfo("jpeg", w, h, comps)
+            if not sampling or any(not (1 <= f <= 4) for hv in sampling for f in hv):
+                raise BadImageError(f"corrupt JPEG: sampling factors {sampling}")
+            floor = _jpeg_min_bytes(w, h, sampling) if sof in _HUFFMAN_SOF else 0
+            return ImageInfo("jpeg", w, h, len(sampling), end - start, floor)
         pos += 2 + length
     raise BadImageError("truncated JPEG: ends inside its header")
 
 
-def _probe_png(data: bytes | memoryview) -> ImageInfo:
-    buf = bytes(data) if isinstance(data, memoryview) else data
+def _jpeg_min_bytes(w: int, h: int, sampling: list[tuple[int, int]]) -> int:
+    """One bit per 8x8 block of each component: a Huffman-coded block's DC code is at least 1 bit."""
+    h_max = max(hs for hs, _ in sampling)
+    v_max = max(vs for _, vs in sampling)
+    blocks = sum(
+        math.ceil(math.ceil(w * hs / h_max) / 8) * math.ceil(math.ceil(h * vs / v_max) / 8)
+        for hs, vs in sampling
+    )
+    return blocks // 8
+
+
+def _probe_png(buf: bytes) -> ImageInfo:
     if len(buf) < 33 or buf[12:16] != b"IHDR":
         raise BadImageError("corrupt PNG: no IHDR chunk")
-    w, h, _depth, colour = struct.unpack_from(">IIBB", buf, 16)
+    w, h, depth, colour = struct.unpack_from(">IIBB", buf, 16)
     if w == 0 or h == 0:
         raise BadImageError(f"corrupt PNG: size {w}x{h}")
-    if buf.rfind(b"IEND", max(0, len(buf) - 64)) < 0:
-        raise BadImageError("truncated PNG: no IEND chunk")
-    comps = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}.get(colour, 0)
-    return ImageInfo("png", w, h, comps)
+    idat, pos, n = 0, 8, len(buf)
+    while True:  # walk the chunks by length to IEND, adding up the compressed pixel data
+        if pos + 12 > n:
+            raise BadImageError("truncated PNG: no IEND chunk")
+        length, kind = struct.unpack_from(">I4s", buf, pos)
+        if kind == b"IEND":
+            break
+        if kind == b"IDAT":
+            idat += length
+        pos += 12 + length
+    raw = w * h * _PNG_SAMPLES.get(colour, 0) * depth // 8  # pixel data alone, no row filter bytes
+    return ImageInfo("png", w, h, _PNG_COMPONENTS.get(colour, 0), idat, raw // _DEFLATE_MAX_RATIO)
 
 
-def _probe_other(data: bytes | memoryview) -> ImageInfo:
+def _probe_other(buf: bytes) -> ImageInfo:
     try:
-        with Image.open(io.BytesIO(bytes(data))) as img:
+        with Image.open(io.BytesIO(buf)) as img:
             fmt = (img.format or "unknown").lower()
             w, h = img.size
+    except Image.DecompressionBombError as exc:  # PIL's own, process-wide limit, checked in open()
+        raise ImageTooLargeError(str(exc)) from None
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         raise BadImageError(f"not a recognised image format ({exc})") from None
     return ImageInfo(fmt, w, h, 0)

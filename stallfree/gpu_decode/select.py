@@ -22,7 +22,7 @@ from ..shards.errors import BatchDecodeError, SampleDecodeError
 from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
 from .cpu import CpuDecoder
 from .dali import INSTALL_HINT, DaliDecoder, dali_available
-from .header import BadImageError, ImageInfo, probe
+from .header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
 
 IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "img", "image")
 _DTYPES = {
@@ -46,6 +46,10 @@ class ImageDecode:
     decode threads (default: the cores this process may use). ``hw_decoder_load``: share of JPEGs
     sent to the GPU's hardware decoder (A100/H100 class), the rest to nvJPEG's CUDA decoder.
     ``reuse_buffers``: CPU output batches kept for reuse once the consumer drops them (0: none).
+    ``max_pixels``: larger images (by their header) fail their sample before any decoder sees them,
+    as do headers claiming more pixels than the file's data can hold (see header.py). The default is
+    PIL's ``Image.MAX_IMAGE_PIXELS`` (89,478,485, about 9459 x 9459); None: no limit of ours (the CPU
+    backend still meets PIL's own, twice ``Image.MAX_IMAGE_PIXELS``, process-wide).
     """
 
     def __init__(
@@ -68,7 +72,12 @@ class ImageDecode:
         hw_decoder_load: float = 0.65,
         jpeg_library: str = "auto",
         reuse_buffers: int = 4,
+        max_pixels: int | None = DEFAULT_MAX_PIXELS,
     ) -> None:
+        if max_pixels is not None and (
+            isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
+        ):
+            raise ValueError(f"max_pixels must be a positive int or None, got {max_pixels!r}")
         if backend not in ("auto", "dali", "cpu"):
             raise ValueError(f"backend must be 'auto', 'dali' or 'cpu', got {backend!r}")
         if dtype not in _DTYPES:
@@ -81,6 +90,7 @@ class ImageDecode:
         self.dtype = _DTYPES[dtype]
         self.image_field = image_field
         self.label_field = label_field
+        self.max_pixels = max_pixels
         threads = num_threads if num_threads is not None else _cpu_count()
         self._threads_given = num_threads is not None
         gpu_id = _gpu_id(device)
@@ -121,6 +131,9 @@ class ImageDecode:
     ) -> dict[str, Any]:
         """Decode ``samples``; raises ``BatchDecodeError`` naming every bad sample (none decoded then).
 
+        Every image passes ``header.probe`` here first, whichever backend decodes it: the one place
+        where truncated, implausible and over-``max_pixels`` images are refused.
+
         ``alloc(shape, dtype)``: where the CPU decoder writes the image batch (a loader worker's
         shared slot); None, or a None result, uses the decoder's own reused buffers."""
         t0 = time.perf_counter()
@@ -135,7 +148,7 @@ class ImageDecode:
             try:
                 labels.append(self._label(sample))
                 data = self._image_bytes(sample)
-                info = probe(data)
+                info = probe(data, self.max_pixels)
             except (BadImageError, KeyError, TypeError, ValueError) as exc:
                 failures.append((i, key, SampleDecodeError(str(exc).strip("'\""), key=key)))
                 continue

@@ -10,21 +10,25 @@ from PIL import Image
 from stallfree.gpu_decode.header import BadImageError, probe
 
 
+def _summary(data: bytes) -> tuple[str, int, int, int]:
+    info = probe(data)
+    return (info.format, info.width, info.height, info.components)
+
+
 def test_probe_reads_size_and_components(rgb_jpegs, odd_images):
     for data in rgb_jpegs:
-        info = probe(data)
         with Image.open(io.BytesIO(data)) as img:
-            assert (info.format, info.width, info.height, info.components) == ("jpeg", *img.size, 3)
-    assert probe(odd_images["gray"])[::3] == ("jpeg", 1)
-    assert probe(odd_images["cmyk"]) == ("jpeg", 300, 400, 4)
-    assert probe(odd_images["png"]) == ("png", 360, 270, 4)
-    assert probe(odd_images["progressive"]) == ("jpeg", 480, 360, 3)
+            assert _summary(data) == ("jpeg", *img.size, 3)
+    assert _summary(odd_images["gray"])[::3] == ("jpeg", 1)
+    assert _summary(odd_images["cmyk"]) == ("jpeg", 300, 400, 4)
+    assert _summary(odd_images["png"]) == ("png", 360, 270, 4)
+    assert _summary(odd_images["progressive"]) == ("jpeg", 480, 360, 3)
 
 
 def test_probe_reads_other_formats_through_pil():
     buf = io.BytesIO()
     Image.new("RGB", (33, 17), (1, 2, 3)).save(buf, format="BMP")
-    assert probe(buf.getvalue()) == ("bmp", 33, 17, 0)
+    assert _summary(buf.getvalue()) == ("bmp", 33, 17, 0)
 
 
 def test_probe_skips_exif_thumbnail_eoi(rgb_jpegs):
