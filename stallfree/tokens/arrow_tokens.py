@@ -1,0 +1,172 @@
+"""Token ids in a list-of-integer Arrow column: what Hugging Face ``datasets.map(tokenize)``
+saves (``save_to_disk``: Arrow IPC stream files; ``to_parquet``: Parquet), our own Arrow shards
+(``manifest.json``), or any ``.arrow`` / ``.parquet`` file, directory or glob.
+
+Each record batch's list column is one piece: its child values are the batch's documents back to
+back, so the whole dataset is a short list of flat arrays. Local Arrow files (IPC file or stream
+format) are memory-mapped and read zero-copy; Parquet (compressed) and remote Arrow files are
+read into memory once per process, the column only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from typing import Any
+
+import fsspec
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from stallfree.shards.atomic import is_local
+from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
+from stallfree.shards.manifest import MANIFEST_NAME, Manifest, join
+from stallfree.tokens.base import fingerprint_of
+
+_SUFFIXES = (".arrow", ".parquet")
+
+
+def resolve_files(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, list[str]]:
+    """The data files of ``url`` in dataset order: a file, a glob, or a directory holding our
+    ``manifest.json``, a Hugging Face ``save_to_disk`` ``state.json``, or ``.arrow``/``.parquet`` files."""
+    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    if any(c in path for c in "*?["):
+        files = sorted(p for p in fs.glob(path) if p.endswith(_SUFFIXES))
+    elif path.endswith(_SUFFIXES):
+        files = [path]
+    elif fs.isdir(path):
+        files = _dir_files(fs, path.rstrip("/"), url)
+    else:
+        raise MissingShardError(
+            "no such token dataset (a .arrow/.parquet file, a directory or a glob)", shard=url
+        )
+    if not files:
+        raise MissingShardError("no .arrow or .parquet files found", shard=url)
+    return fs, files
+
+
+def _dir_files(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[str]:
+    if fs.exists(join(root, MANIFEST_NAME)):
+        manifest = Manifest.load(join(root, MANIFEST_NAME), fs=fs)
+        if manifest.format != "arrow":
+            raise ShardError(
+                f"token datasets need Arrow shards; this manifest's format is {manifest.format}", shard=url
+            )
+        return [join(root, s.path) for s in manifest.shards]
+    state = join(root, "state.json")
+    if fs.exists(state):
+        try:
+            files = [join(root, f["filename"]) for f in json.loads(fs.cat_file(state))["_data_files"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ShardError(f"unreadable Hugging Face state.json: {exc}", shard=state) from None
+        return files
+    names = sorted(p for p in fs.ls(root, detail=False) if p.endswith(_SUFFIXES))
+    arrows = [p for p in names if p.endswith(".arrow")]
+    return arrows or names
+
+
+def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: str) -> list[pa.Array]:
+    """The ``field`` column of every record batch (or Parquet chunk) of one file, in order."""
+    try:
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            with fs.open(path, "rb") as f:
+                table = pq.read_table(f, columns=[field])
+            return list(table.column(field).chunks)
+        source = pa.memory_map(path, "r") if is_local(fs) else pa.BufferReader(fs.cat_file(path))
+        try:
+            reader = ipc.open_file(source)
+            batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
+        except pa.ArrowInvalid:  # not the file format: Hugging Face writes the stream format
+            source.seek(0)
+            batches = list(ipc.open_stream(source))
+    except FileNotFoundError:
+        raise MissingShardError("token file not found", shard=name) from None
+    except KeyError:
+        raise ShardError(f"no column {field!r} (pass field= naming the token column)", shard=name) from None
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise CorruptShardError(f"not a readable Arrow/Parquet file: {exc}", shard=name) from None
+    if batches and batches[0].schema.get_field_index(field) < 0:
+        raise ShardError(
+            f"no column {field!r}; the columns are {batches[0].schema.names} (pass field=)", shard=name
+        )
+    return [b.column(field) for b in batches]
+
+
+def _piece(col: pa.Array, name: str, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """(flat token ids, document lengths) of one list column, zero-copy."""
+    t = col.type
+    if not (pa.types.is_list(t) or pa.types.is_large_list(t)) or not pa.types.is_integer(t.value_type):
+        raise ShardError(f"column type is {t}, expected a list of integer token ids", shard=name)
+    if col.null_count:
+        row = int(np.flatnonzero(~np.asarray(col.is_valid()))[0])
+        raise CorruptShardError(f"record batch {batch} row {row}: the token list is null", shard=name)
+    offsets = np.asarray(col.offsets).astype(np.int64)
+    values = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    if values.null_count:
+        raise CorruptShardError(f"record batch {batch}: a token id is null", shard=name)
+    return values.to_numpy(zero_copy_only=True), np.diff(offsets)
+
+
+class ArrowTokenSource:
+    """Token ids in column ``field`` of an Arrow/Parquet dataset (see the module docstring)."""
+
+    def __init__(self, url: str, *, field: str = "input_ids", **storage_options: Any) -> None:
+        self.url, self.field, self.storage_options = url, field, storage_options
+        self.name = posixpath.basename(url.rstrip("/"))
+        fs, self.files = resolve_files(url, **storage_options)
+        pieces = self._load(fs)
+        self.dtype = np.result_type(*[p[0].dtype for p in pieces]) if pieces else np.dtype(np.int64)
+        self.doc_lengths = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int64)
+        sizes = np.array([len(p[0]) for p in pieces], np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._sizes = [int(fs.size(f)) for f in self.files]
+        self._fingerprint = fingerprint_of(
+            "arrow", url, field, self.files, self._sizes, int(self._starts[-1])
+        )
+
+    def _load(self, fs: fsspec.AbstractFileSystem | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+        if fs is None:
+            fs = fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+        pieces = []
+        for path in self.files:
+            for b, col in enumerate(_open_batches(fs, path, path, self.field)):
+                if len(col):
+                    pieces.append(_piece(col, path, b))
+        self._values = [p[0] for p in pieces]
+        self._pid = os.getpid()
+        return pieces
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        """Tokens ``[start, stop)``: a view when inside one piece, else the pieces joined."""
+        if self._values is None or self._pid != os.getpid():
+            self._load()
+        starts, values = self._starts, self._values
+        if not 0 <= start <= stop <= starts[-1]:
+            raise IndexError(f"token range [{start}, {stop}) outside [0, {starts[-1]}) of {self.url}")
+        if not values:
+            return np.zeros(0, self.dtype)
+        p = min(int(np.searchsorted(starts, start, "right")) - 1, len(values) - 1)
+        if stop <= starts[p + 1]:
+            return values[p][start - starts[p] : stop - starts[p]]
+        parts = []
+        while start < stop:
+            lo, hi = start - starts[p], min(stop, starts[p + 1]) - starts[p]
+            parts.append(values[p][lo:hi])
+            start, p = starts[p] + hi, p + 1
+        return np.concatenate(parts)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_values"] = None  # reopened (memory-mapped again) in the process that reads
+        return state
+
+    def __repr__(self) -> str:
+        return f"ArrowTokenSource({self.url!r}, field={self.field!r}, files={len(self.files)})"

@@ -1,0 +1,191 @@
+"""``TokenDataset``: fixed-length training windows packed from the documents of a token source.
+
+The documents are concatenated (an ``eos`` token between two documents when given) into one
+stream of ``T`` tokens. Window ``i`` covers stream tokens ``[i*seq_len, (i+1)*seq_len + 1)``;
+``input_ids`` are its first ``seq_len`` tokens, ``labels`` its last ``seq_len``, so over an epoch
+every stream token but the dropped tail is an input exactly once. ``doc_ids`` name each input
+token's document and ``position_ids`` restart at 0 at every document start. With
+``positions="window"`` (the default, as Megatron's ``reset_position_ids`` and flash-attention's
+varlen packing do) they also start at 0 at the window's start, since the model sees nothing of a
+document before its window; ``positions="document"`` gives the offset from the document's true
+start instead.
+
+Why it is fast: a window reads only its own bytes (document starts are one cumulative array; two
+``searchsorted`` per window find its documents), and a batch is assembled with a handful of numpy
+operations over the whole ``(batch, seq_len + 1)`` block, never per token in Python.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from stallfree.tokens.base import TokenSource, check_lengths, fingerprint_of
+
+POSITIONS = ("window", "document")
+
+
+def open_tokens(
+    source: str,
+    *,
+    dtype: Any = None,
+    field: str = "input_ids",
+    eos: int | None = None,
+    **storage_options: Any,
+) -> TokenSource:
+    """The token source ``source`` names: a Megatron prefix (``x/name`` for ``name.bin`` +
+    ``name.idx``, or either file), a raw ``.bin`` (``dtype=`` required), or an Arrow/Parquet
+    dataset (file, directory, glob) with column ``field``."""
+    import fsspec
+
+    from stallfree.tokens.megatron import MegatronSource, prefix_of
+
+    fs, path = fsspec.core.url_to_fs(source, **storage_options)
+    prefix = prefix_of(path)
+    if path.endswith(".idx") or (
+        not path.endswith((".arrow", ".parquet"))
+        and fs.exists(prefix + ".idx")
+        and fs.exists(prefix + ".bin")
+    ):
+        return MegatronSource(prefix_of(source), dtype=dtype, **storage_options)
+    if path.endswith(".bin"):
+        from stallfree.tokens.rawbin import RawBinSource
+
+        return RawBinSource(source, dtype, eos=eos, **storage_options)
+    from stallfree.tokens.arrow_tokens import ArrowTokenSource
+
+    return ArrowTokenSource(source, field=field, **storage_options)
+
+
+class TokenDataset:
+    """Map-style dataset of packed windows: ``ds[i]`` is a dict of int64 tensors of shape
+    ``[seq_len]``: ``input_ids``, ``labels``, ``position_ids``, ``doc_ids``.
+
+    ``source``: a path/URL (see ``open_tokens``) or an opened token source. ``eos``: a token
+    inserted between documents (a raw ``.bin`` already holds its separators: there ``eos`` only
+    marks where documents end). ``positions``: ``"window"`` or ``"document"`` (module docstring).
+    """
+
+    def __init__(
+        self,
+        source: str | TokenSource,
+        seq_len: int,
+        *,
+        dtype: Any = None,
+        field: str = "input_ids",
+        eos: int | None = None,
+        positions: str = "window",
+        **storage_options: Any,
+    ) -> None:
+        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+            raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
+        if positions not in POSITIONS:
+            raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if eos is not None and (not isinstance(eos, (int, np.integer)) or eos < 0):
+            raise ValueError(f"eos must be a non-negative token id, got {eos!r}")
+        if isinstance(source, str):
+            source = open_tokens(source, dtype=dtype, field=field, eos=eos, **storage_options)
+        self.source = source
+        self.seq_len = seq_len
+        self.positions = positions
+        self.eos = None if eos is None else int(eos)
+        joined = getattr(source, "eos", None) is not None  # a raw .bin's documents already end in eos
+        self._sep = 1 if self.eos is not None and not joined else 0
+        lengths = np.asarray(source.doc_lengths, np.int64)
+        check_lengths(lengths, source.name)
+        self.doc_lengths = lengths
+        stream = lengths.copy()
+        if self._sep and len(stream) > 1:
+            stream[:-1] += 1  # the eos after every document but the last
+        self.doc_starts = np.concatenate([[0], np.cumsum(stream)]).astype(np.int64)
+        self.tokens = int(self.doc_starts[-1])
+        self._inner = self.doc_starts[1:-1]  # where documents 1.. start
+        self._len = max(0, (self.tokens - 1) // seq_len)
+        self._arange = np.arange(seq_len + 1, dtype=np.int64)
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint_of("tokens", self.source.fingerprint, self.seq_len, self.eos, self.positions)
+
+    @property
+    def documents(self) -> int:
+        return len(self.doc_lengths)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.get_many([index])[0]
+
+    def _check(self, indices: Sequence[int]) -> np.ndarray:
+        idx = np.fromiter((operator.index(i) for i in indices), np.int64, len(indices))
+        idx = np.where(idx < 0, idx + self._len, idx)
+        if len(idx) and (idx.min() < 0 or idx.max() >= self._len):
+            bad = int(idx[(idx < 0) | (idx >= self._len)][0])
+            raise IndexError(f"window {bad} out of range for {self._len} windows of {self.source.name}")
+        return idx
+
+    def get_many(self, indices: Sequence[int]) -> list[dict[str, torch.Tensor]]:
+        """Windows for ``indices``, built together: a few numpy operations for the whole batch."""
+        arrays = self.windows(self._check(indices))
+        keys = list(arrays)
+        columns = [torch.from_numpy(arrays[k]).unbind(0) for k in keys]
+        return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
+
+    def windows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
+        """``(len(idx), seq_len)`` int64 arrays ``input_ids``, ``labels``, ``position_ids``, ``doc_ids``.
+
+        A window is cut into segments, one per document it touches (``searchsorted`` twice per
+        window); per-token ids are ``np.repeat`` of per-segment values over the whole block."""
+        L, sep, starts = self.seq_len, self._sep, self.doc_starts
+        width, rows = L + 1, len(idx)
+        a = idx * L
+        d0 = np.searchsorted(self._inner, a, "right")  # document holding each window's first token
+        d1 = np.searchsorted(self._inner, a + L, "right")  # ... and its last
+        nseg = d1 - d0 + 1
+        row = np.repeat(np.arange(rows), nseg)
+        first = np.cumsum(nseg) - nseg  # each row's first segment
+        seg_doc = np.arange(len(row)) - np.repeat(first, nseg) + np.repeat(d0, nseg)
+        col = np.maximum(starts[seg_doc] - a[row], 0)
+        flat_start = row * width + col
+        seg_len = np.diff(np.append(flat_start, rows * width))
+        doc_ids = np.repeat(seg_doc, seg_len).reshape(rows, width)
+        base = flat_start
+        if self.positions == "document":
+            base = flat_start - (a[row] + col - starts[seg_doc])  # a first segment starts mid-document
+        position = (np.arange(rows * width) - np.repeat(base, seg_len)).reshape(rows, width)
+        tokens = np.empty((rows, width), np.int64)
+        read = self.source.read
+        lo = a - d0 * sep  # flat index of the first non-eos token at or after the window's start
+        if sep:
+            # the eos after document d sits just before document d+1 starts
+            at = starts[seg_doc + 1] - 1 - a[row]
+            hit = (seg_doc < len(self.doc_lengths) - 1) & (at >= 0) & (at < width)
+            is_eos = np.zeros(rows * width, bool)
+            is_eos[row[hit] * width + at[hit]] = True
+            count = width - np.bincount(row[hit], minlength=rows)
+            tokens.fill(self.eos)
+            chunks = [read(int(s), int(s + c)) for s, c in zip(lo, count, strict=True)]
+            tokens.reshape(-1)[~is_eos] = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+        else:
+            for r in range(rows):
+                tokens[r] = read(int(lo[r]), int(lo[r]) + width)
+        return {
+            "input_ids": tokens[:, :L],
+            "labels": tokens[:, 1:],
+            "position_ids": position[:, :L],
+            "doc_ids": doc_ids[:, :L],
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataset({self.source!r}, seq_len={self.seq_len}, windows={self._len}, "
+            f"documents={self.documents}, tokens={self.tokens})"
+        )
+
+
+__all__ = ["POSITIONS", "TokenDataset", "open_tokens"]
