@@ -1,0 +1,250 @@
+"""``mix(datasets, weights)``: one map-style dataset over several, whose positions ``0..N-1`` are
+already interleaved in the weights' shares, so a loader must read them in order (``ordered``).
+
+Position ``i`` of epoch ``e`` maps to (source, index) in O(1): the schedule (``schedule.py``,
+computed once, independent of seed and epoch) gives the source and the occurrence number ``j`` of
+that source so far; ``j // len(source)`` is the cycle through the source, and a fresh seeded
+permutation per (seed, epoch, source, cycle) (``permute.py``) picks the sample. Each sample of a
+source appears ``floor`` or ``ceil`` of ``quota / len`` times per epoch. Everything is a pure
+function of (seed, epoch, position): world size and worker count play no part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import zlib
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from stallfree.mix import permute as perm_mod
+from stallfree.mix import schedule as sched_mod
+
+STATE_FORMAT = "stallfree.mix.state"
+STATE_VERSION = 1
+
+
+@runtime_checkable
+class Ordered(Protocol):
+    """A dataset that defines its own epoch order: read positions ``0..len-1`` in sequence (split
+    over ranks by position), after ``set_epoch(epoch)``. Shuffling it would undo its order."""
+
+    ordered: bool
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __len__(self) -> int: ...
+
+
+class MixtureMismatch(ValueError):
+    """A saved mixture state does not describe this mixture (weights, lengths, seed or size)."""
+
+
+def collate_by_source(batch: Sequence[Any]) -> dict[str, Any]:
+    """``collate_fn`` for mixtures whose sources' samples differ in shape (images and tokens):
+    ``{"__source__": [name per sample], name: default_collate(that source's samples), ...}``.
+    torch's ``default_collate`` needs every sample of a batch to have the same keys."""
+    from torch.utils.data import default_collate
+
+    groups: dict[str, list[Any]] = {}
+    names = []
+    for sample in batch:
+        name = sample["__source__"]
+        names.append(name)
+        groups.setdefault(name, []).append(sample)
+    out: dict[str, Any] = {"__source__": names}
+    for name, samples in groups.items():
+        out[name] = default_collate(samples)
+    return out
+
+
+class Mixture:
+    """See the module docstring; build with ``mix``."""
+
+    ordered = True
+
+    def __init__(
+        self,
+        datasets: Mapping[str, Any],
+        weights: Mapping[str, float],
+        *,
+        samples_per_epoch: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        if not datasets:
+            raise ValueError("mix() needs at least one dataset")
+        if set(datasets) != set(weights):
+            raise ValueError(
+                f"datasets and weights must name the same sources: datasets {sorted(datasets)}, "
+                f"weights {sorted(weights)}"
+            )
+        self.names = sorted(datasets)  # source numbers follow sorted names, not dict order
+        self.datasets = {n: datasets[n] for n in self.names}
+        self.weights = {n: float(weights[n]) for n in self.names}
+        for n, w in self.weights.items():
+            if not math.isfinite(w) or w < 0:
+                raise ValueError(f"weight of {n!r} must be a finite number >= 0, got {weights[n]!r}")
+        self.lengths = {n: len(ds) for n, ds in self.datasets.items()}
+        empty = [n for n in self.names if self.weights[n] > 0 and self.lengths[n] == 0]
+        if empty:
+            raise ValueError(f"sources {empty} have weight > 0 but no samples")
+        total = sum(self.lengths.values()) if samples_per_epoch is None else samples_per_epoch
+        if not isinstance(total, int) or isinstance(total, bool) or total < 0:
+            raise ValueError(f"samples_per_epoch must be a non-negative integer, got {samples_per_epoch!r}")
+        self.samples_per_epoch = total
+        self.seed = int(seed)
+        self.epoch = 0
+        counts = sched_mod.quotas(total, [self.weights[n] for n in self.names])
+        self.quotas = {n: int(c) for n, c in zip(self.names, counts, strict=True)}
+        self._schedule = sched_mod.interleave(counts)
+        self._occ = sched_mod.occurrences(self._schedule, len(self.names))
+        self._lens = np.array([self.lengths[n] for n in self.names], np.int64)
+        self._salt = [zlib.crc32(n.encode()) for n in self.names]  # adding a source keeps the others' order
+        self._keys: dict[tuple[int, int, int], np.ndarray] = {}
+
+    # -- order ----------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Positions map to this epoch's samples from now on (call in every process that reads)."""
+        self.epoch = int(epoch)
+
+    def __len__(self) -> int:
+        return self.samples_per_epoch
+
+    def _positions(self, indices: Any) -> np.ndarray:
+        idx = np.asarray(indices, np.int64).reshape(-1)
+        n = self.samples_per_epoch
+        idx = np.where(idx < 0, idx + n, idx)
+        if len(idx) and (idx.min() < 0 or idx.max() >= n):
+            raise IndexError(f"position out of range for a mixture of {n} samples per epoch")
+        return idx
+
+    def _round_keys(self, epoch: int, s: int, cycle: int) -> np.ndarray:
+        key = (epoch, s, cycle)
+        k = self._keys.get(key)
+        if k is None:
+            if len(self._keys) > 4096:
+                self._keys.clear()
+            k = self._keys[key] = perm_mod.keys(self.seed, epoch, self._salt[s], cycle)
+        return k
+
+    def locate_many(self, indices: Any, epoch: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(source numbers into ``names``, sample indices in those sources) for positions."""
+        e = self.epoch if epoch is None else int(epoch)
+        pos = self._positions(indices)
+        src = self._schedule[pos].astype(np.int64)
+        occ = self._occ[pos]
+        lens = self._lens[src]
+        cycle, off = occ // lens, occ % lens
+        out = np.empty(len(pos), np.int64)
+        for s, c in set(zip(src.tolist(), cycle.tolist(), strict=True)):
+            sel = (src == s) & (cycle == c)
+            out[sel] = perm_mod.permute(off[sel], int(self._lens[s]), self._round_keys(e, s, c))
+        return src, out
+
+    def locate(self, index: int, epoch: int | None = None) -> tuple[str, int]:
+        """Position -> (source name, index in that source)."""
+        src, j = self.locate_many([index], epoch)
+        return self.names[int(src[0])], int(j[0])
+
+    def source_of(self, index: int) -> str:
+        """The source filling ``index`` (the same in every epoch)."""
+        return self.names[int(self._schedule[self._positions([index])[0]])]
+
+    def counts(self, start: int, stop: int) -> dict[str, int]:
+        """Samples of each source among positions ``[start, stop)`` (for ``stats()["mix"]``)."""
+        part = self._schedule[max(0, start) : max(0, min(stop, self.samples_per_epoch))]
+        got = np.bincount(part, minlength=len(self.names))
+        return {n: int(got[s]) for s, n in enumerate(self.names)}
+
+    # -- samples --------------------------------------------------------------------------
+    def __getitem__(self, index: int) -> Any:
+        return self.get_many([index])[0]
+
+    def get_many(self, indices: Sequence[int], epoch: int | None = None) -> list[Any]:
+        """Samples for positions, read per source (batched where the source has ``get_many``);
+        dict samples gain ``"__source__": name``."""
+        src, local = self.locate_many(indices, epoch)
+        out: list[Any] = [None] * len(src)
+        for s in np.unique(src).tolist():
+            where = np.flatnonzero(src == s)
+            name, ds = self.names[s], self.datasets[self.names[s]]
+            rows = local[where].tolist()
+            get_many = getattr(ds, "get_many", None)
+            samples = list(get_many(rows)) if get_many is not None else [ds[j] for j in rows]
+            for p, sample in zip(where.tolist(), samples, strict=True):
+                out[p] = {**sample, "__source__": name} if isinstance(sample, Mapping) else sample
+        return out
+
+    # -- resume ---------------------------------------------------------------------------
+    @property
+    def fingerprint(self) -> str:
+        """Hex id of what fixes the order: names, weights, lengths, samples per epoch, seed."""
+        body = json.dumps(self._identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(body.encode()).hexdigest()[:32]
+
+    def _identity(self) -> dict[str, Any]:
+        return {
+            "weights": self.weights,
+            "lengths": self.lengths,
+            "samples_per_epoch": self.samples_per_epoch,
+            "seed": self.seed,
+        }
+
+    def state(self) -> dict[str, Any]:
+        """Plain JSON-safe description for a checkpoint (the loader saves the position)."""
+        return {
+            "format": STATE_FORMAT,
+            "version": STATE_VERSION,
+            **self._identity(),
+            "quotas": dict(self.quotas),
+            "epoch": self.epoch,
+            "fingerprint": self.fingerprint,
+        }
+
+    def check_state(self, state: Mapping[str, Any], *, allow_reweight: bool = False) -> None:
+        """Refuse to resume from ``state`` saved for a different mixture. ``allow_reweight=True``
+        accepts other weights or samples per epoch (same sources, lengths and seed): the explicit
+        choice to continue at the saved position of the *new* order, whose earlier positions hold
+        other samples than the ones actually consumed."""
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise MixtureMismatch("not a stallfree mixture state")
+        if state.get("version") != STATE_VERSION:
+            raise MixtureMismatch(f"unsupported mixture state version {state.get('version')!r}")
+        if state.get("fingerprint") == self.fingerprint:
+            return
+        mine = self._identity()
+        diff = [k for k in mine if _plain(state.get(k)) != _plain(mine[k])]
+        fixed = [k for k in diff if k in ("lengths", "seed")]
+        if allow_reweight and not fixed:
+            return
+        detail = "; ".join(f"{k}: saved {state.get(k)!r}, now {mine[k]!r}" for k in diff) or "fingerprint"
+        hint = "" if fixed else " (pass allow_reweight=True to resume with the new weights on purpose)"
+        raise MixtureMismatch(f"the saved state is for a different mixture: {detail}{hint}")
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}: {self.quotas[n]}/{self.lengths[n]}" for n in self.names)
+        return f"Mixture({parts}; {self.samples_per_epoch} per epoch, seed={self.seed})"
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True))
+
+
+def mix(
+    datasets: Mapping[str, Any],
+    weights: Mapping[str, float],
+    *,
+    samples_per_epoch: int | None = None,
+    seed: int = 0,
+) -> Mixture:
+    """A map-style dataset mixing ``datasets`` (name -> any map-style dataset) in ``weights``'
+    shares (relative; ``samples_per_epoch`` defaults to the sources' total length). Read its
+    positions in order (``shuffle=False``); dict samples gain ``"__source__": name``.
+
+    >>> ds = stallfree.mix({"web": web, "code": code}, {"web": 0.7, "code": 0.3}, seed=1)
+    >>> loader = stallfree.DataLoader(ds, batch_size=16, shuffle=False)
+    """
+    return Mixture(datasets, weights, samples_per_epoch=samples_per_epoch, seed=seed)
