@@ -14,10 +14,19 @@ transaction at all: ``mdb_env_set_mapsize`` replaces the memory map under every 
 (py-lmdb invalidates them, and a reader inside LMDB at that moment reads unmapped memory). So a grow
 is only recorded where it is asked for and applied when the last in-flight operation ends; new
 operations wait for it the way they wait for a fork.
+
+No page of the store may be written through a memory map into a hole in its file: on a full
+filesystem (a small ``/dev/shm``) the kernel cannot back the page and kills the process with SIGBUS,
+where the cache contract wants a miss. So the data file is written with ``pwrite`` only
+(``writemap=False``: a full filesystem is an error from the commit), and the lock file, which LMDB
+always maps writable (its reader table), has every block allocated (``posix_fallocate``) before
+LMDB maps it; where that is not possible the open fails with ``StoreUnavailable``. A store whose
+directory cannot be written opens read-only: its entries still serve reads.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -33,8 +42,21 @@ import lmdb
 log = logging.getLogger(__name__)
 
 _DB_NAMES = (b"data", b"meta", b"atime", b"order")
+_MAX_READERS = 2048
+_LOCK_NAME = "lock.mdb"
+# the lock file LMDB creates on Linux: its header (MDB_txninfo, three cache lines, the first reader
+# slot included) and one cache line per further reader slot
+_LOCK_BYTES = 3 * 64 + (_MAX_READERS - 1) * 64
 _FORK_WAIT_S = 10.0
 _REMAP_WAIT_S = 10.0  # an operation waits at most this long for a pending grow before going ahead
+
+
+class StoreUnavailable(OSError):
+    """The store cannot be opened safely here (no space to back its lock file, not readable)."""
+
+
+class ReadOnlyStore(OSError):
+    """A write to a store this process could open only read-only."""
 
 
 @dataclass
@@ -45,6 +67,7 @@ class Handle:
     refs: int = 0
     checked_at: float = 0.0
     want_map: int = 0  # the largest map size asked for in this process
+    readonly: bool = False  # the directory is not writable: reads only
     remap: bool = False  # a grow to want_map waits for the next moment with no operation running
 
     def check_readers(self, every_s: float = 5.0) -> None:
@@ -130,26 +153,75 @@ def acquire(path: str, map_size: int) -> Handle:
     with _cond:
         handle = _envs.get(path)
         if handle is None:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            env = lmdb.open(
-                path,
-                map_size=map_size,
-                subdir=True,
-                max_dbs=len(_DB_NAMES),
-                max_readers=2048,
-                readahead=False,
-                meminit=False,
-                sync=False,  # a cache: durable across process crashes (the OS has the pages), not power loss
-                metasync=False,
-            )
-            handle = _envs[path] = Handle(env, tuple(env.open_db(n) for n in _DB_NAMES), _generation)
-            handle.check_readers(0.0)  # free reader slots left by crashed processes
+            handle = _envs[path] = _open(path, map_size)
         if map_size > handle.want_map:
             handle.want_map = map_size
             # never here: other threads may be inside transactions (the caller is inside using())
             handle.remap = handle.remap or handle.env.info()["map_size"] < map_size
         handle.refs += 1
         return handle
+
+
+def _open(path: str, map_size: int) -> Handle:
+    """Open the environment at ``path``: read-write with a fully allocated lock file, or read-only
+    where the directory cannot be written."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    lock_file = os.path.join(path, _LOCK_NAME)
+    writable = _back_file(lock_file, _LOCK_BYTES)
+    try:
+        env = lmdb.open(
+            path,
+            map_size=map_size,
+            subdir=True,
+            readonly=not writable,
+            max_dbs=len(_DB_NAMES),
+            max_readers=_MAX_READERS,
+            readahead=False,
+            meminit=False,
+            writemap=False,  # pages go to the file by pwrite: a full filesystem fails the commit, no SIGBUS
+            sync=False,  # a cache: durable across process crashes (the OS has the pages), not power loss
+            metasync=False,
+        )
+    except lmdb.Error as exc:
+        how = "read-only (the directory is not writable)" if not writable else "read-write"
+        raise StoreUnavailable(f"cannot open the LMDB store {path} {how}: {exc}") from exc
+    try:
+        if writable:
+            _back_file(lock_file, 0)  # in case LMDB chose a larger reader table than _LOCK_BYTES
+        dbs = tuple(env.open_db(n) for n in _DB_NAMES)
+    except (OSError, lmdb.Error) as exc:
+        env.close()
+        if isinstance(exc, StoreUnavailable):
+            raise
+        raise StoreUnavailable(f"cannot open the tables of the LMDB store {path}: {exc}") from exc
+    handle = Handle(env, dbs, _generation, readonly=not writable)
+    if writable:
+        handle.check_readers(0.0)  # free reader slots left by crashed processes
+    return handle
+
+
+def _back_file(file: str, size: int) -> bool:
+    """Allocate every block of ``file`` (created with ``size`` bytes when missing or empty; an
+    existing file keeps its size, which processes that map it rely on), so writes through a shared
+    memory map of it can never meet a hole the filesystem has no space for. False when the file
+    cannot be opened for writing (read-only filesystem or permissions): nothing was done."""
+    try:
+        fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return False
+        raise StoreUnavailable(f"cannot open {file}: {exc}") from exc
+    try:
+        length = os.fstat(fd).st_size or size
+        if length:
+            try:
+                os.posix_fallocate(fd, 0, length)  # blocks already allocated cost nothing
+            except OSError as exc:
+                why = "the filesystem is full" if exc.errno == errno.ENOSPC else exc.strerror
+                raise StoreUnavailable(f"cannot allocate the {length} bytes of {file}: {why}") from exc
+    finally:
+        os.close(fd)
+    return True
 
 
 def release(path: str, handle: Handle) -> None:

@@ -10,6 +10,10 @@ Capacity is counted in encoded bytes in a small ``meta`` table updated inside th
 transaction as the data, so all processes share one exact budget. ``lru`` keeps an access-order
 index; a process records its hits and applies them to that index at its next write (reads stay
 lock-free), so recency is approximate across processes.
+
+A full filesystem (``/dev/shm`` fills up) or a read-only directory makes every operation of an
+epoch fail the same way: each failure is a miss counted under ``errors``, and only the first of
+each cause is logged. A read-only store still serves its entries (``lmdbenv`` opens it read-only).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 _U64 = struct.Struct("<Q")
 _SEQ = struct.Struct(">Q")  # big-endian so LMDB's byte order is numeric order
 _MAX_TOUCHED = 65536
+_MAX_CAUSES = 16  # distinct failure causes logged per cache object; the rest are only counted
 _DEFAULT_MAP = 1 << 36  # 64 GiB of address space when unbounded (sparse; costs nothing unused)
 
 
@@ -55,6 +60,7 @@ class NodeCache(BaseCache):
         self._pid = -1
         self._lock = threading.Lock()
         self._touched: dict[bytes, None] = {}
+        self._warned: set[str] = set()  # causes of failures already logged by this object
 
     def _config(self) -> dict[str, Any]:
         return {"path": self.path, "capacity_bytes": self.capacity_bytes, "policy": self.policy.name}
@@ -97,6 +103,25 @@ class NodeCache(BaseCache):
             with lmdbenv.using():
                 return fn(*args)
 
+    def _failed(self, op: str, exc: BaseException) -> None:
+        """Count every failure, but log only the first of each cause: a full or read-only store fails
+        every operation of an epoch the same way, and one line says it all."""
+        self._stats.add(errors=1)
+        self._warn_once(
+            f"{type(exc).__name__}: {exc}", "%s failed, treating as miss: %s: %s", op, type(exc).__name__, exc
+        )
+
+    def _warn_once(self, cause: str, msg: str, *args: Any) -> None:
+        with self._lock:
+            if cause in self._warned or len(self._warned) >= _MAX_CAUSES:
+                return
+            self._warned.add(cause)
+        log.warning(
+            "node cache %s: " + msg + " (further failures like this are only counted in stats())",
+            self.path,
+            *args,
+        )
+
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return self._run(self._get, keys)
 
@@ -131,6 +156,7 @@ class NodeCache(BaseCache):
 
     def _put(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
         handle = self._open_handle()
+        self._check_writable(handle)
         env, (data, meta, atime, order) = handle.env, handle.dbs
         handle.check_readers()
         with self._lock:
@@ -168,7 +194,7 @@ class NodeCache(BaseCache):
                 if evicted:
                     txn.put(b"evictions", _U64.pack(self._meta(txn, meta, b"evictions") + evicted), db=meta)
         except lmdb.MapFullError:
-            log.warning("node cache %s: LMDB map full; not admitting this batch", self.path)
+            self._warn_once("map full", "LMDB map full; not admitting this batch")
             self._keep_touched(touched)
             return PutResult(0, 0, self._count_absent(env, data, items))
         except BaseException:
@@ -225,8 +251,14 @@ class NodeCache(BaseCache):
                 n += 1
         return freed, n
 
+    def _check_writable(self, handle: lmdbenv.Handle) -> None:
+        if handle.readonly:
+            raise lmdbenv.ReadOnlyStore(f"the directory of {self.path} is not writable: opened read-only")
+
     def _delete(self, keys: Sequence[bytes]) -> None:
-        env, data, meta, atime, order = self._open()
+        handle = self._open_handle()
+        self._check_writable(handle)
+        env, (data, meta, atime, order) = handle.env, handle.dbs
         with env.begin(write=True) as txn:
             used = self._meta(txn, meta, b"used")
             for key in keys:
