@@ -22,14 +22,20 @@ class ShardError(Exception):
         self.key = key
         self.offset = offset
         self.reason = message
-        where = []
-        if shard is not None:
-            where.append(f"shard {shard}")
-        if key is not None:
-            where.append(f"sample {key!r}")
-        if offset is not None:
-            where.append(f"byte offset {offset}")
-        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        where = self.where
+        super().__init__(f"{message} ({where})" if where else message)
+
+    @property
+    def where(self) -> str:
+        """``shard S, sample 'K', byte offset N``: the parts that are known (may be empty)."""
+        parts = []
+        if self.shard is not None:
+            parts.append(f"shard {self.shard}")
+        if self.key is not None:
+            parts.append(f"sample {self.key!r}")
+        if self.offset is not None:
+            parts.append(f"byte offset {self.offset}")
+        return ", ".join(parts)
 
     def __reduce__(self):  # keep attributes across process boundaries (worker -> main)
         return (_rebuild, (type(self), self.reason, self.shard, self.key, self.offset))
@@ -53,6 +59,10 @@ class HashMismatchError(ShardError):
 
 class MissingShardError(ShardError):
     """A shard named by the manifest (or pattern) does not exist."""
+
+
+class ShardReadError(ShardError):
+    """A shard could not be read (an I/O error, permissions): not known to be damaged."""
 
 
 class ManifestError(ShardError):

@@ -32,6 +32,12 @@ def idx_path_for(tar_path: str) -> str:
     return posixpath.join(head, stem + ".idx")
 
 
+def shard_files(path: str) -> list[str]:
+    """The files one shard consists of: a tar and its ``.idx``, or an Arrow file alone (what to
+    remove, or check for, together)."""
+    return [path, idx_path_for(path)] if path.endswith(".tar") else [path]
+
+
 def render_idx(samples: list[IdxSample]) -> str:
     lines = [f"{IDX_VERSION} {len(samples)}"]
     for sample in samples:

@@ -22,12 +22,12 @@ from typing import Any
 import fsspec
 
 from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import IndexMismatchError, ShardError
-from stallfree.shards.idx import IdxSample, idx_path_for
+from stallfree.shards.errors import ShardError
+from stallfree.shards.idx import IdxSample
 from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, join
 from stallfree.shards.readers import ArrowShardReader, TarShardReader
 from stallfree.shards.scan import manifest_for_tars, relative, resolve
-from stallfree.shards.verify import KeyOwners
+from stallfree.shards.verify import verify_manifest
 
 log = logging.getLogger(__name__)
 
@@ -206,25 +206,13 @@ class ShardedDataset:
             yield from self.get_many(range(start, min(self._len, start + _ITER_CHUNK)))
 
     def verify(self, hashes: bool = True) -> list[ShardError]:
-        """Check every shard: present, size, sha256 (if ``hashes``), index vs tar headers, rows,
-        keys no earlier shard holds. Returns the problems found (empty list: all good); reads
-        every shard in full."""
-        problems: list[ShardError] = []
-        owners = KeyOwners()  # a key two shards share
-        for s, info in enumerate(self.manifest.shards):
-            try:
-                if self.manifest.format == "tar" and self._scanned is None:
-                    if not self.fs.exists(idx_path_for(self.shard_path(s))):
-                        problems.append(IndexMismatchError("no .idx file beside the shard", shard=info.path))
-                reader = self._open_reader(s, hashes)
-                try:
-                    problems.extend(reader.check_all())
-                    problems.extend(owners.add(info.path, reader.keys()))
-                finally:
-                    reader.close()
-            except ShardError as exc:
-                problems.append(exc)
-        return problems
+        """Check every shard (``verify.verify_manifest``, what ``stallfree verify`` runs): present,
+        size, sha256 (if ``hashes``), tar headers against the index this dataset reads through,
+        sample counts, keys no earlier shard holds. Returns the problems found (empty list: all
+        good); reads every shard in full."""
+        return verify_manifest(
+            self.fs, self._root, self.manifest, indices=self._scanned, hashes=hashes
+        ).errors
 
     def close(self) -> None:
         for reader in self._readers:

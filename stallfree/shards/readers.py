@@ -2,7 +2,7 @@
 
 Local files are memory-mapped: a sample is a few slices of the mapping, no system call, no
 filesystem lookup. Remote files (any fsspec URL) are read with ranged requests: one sample is one
-``cat_file(path, start, end)`` spanning its members (headers included, so each member's name is
+``cat_file(path, start=, end=)`` spanning its members (headers included, so each member's name is
 checked against the index for free); ``get_many`` merges neighbouring samples into one request.
 
 A reader checks its shard cheaply when opened: size against the manifest, index entries inside
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import mmap
-import posixpath
 import threading
 from array import array
 from bisect import bisect_right
@@ -25,17 +24,12 @@ import fsspec
 import numpy as np
 
 from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import (
-    CorruptShardError,
-    HashMismatchError,
-    IndexMismatchError,
-    MissingShardError,
-    ShardError,
-)
+from stallfree.shards.errors import CorruptShardError, IndexMismatchError, MissingShardError
 from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
-from stallfree.shards.scan import file_size, scan_tar, sha256_of
+from stallfree.shards.scan import file_size, record_mismatches, scan_tar, sha256_of
 from stallfree.shards.tar import BLOCK, parse_header, split_name
+from stallfree.shards.tar_walk import RangeReader, walk_tar
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +56,9 @@ def _fetch_ranges(
 ) -> list[bytes]:
     try:
         if len(ranges) == 1:
-            return [fs.cat_file(path, ranges[0][0], ranges[0][1])]
-        out = fs.cat_ranges([path] * len(ranges), [r[0] for r in ranges], [r[1] for r in ranges])
+            # keywords: s3fs's cat_file takes ``version_id`` second
+            return [fs.cat_file(path, start=ranges[0][0], end=ranges[0][1])]
+        out = fs.cat_ranges([path] * len(ranges), starts=[r[0] for r in ranges], ends=[r[1] for r in ranges])
     except FileNotFoundError:
         raise MissingShardError("shard not found", shard=shard) from None
     except OSError as exc:
@@ -75,23 +70,18 @@ def _fetch_ranges(
     return out
 
 
-def _check_size_and_hash(
-    fs: fsspec.AbstractFileSystem, path: str, size: int, info: ShardInfo | None, shard: str, verify_hash: bool
+def _check_record(
+    fs: fsspec.AbstractFileSystem, path: str, size: int, info: ShardInfo | None, verify_hash: bool
 ) -> None:
-    """The open-time checks both readers make: size against the manifest, then (if asked) sha256."""
+    """The open-time checks both readers make: size against the manifest, then (if asked) sha256;
+    raises the first mismatch (``scan.record_mismatches`` words it as ``verify`` does)."""
     if info is None:
         return
-    if size != info.bytes:
-        what = "truncated" if size < info.bytes else "larger than recorded"
-        raise CorruptShardError(
-            f"shard is {what}: {size} bytes on storage, the manifest says {info.bytes}",
-            shard=shard,
-            offset=size,
-        )
-    if verify_hash and info.sha256:
-        actual = sha256_of(fs, path)
-        if actual != info.sha256:
-            raise HashMismatchError(f"sha256 is {actual}, the manifest says {info.sha256}", shard=shard)
+    found = record_mismatches(info, size)
+    if not found and verify_hash and info.sha256:
+        found = record_mismatches(info, size, sha256_of(fs, path))
+    if found:
+        raise found[0]
 
 
 def _decimals(tokens: list[str]) -> np.ndarray | None:
@@ -198,7 +188,7 @@ class TarShardReader:
         """Check size (and sha256 if asked), then build the index columns and check the first and
         last sample's headers against them."""
         fs, path, shard, info, size = self.fs, self.path, self.shard, self.info, self.size
-        _check_size_and_hash(fs, path, size, info, shard, verify_hash)
+        _check_record(fs, path, size, info, verify_hash)
         columns = None
         if samples is None:
             text = self._load_idx_text()
@@ -234,18 +224,32 @@ class TarShardReader:
             for field, off, length, name in smp.members:
                 end = off + length
                 if end > size:
-                    raise CorruptShardError(
-                        f"truncated tar: member {name!r} should span bytes {off}..{end} but the file ends at {size}",
-                        shard=shard,
-                        key=smp.key,
-                        offset=off - BLOCK,
-                    )
+                    self._past_end(smp.key, name, off, end)
                 fid.append(names.setdefault(field, len(names)))
                 starts.append(off)
                 ends.append(end)
             first.append(len(starts))
         self._keys, self._fid, self._starts, self._ends, self._first = keys, fid, starts, ends, first
         self._names = list(names)
+
+    def _past_end(self, key: str, name: str, off: int, end: int) -> None:
+        """An index entry runs past the end of the file: the tar was cut short, or the index
+        belongs to another tar. The walker tells which (it raises for a truncated or corrupt
+        archive, as everywhere else); if the archive is whole, the index is wrong."""
+        walker = RangeReader(self.fs, self.path, self.size)
+        try:
+            for _ in walk_tar(walker, self.shard):
+                pass
+        finally:
+            walker.close()
+        raise IndexMismatchError(
+            f"the index says member {name!r} spans bytes {off}..{end}, but the tar ends at byte "
+            f"{self.size} and is whole (its headers walk to the end-of-archive block): the index "
+            "does not belong to this tar",
+            shard=self.shard,
+            key=key,
+            offset=off - BLOCK,
+        )
 
     def _load_idx_text(self) -> bytes | None:
         """The ``.idx`` file's bytes, or None (with a warning) when the shard has none."""
@@ -378,38 +382,6 @@ class TarShardReader:
             handed.add(r)
         return out
 
-    def check_all(self, data: bytes | mmap.mmap | None = None) -> list[ShardError]:
-        """Every member's header (for ``verify``): names, sizes, checksums. Reads the whole shard."""
-        problems: list[ShardError] = []
-        if data is None:
-            data = self._mm if self._mm is not None else self.fs.cat_file(self.path)
-        for row, key in enumerate(self._keys):
-            for j in range(self._first[row], self._first[row + 1]):
-                field, off, end = self._names[self._fid[j]], self._starts[j], self._ends[j]
-                try:
-                    name, size, _ = parse_header(data[off - BLOCK : off], off - BLOCK, self.shard, key)
-                except CorruptShardError as exc:
-                    problems.append(exc)
-                    continue
-                long_name = len(f"{key}.{field}".encode("utf-8", "surrogateescape")) > 100
-                if (split_name(name) != (key, field) and not long_name) or size != end - off:
-                    problems.append(
-                        IndexMismatchError(
-                            f"the index says {key}.{field} ({end - off} bytes) is at byte {off}, "
-                            f"the tar has {name!r} ({size} bytes)",
-                            shard=self.shard,
-                            key=key,
-                            offset=off - BLOCK,
-                        )
-                    )
-        return problems
-
-    def keys(self) -> Iterator[tuple[str, int]]:
-        """``(key, offset of its first member's header)`` for every row, in order."""
-        starts = self._starts
-        for key, j in zip(self._keys, self._first, strict=False):  # first has one entry more
-            yield key, starts[j] - BLOCK
-
     def close(self) -> None:
         if self._mm is not None:
             self._mm.close()
@@ -456,7 +428,7 @@ class ArrowShardReader:
         import pyarrow.ipc as ipc
 
         fs, path, shard, info = self.fs, self.path, self.shard, self.info
-        _check_size_and_hash(fs, path, self.size, info, shard, verify_hash)
+        _check_record(fs, path, self.size, info, verify_hash)
         try:
             self._reader = ipc.open_file(self._source)
         except (pa.ArrowInvalid, OSError) as exc:
@@ -511,30 +483,6 @@ class ArrowShardReader:
     def iter_rows(self) -> Iterator[dict[str, Any]]:
         for row in range(self.rows):
             yield self.get(row)
-
-    def check_all(self) -> list[ShardError]:
-        problems: list[ShardError] = []
-        for b in range(self.batches):
-            try:
-                self._batch(b).validate(full=True)
-            except ShardError as exc:
-                problems.append(exc)
-            except Exception as exc:  # noqa: BLE001 - pyarrow's validation errors vary by version
-                problems.append(CorruptShardError(f"record batch {b} is invalid: {exc}", shard=self.shard))
-        return problems
-
-    def keys(self) -> Iterator[tuple[str, None]]:
-        """``(key, None)`` for every row with a key, in order: its ``__key__``, or ``stem/row`` (as
-        ``get`` makes it) where the file has no such column. Reads every record batch."""
-        if "__key__" not in self._schema.names:
-            stem = posixpath.splitext(self.shard)[0]
-            for row in range(self.rows):
-                yield f"{stem}/{row}", None
-            return
-        for b in range(self.batches):
-            for key in self._batch(b).column("__key__").to_pylist():
-                if key is not None:  # a null key names nothing to collide with
-                    yield str(key), None
 
     @property
     def schema(self):

@@ -1,5 +1,7 @@
-"""Index tar shards that came without one: walk the tar headers (memory-mapped locally, small
-ranged reads remotely) and group members into samples, exactly as DALI's ``wds2idx`` and
+"""Facts about shard files, and indexes for tars that came without one: ``file_size``,
+``sha256_of``, ``record_mismatches`` (size and hash against the manifest), URL patterns
+(``resolve``), and ``scan_tar``: the tar headers walked by ``tar_walk`` (memory-mapped locally,
+small ranged reads remotely) and grouped into samples, exactly as DALI's ``wds2idx`` and
 WebDataset do (members ``KEY.FIELD``; consecutive members with one key form a sample).
 
 ``manifest_for_tars`` builds a manifest for existing tars (``open_dataset`` on the fly;
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import mmap
 import posixpath
 import re
 from collections.abc import Callable, Sequence
@@ -20,70 +21,12 @@ from typing import Any
 import fsspec
 
 from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import CorruptShardError, DuplicateKeyError, MissingShardError
-from stallfree.shards.idx import IdxSample, idx_path_for
+from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
+from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
-from stallfree.shards.tar import BLOCK, padded, parse_header, split_name
+from stallfree.shards.tar_walk import RangeReader, group_samples, walk_tar
 
 log = logging.getLogger(__name__)
-
-_REGULAR = (b"0", b"\0", b"7")
-_WINDOW = 64 * 1024
-
-
-class _RangeReader:
-    """``read(start, end)`` over a local mmap or remote ranged reads with a small read-ahead window,
-    so runs of small members cost one request per window, and big members are skipped, not read."""
-
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, size: int) -> None:
-        self.size = size
-        self._fs, self._path = fs, path
-        self._mm: mmap.mmap | None = None
-        self._buf, self._buf_start = b"", 0
-        self.requests = 0
-        if is_local(fs) and size:
-            with open(path, "rb") as f:
-                self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-    def read(self, start: int, end: int, ahead: bool = False) -> bytes:
-        end = min(end, self.size)
-        if self._mm is not None:
-            return self._mm[start:end]
-        b0 = self._buf_start
-        if b0 <= start and end <= b0 + len(self._buf):
-            return self._buf[start - b0 : end - b0]
-        fetch_end = min(self.size, max(end, start + _WINDOW)) if ahead else end
-        self.requests += 1
-        self._buf = self._fs.cat_file(self._path, start, fetch_end)
-        self._buf_start = start
-        return self._buf[: end - start]
-
-    def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-
-
-def pax_path(data: bytes) -> str | None:
-    """The ``path`` record of a pax extended header, if any (records are ``LEN key=value\\n``; a
-    later record overrides an earlier one, as in POSIX)."""
-    pos = 0
-    path = None
-    while pos < len(data):
-        space = data.find(b" ", pos)
-        if space < 0:
-            break
-        try:
-            length = int(data[pos:space])
-        except ValueError:
-            break
-        if length <= 0:
-            break
-        record = data[space + 1 : pos + length - 1]
-        k, _, v = record.partition(b"=")
-        if k == b"path":
-            path = v.decode("utf-8", "surrogateescape")
-        pos += length
-    return path
 
 
 def file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
@@ -95,82 +38,35 @@ def file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
 
 
 def scan_tar(fs: fsspec.AbstractFileSystem, path: str, shard: str | None = None) -> list[IdxSample]:
-    """Walk a tar's headers -> samples in order. Raises CorruptShardError / DuplicateKeyError naming
-    the shard, the key and the byte offset of the bad header."""
+    """Walk a tar's headers -> samples in order (``tar_walk``). Raises CorruptShardError /
+    DuplicateKeyError naming the shard, the key and the byte offset of the bad header."""
     shard = shard or posixpath.basename(path)
-    reader = _RangeReader(fs, path, file_size(fs, path, shard))
+    reader = RangeReader(fs, path, file_size(fs, path, shard))
     try:
-        return _walk(reader, shard)
+        return list(group_samples(walk_tar(reader, shard), shard))
     finally:
         reader.close()
 
 
-def _walk(reader: _RangeReader, shard: str) -> list[IdxSample]:
-    size = reader.size
-    samples: list[IdxSample] = []
-    seen: set[str] = set()
-    cur_key: str | None = None
-    cur_fields: set[str] = set()
-    long_name: str | None = None
-    off = 0
-    largest, members = 0, 0
-    while True:
-        if off >= size:
-            if off > size or not samples and size == 0:
-                raise CorruptShardError(
-                    "truncated tar: no end-of-archive blocks", shard=shard, key=cur_key, offset=off
-                )
-            break  # archive without the trailing zero blocks: tolerated, as tar itself does
-        # read ahead (remote) once 8+ members were all small: then one window holds many headers
-        block = reader.read(off, off + BLOCK, ahead=members >= 8 and largest <= 8192)
-        if len(block) < BLOCK:
-            raise CorruptShardError("truncated tar: header cut short", shard=shard, key=cur_key, offset=off)
-        if block == bytes(BLOCK):
-            break
-        name, msize, typeflag = parse_header(block, off, shard, cur_key)
-        data = off + BLOCK
-        if data + msize > size:
-            key = split_name(long_name or name)[0]
-            raise CorruptShardError(
-                f"truncated tar: member {long_name or name!r} needs bytes {data}..{data + msize} "
-                f"but the file ends at {size}",
-                shard=shard,
-                key=key,
-                offset=off,
+def record_mismatches(info: ShardInfo, size: int, digest: str | None = None) -> list[ShardError]:
+    """How a shard's size (and, if ``digest`` is given, its sha256) differ from its manifest record:
+    the one rule, and wording, the readers (which raise the first) and ``verify`` (which lists
+    all) apply. Empty when they agree."""
+    found: list[ShardError] = []
+    if size != info.bytes:
+        what = "truncated" if size < info.bytes else "larger than recorded"
+        found.append(
+            CorruptShardError(
+                f"shard is {what}: {size} bytes on storage, the manifest says {info.bytes}",
+                shard=info.path,
+                offset=size,
             )
-        nxt = data + padded(msize)
-        largest = max(largest, msize)
-        members += 1
-        if typeflag == b"L":
-            long_name = reader.read(data, data + msize).rstrip(b"\0").decode("utf-8", "surrogateescape")
-        elif typeflag == b"x":
-            long_name = pax_path(reader.read(data, data + msize)) or long_name
-        elif typeflag in _REGULAR:
-            full = long_name or name
-            long_name = None
-            key, field = split_name(full)
-            if key and not key.endswith("/") and field:
-                if key != cur_key:
-                    if key in seen:
-                        raise DuplicateKeyError(
-                            "sample key appears twice (members of one sample must be contiguous)",
-                            shard=shard,
-                            key=key,
-                            offset=off,
-                        )
-                    seen.add(key)
-                    samples.append(IdxSample(key, []))
-                    cur_key, cur_fields = key, set()
-                elif field in cur_fields:
-                    raise DuplicateKeyError(
-                        f"member {full!r} appears twice", shard=shard, key=key, offset=off
-                    )
-                cur_fields.add(field)
-                samples[-1].members.append((field, data, msize, full))
-        else:
-            long_name = None  # directories, links, global headers: not sample data
-        off = nxt
-    return samples
+        )
+    if digest is not None and info.sha256 and digest != info.sha256:
+        found.append(
+            HashMismatchError(f"sha256 is {digest}, the manifest says {info.sha256}", shard=info.path)
+        )
+    return found
 
 
 def sha256_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) -> str:
@@ -179,7 +75,7 @@ def sha256_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) ->
     if is_local(fs):
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
-    with fs.open(path, "rb", block_size=chunk) as f:
+    with fs.open(path, mode="rb", block_size=chunk) as f:
         while True:
             data = f.read(chunk)
             if not data:
@@ -269,8 +165,6 @@ def manifest_for_tars(
 ) -> tuple[Manifest, list[list[IdxSample]]]:
     """Manifest (+ each shard's samples) for existing tars; an ``.idx`` beside a tar is trusted
     when ``use_idx`` (it is checked against the tar on first use), else headers are scanned."""
-    from stallfree.shards.idx import parse_idx
-
     shards, indices, fields = [], [], {}
     for path in paths:
         rel = relative(root, path)

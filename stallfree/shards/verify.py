@@ -1,8 +1,10 @@
-"""``stallfree verify``: check a dataset against its manifest and report every problem found.
+"""``stallfree verify`` and ``ShardedDataset.verify``: the one verifier. It checks a dataset
+against its manifest and reports every problem found.
 
-One sequential pass per shard checks size and sha256 and, for tar shards, walks the headers
-(truncation, corrupt headers, duplicate keys) to compare against the ``.idx`` and the manifest's
-sample count; Arrow shards are opened and counted. Every shard's keys are checked against the
+One sequential pass per shard checks size and sha256 and, for tar shards, walks the headers with
+the one tar walker (``tar_walk``: truncation, corrupt headers, duplicate keys) to compare against
+the index (the ``.idx``, or the one a dataset without a manifest built) and the manifest's sample
+count; Arrow shards are opened, validated and counted. Every shard's keys are checked against the
 shards before it, so a key two shards share is found too (the dataset would yield it twice; a
 cache or a resume keyed by it would confuse the two). ``decode=True`` also decodes image fields
 with PIL. Problems are collected (not raised) so one run lists them all, each naming the shard, the
@@ -15,7 +17,7 @@ import hashlib
 import io
 import logging
 import posixpath
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -24,18 +26,20 @@ import fsspec
 from stallfree.shards.errors import (
     CorruptShardError,
     DuplicateKeyError,
-    HashMismatchError,
     IndexMismatchError,
     MissingShardError,
     SampleDecodeError,
     ShardError,
+    ShardReadError,
 )
-from stallfree.shards.manifest import Manifest, ShardInfo, join
-from stallfree.shards.scan import pax_path
+from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
+from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
+from stallfree.shards.scan import file_size, record_mismatches
+from stallfree.shards.tar import BLOCK
+from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, walk_tar
 
 log = logging.getLogger(__name__)
 
-BLOCK = 512
 IMAGE_FIELDS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "ppm", "pgm", "tif", "tiff"}
 ProgressFn = Callable[[int], None]  # bytes checked
 KeyAt = tuple[str, int | None]  # a sample key and the byte offset of its first header (tar)
@@ -44,7 +48,7 @@ MAX_LISTED = 10  # problems of one kind listed per shard before a "... and N mor
 
 @dataclass
 class Problem:
-    """One thing wrong: the error class name, where, and a message."""
+    """One thing wrong, as reported: the error class name, where, and a message."""
 
     error: str
     message: str
@@ -68,17 +72,24 @@ class Problem:
 
 @dataclass
 class VerifyReport:
+    """What a verify run found: counts, and ``errors`` (the ShardErrors, in the order found);
+    ``problems`` is the same list as plain records for printing and JSON."""
+
     dataset: str
     format: str | None = None
     shards: int = 0
     samples: int = 0
     bytes: int = 0
     decoded: int = 0
-    problems: list[Problem] = field(default_factory=list)
+    errors: list[ShardError] = field(default_factory=list)
+
+    @property
+    def problems(self) -> list[Problem]:
+        return [Problem.from_error(e) for e in self.errors]
 
     @property
     def ok(self) -> bool:
-        return not self.problems
+        return not self.errors
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -93,176 +104,105 @@ class VerifyReport:
         }
 
 
-@dataclass
-class Member:
-    name: str
-    offset: int  # of the data
-    size: int
-
-
 class _HashingReader:
-    """Reads a file sequentially, hashing and counting every byte read."""
+    """The walker's ``ByteReader`` over a file read once, front to back: every byte read or
+    skipped is hashed and counted, so one pass checks headers, sha256 and size together."""
 
-    def __init__(self, f: IO[bytes], progress: ProgressFn | None) -> None:
+    def __init__(self, f: IO[bytes], size: int, progress: ProgressFn | None) -> None:
         self.f = f
+        self.size = size
         self.sha = hashlib.sha256()
         self.pos = 0
         self.progress = progress
 
-    def read(self, n: int) -> bytes:
-        data = self.f.read(n)
-        self.sha.update(data)
-        self.pos += len(data)
-        if self.progress is not None and data:
-            self.progress(len(data))
-        return data
+    def _next(self, n: int) -> bytes:
+        parts = []
+        while n > 0:
+            data = self.f.read(min(n, 1 << 22))
+            if not data:
+                break
+            self.sha.update(data)
+            self.pos += len(data)
+            if self.progress is not None:
+                self.progress(len(data))
+            parts.append(data)
+            n -= len(data)
+        return b"".join(parts)
+
+    def read(self, start: int, end: int, ahead: bool = False) -> bytes:
+        if start < self.pos:
+            raise ValueError(f"sequential read of bytes {start}..{end} after byte {self.pos}")
+        while self.pos < start and self._next(min(start - self.pos, 1 << 22)):
+            pass
+        return self._next(end - start)
 
     def read_rest(self) -> None:
-        while self.read(1 << 22):
+        while self._next(1 << 22):
             pass
 
-    def skip(self, n: int) -> int:
-        """Read (and hash) ``n`` bytes without keeping them; returns how many there were."""
-        got = 0
-        while got < n:
-            chunk = self.read(min(1 << 22, n - got))
-            if not chunk:
-                break
-            got += len(chunk)
-        return got
 
-
-def walk_tar(
-    reader: _HashingReader, shard: str, *, keep: Callable[[str], bool] | None = None
-) -> tuple[list[Member], dict[str, bytes], list[Problem]]:
-    """Walk a tar's headers sequentially: regular members (name, data offset, size), the data of
-    members for which ``keep(name)`` is true, and problems (corrupt or truncated). Stops at the
-    end-of-archive blocks or at the first corrupt/truncated spot (nothing after it can be trusted)."""
-    from stallfree.shards.tar import parse_header, split_name
-
-    members: list[Member] = []
-    kept: dict[str, bytes] = {}
-    problems: list[Problem] = []
-    long_name: str | None = None
-    last_key: str | None = None
-    while True:
-        offset = reader.pos
-        block = reader.read(BLOCK)
-        if not block:
-            problems.append(
-                Problem.from_error(
-                    CorruptShardError(
-                        "truncated tar: no end-of-archive blocks", shard=shard, key=last_key, offset=offset
-                    )
-                )
-            )
-            break
-        if block == bytes(BLOCK):
-            break  # end of archive
-        try:
-            name, size, typeflag = parse_header(block, offset, shard, last_key)
-        except CorruptShardError as exc:
-            problems.append(Problem.from_error(exc))
-            break
-        data_offset = reader.pos
-        padded = (size + BLOCK - 1) // BLOCK * BLOCK
-        if typeflag in (b"x", b"L"):
-            data = reader.read(padded)
-            if len(data) < padded:
-                problems.append(
-                    Problem.from_error(
-                        CorruptShardError(
-                            "truncated tar: extended header cut short",
-                            shard=shard,
-                            key=last_key,
-                            offset=data_offset,
-                        )
-                    )
-                )
-                break
-            long_name = (
-                pax_path(data[:size])
-                if typeflag == b"x"
-                else data[:size].rstrip(b"\0").decode("utf-8", "surrogateescape")
-            )
-            continue
-        if typeflag == b"g":
-            reader.skip(padded)
-            continue
-        if long_name is not None:
-            name, long_name = long_name, None
-        if typeflag in (b"0", b"\0", b"7"):
-            key = split_name(name)[0]
-            if keep is not None and keep(name):
-                data = reader.read(padded)
-                got = len(data)
-                kept[name] = data[:size]
-            else:
-                got = reader.skip(padded)
-            if got < padded:
-                problems.append(
-                    Problem.from_error(
-                        CorruptShardError(
-                            f"truncated tar: member {name} needs {size} bytes, only {min(got, size)} present",
-                            shard=shard,
-                            key=key,
-                            offset=data_offset,
-                        )
-                    )
-                )
-                break
-            members.append(Member(name, data_offset, size))
-            last_key = key
-        else:
-            reader.skip(padded)
-    reader.read_rest()
-    return members, kept, problems
-
-
-def group_samples(members: list[Member], shard: str) -> tuple[list[tuple[str, list[Member]]], list[Problem]]:
-    """Group contiguous members by key (WebDataset's rule); a key seen again later is a duplicate."""
-    from stallfree.shards.tar import split_name
-
-    samples: list[tuple[str, list[Member]]] = []
-    seen: set[str] = set()
-    problems: list[Problem] = []
-    for m in members:
-        key = split_name(m.name)[0]
-        if samples and samples[-1][0] == key:
-            samples[-1][1].append(m)
-            continue
-        if key in seen:
-            problems.append(
-                Problem.from_error(
-                    DuplicateKeyError(
-                        "duplicate sample key in shard", shard=shard, key=key, offset=m.offset - BLOCK
-                    )
-                )
-            )
-        seen.add(key)
-        samples.append((key, [m]))
-    return samples, problems
-
-
-def _decode_image(data: bytes, shard: str, key: str, offset: int | None, fieldname: str) -> Problem | None:
+def _decode_image(data: bytes, shard: str, key: str, offset: int | None, fieldname: str) -> ShardError | None:
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as im:
             im.load()
     except Exception as exc:  # noqa: BLE001 - PIL raises many types for bad data
-        return Problem.from_error(
-            SampleDecodeError(
-                f"field {fieldname!r} does not decode as an image: {exc}", shard=shard, key=key, offset=offset
-            )
+        return SampleDecodeError(
+            f"field {fieldname!r} does not decode as an image: {exc}", shard=shard, key=key, offset=offset
         )
     return None
 
 
-def _is_image_member(name: str) -> bool:
-    from stallfree.shards.tar import split_name
+def _is_image(fieldname: str) -> bool:
+    return fieldname.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
 
-    return split_name(name)[1].rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
+
+def _decoding(
+    members: Iterable[TarMember],
+    reader: _HashingReader,
+    shard: str,
+    report: VerifyReport,
+    found: list[ShardError],
+) -> Iterator[TarMember]:
+    """Pass members on, decoding each image member's data on the way (read while the walker is
+    still at it: the reader only goes forward)."""
+    for m in members:
+        parts = sample_parts(m.name)
+        if parts is not None and _is_image(parts[1]):
+            report.decoded += 1
+            problem = _decode_image(reader.read(m.offset, m.end), shard, parts[0], m.offset, parts[1])
+            if problem is not None:
+                found.append(problem)
+        yield m
+
+
+def _load_index(
+    fs: fsspec.AbstractFileSystem, path: str, shard: str
+) -> tuple[list[IdxSample] | None, list[ShardError]]:
+    """The ``.idx`` beside a tar, parsed; or None and the problem (missing, malformed)."""
+    idx_path = idx_path_for(path)
+    name = posixpath.basename(idx_path)
+    try:
+        return parse_idx(fs.cat_file(idx_path), shard=name), []
+    except FileNotFoundError:
+        return None, [IndexMismatchError(f"missing index {name}: no .idx file beside the shard", shard=shard)]
+    except IndexMismatchError as exc:
+        return None, [exc]
+
+
+def _at_header(exc: CorruptShardError, entries: list[IdxSample] | None) -> CorruptShardError:
+    """A bad header names the last good key (all the walker knows); when the index says which
+    sample's header sits at that offset, name that sample instead."""
+    if entries is None or exc.offset is None:
+        return exc
+    for e in entries:
+        for _, off, _, _ in e.members:
+            if off - BLOCK == exc.offset:
+                if e.key == exc.key:
+                    return exc
+                return CorruptShardError(exc.reason, shard=exc.shard, key=e.key, offset=exc.offset)
+    return exc
 
 
 def verify_tar_shard(
@@ -271,69 +211,62 @@ def verify_tar_shard(
     info: ShardInfo,
     report: VerifyReport,
     *,
-    decode: bool,
-    progress: ProgressFn | None,
+    index: list[IdxSample] | None = None,
+    hashes: bool = True,
+    decode: bool = False,
+    progress: ProgressFn | None = None,
 ) -> list[KeyAt]:
     """Check one tar shard, adding problems to ``report``; returns its samples' keys (with the
-    offset of each one's first header) for the cross-shard duplicate check."""
-    from stallfree.shards.idx import idx_path_for, parse_idx
-
+    offset of each one's first header) for the cross-shard duplicate check. ``index`` is the
+    index the dataset reads the shard through; None: the ``.idx`` beside it."""
     shard = info.path
-    with fs.open(path, "rb", block_size=1 << 22) as f:
-        reader = _HashingReader(f, progress)
-        members, kept, problems = walk_tar(reader, shard, keep=_is_image_member if decode else None)
-    report.problems.extend(problems)
-    _check_size_and_hash(reader, info, report)
-    samples, dup = group_samples(members, shard)
-    report.problems.extend(dup)
+    walk_errors: list[ShardError] = []
+    duplicates: list[DuplicateKeyError] = []
+    decoded: list[ShardError] = []
+    samples: list[IdxSample] = []
+    with fs.open(path, mode="rb", block_size=1 << 22) as f:
+        reader = _HashingReader(f, file_size(fs, path, shard), progress)
+        members = walk_tar(reader, shard)
+        if decode:
+            members = _decoding(members, reader, shard, report, decoded)
+        try:
+            samples.extend(group_samples(members, shard, on_duplicate=duplicates.append))
+        except CorruptShardError as exc:
+            walk_errors.append(exc)
+        reader.read_rest()
+    index_errors: list[ShardError] = []
+    if index is None:
+        index, index_errors = _load_index(fs, path, shard)
+    errors = report.errors
+    errors.extend(_at_header(e, index) for e in walk_errors)  # type: ignore[arg-type]
+    report.bytes += reader.pos
+    errors.extend(record_mismatches(info, reader.pos, reader.sha.hexdigest() if hashes else None))
+    errors.extend(duplicates)
     report.samples += len(samples)
-    truncated = any(p.error == "CorruptShardError" for p in problems)
+    truncated = bool(walk_errors)  # past a corrupt spot every comparison would differ: noise
     if not truncated and len(samples) != info.samples:
-        report.problems.append(
-            Problem.from_error(
-                IndexMismatchError(
-                    f"manifest says {info.samples} samples, the tar holds {len(samples)}", shard=shard
-                )
+        errors.append(
+            IndexMismatchError(
+                f"manifest says {info.samples} samples, the tar holds {len(samples)}", shard=shard
             )
         )
-    idx_path = idx_path_for(path)
-    try:
-        entries = parse_idx(fs.cat_file(idx_path), shard=posixpath.basename(idx_path))
-    except FileNotFoundError:
-        report.problems.append(
-            Problem.from_error(
-                IndexMismatchError(f"missing index {posixpath.basename(idx_path)}", shard=shard)
-            )
-        )
-        entries = None
-    except IndexMismatchError as exc:
-        report.problems.append(Problem.from_error(exc))
-        entries = None
-    if entries is not None and not truncated:  # past a corrupt spot every entry would differ: noise
-        _compare_idx(entries, samples, info, shard, report)
-    if decode:
-        for key, ms in samples:
-            for m in ms:
-                if m.name in kept:
-                    report.decoded += 1
-                    problem = _decode_image(kept[m.name], shard, key, m.offset, m.name[len(key) + 1 :])
-                    if problem:
-                        report.problems.append(problem)
-    return [(key, ms[0].offset - BLOCK) for key, ms in samples]
+    errors.extend(index_errors)
+    if index is not None and not truncated:
+        _compare_index(index, samples, info, shard, report)
+    errors.extend(decoded)
+    return [(s.key, s.members[0][1] - BLOCK) for s in samples]
 
 
-def _compare_idx(
-    entries: list, samples: list[tuple[str, list[Member]]], info: ShardInfo, shard: str, report: VerifyReport
+def _compare_index(
+    entries: list[IdxSample], samples: list[IdxSample], info: ShardInfo, shard: str, report: VerifyReport
 ) -> None:
     if len(entries) != info.samples:
-        report.problems.append(
-            Problem.from_error(
-                IndexMismatchError(
-                    f".idx lists {len(entries)} samples, manifest says {info.samples}", shard=shard
-                )
+        report.errors.append(
+            IndexMismatchError(
+                f".idx lists {len(entries)} samples, manifest says {info.samples}", shard=shard
             )
         )
-    actual = {(m.name, m.offset, m.size) for _, ms in samples for m in ms}
+    actual = {(name, off, size) for s in samples for _, off, size, name in s.members}
     listed = [(e.key, name, off, size) for e in entries for _, off, size, name in e.members]
     bad = [
         IndexMismatchError(
@@ -348,42 +281,19 @@ def _compare_idx(
     _add_capped(report, bad, ".idx mismatches", shard)
     listed_names = {name for _, name, _, _ in listed}
     missing = [
-        IndexMismatchError(f"member {m.name} is not in the .idx", shard=shard, key=key, offset=m.offset)
-        for key, ms in samples
-        for m in ms
-        if m.name not in listed_names
+        IndexMismatchError(f"member {name} is not in the .idx", shard=shard, key=s.key, offset=off)
+        for s in samples
+        for _, off, _, name in s.members
+        if name not in listed_names
     ]
     _add_capped(report, missing, "members missing from the .idx", shard)
 
 
 def _add_capped(report: VerifyReport, errors: list[ShardError], what: str, shard: str) -> None:
     """The first ``MAX_LISTED`` errors of one kind, then one line counting the rest."""
-    report.problems.extend(Problem.from_error(e) for e in errors[:MAX_LISTED])
+    report.errors.extend(errors[:MAX_LISTED])
     if len(errors) > MAX_LISTED:
-        report.problems.append(
-            Problem(type(errors[0]).__name__, f"... and {len(errors) - MAX_LISTED} more {what}", shard)
-        )
-
-
-def _check_size_and_hash(reader: _HashingReader, info: ShardInfo, report: VerifyReport) -> None:
-    report.bytes += reader.pos
-    if reader.pos != info.bytes:
-        report.problems.append(
-            Problem.from_error(
-                CorruptShardError(
-                    f"size {reader.pos} bytes, manifest says {info.bytes}", shard=info.path, offset=reader.pos
-                )
-            )
-        )
-    if info.sha256 is not None and reader.sha.hexdigest() != info.sha256:
-        report.problems.append(
-            Problem.from_error(
-                HashMismatchError(
-                    f"sha256 {reader.sha.hexdigest()[:16]}... != manifest {info.sha256[:16]}...",
-                    shard=info.path,
-                )
-            )
-        )
+        report.errors.append(type(errors[0])(f"... and {len(errors) - MAX_LISTED} more {what}", shard=shard))
 
 
 def verify_arrow_shard(
@@ -392,35 +302,41 @@ def verify_arrow_shard(
     info: ShardInfo,
     report: VerifyReport,
     *,
-    decode: bool,
-    progress: ProgressFn | None,
+    hashes: bool = True,
+    decode: bool = False,
+    progress: ProgressFn | None = None,
 ) -> list[KeyAt]:
     """Check one Arrow shard, adding problems to ``report``; returns its rows' keys (as the dataset
     yields them: ``stem/row`` where the file has no ``__key__`` column) for the cross-shard check."""
     import pyarrow as pa
 
     shard = info.path
-    with fs.open(path, "rb", block_size=1 << 22) as f:
-        reader = _HashingReader(f, progress)
+    errors = report.errors
+    with fs.open(path, mode="rb", block_size=1 << 22) as f:
+        reader = _HashingReader(f, 0, progress)
         reader.read_rest()
-    _check_size_and_hash(reader, info, report)
+    report.bytes += reader.pos
+    errors.extend(record_mismatches(info, reader.pos, reader.sha.hexdigest() if hashes else None))
     stem = posixpath.splitext(shard)[0]
     found: list[KeyAt] = []  # as the dataset yields them; rows with a null key have none
     try:
-        with fs.open(path, "rb") as f:
+        with fs.open(path, mode="rb") as f:
             ipc = pa.ipc.open_file(f)
             rows = 0
             seen: set[str] = set()
             for b in range(ipc.num_record_batches):
                 batch = ipc.get_batch(b)
+                try:
+                    batch.validate(full=True)
+                except Exception as exc:  # noqa: BLE001 - pyarrow's validation errors vary by version
+                    errors.append(CorruptShardError(f"record batch {b} is invalid: {exc}", shard=shard))
+                    continue
                 has_key = "__key__" in batch.schema.names
                 keys = batch.column("__key__").to_pylist() if has_key else [None] * batch.num_rows
                 for r, key in enumerate(keys):
                     if key is not None and key in seen:
-                        report.problems.append(
-                            Problem.from_error(
-                                DuplicateKeyError("duplicate sample key in shard", shard=shard, key=key)
-                            )
+                        errors.append(
+                            DuplicateKeyError("duplicate sample key in shard", shard=shard, key=key)
                         )
                     seen.add(key)
                     if key is not None:
@@ -429,26 +345,22 @@ def verify_arrow_shard(
                         found.append((f"{stem}/{rows + r}", None))
                     if decode:
                         for name in batch.schema.names:
-                            if name.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS:
+                            if _is_image(name):
                                 value = batch.column(name)[r].as_py()
                                 if isinstance(value, bytes):
                                     report.decoded += 1
                                     problem = _decode_image(value, shard, str(key), None, name)
                                     if problem:
-                                        report.problems.append(problem)
+                                        errors.append(problem)
                 rows += batch.num_rows
     except (pa.ArrowException, OSError, ValueError) as exc:
-        report.problems.append(
-            Problem.from_error(CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard))
-        )
+        errors.append(CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard))
         return found
     report.samples += rows
     if rows != info.samples:
-        report.problems.append(
-            Problem.from_error(
-                IndexMismatchError(
-                    f"manifest says {info.samples} samples, the Arrow file holds {rows}", shard=shard
-                )
+        errors.append(
+            IndexMismatchError(
+                f"manifest says {info.samples} samples, the Arrow file holds {rows}", shard=shard
             )
         )
     return found
@@ -495,12 +407,70 @@ class KeyOwners:
         return errors
 
 
-def verify_dataset(
-    url: str, *, decode: bool = False, progress: ProgressFn | None = None, **storage_options: Any
+def verify_manifest(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    manifest: Manifest,
+    *,
+    indices: list[list[IdxSample]] | None = None,
+    hashes: bool = True,
+    decode: bool = False,
+    progress: ProgressFn | None = None,
+    dataset: str | None = None,
 ) -> VerifyReport:
-    """Check every shard of the dataset at ``url`` (a directory or its ``manifest.json``)."""
-    report = VerifyReport(url)
+    """Check every shard ``manifest`` lists under ``root``. ``indices``: per tar shard, the index
+    the dataset reads it through when it has no ``.idx`` of its own (``open_dataset`` without a
+    manifest); ``hashes=False`` skips the sha256 comparison (every byte is still read)."""
+    report = VerifyReport(dataset or root, format=manifest.format)
+    owners = KeyOwners()
+    for s, info in enumerate(manifest.shards):
+        shard_path = join(root, info.path)
+        report.shards += 1
+        try:
+            if not fs.exists(shard_path):
+                raise MissingShardError(f"shard file {shard_path} is missing", shard=info.path)
+            if manifest.format == "tar":
+                index = indices[s] if indices is not None else None
+                keys = verify_tar_shard(
+                    fs, shard_path, info, report, index=index, hashes=hashes, decode=decode, progress=progress
+                )
+            else:
+                keys = verify_arrow_shard(
+                    fs, shard_path, info, report, hashes=hashes, decode=decode, progress=progress
+                )
+            report.errors.extend(owners.add(info.path, keys))
+        except ShardError as exc:
+            report.errors.append(exc)
+        except OSError as exc:
+            report.errors.append(ShardReadError(f"cannot read {shard_path}: {exc}", shard=info.path))
+    return report
+
+
+def verify_dataset(
+    url: str,
+    *,
+    decode: bool = False,
+    hashes: bool = True,
+    progress: ProgressFn | None = None,
+    **storage_options: Any,
+) -> VerifyReport:
+    """Check every shard of the dataset at ``url`` (a directory or its ``manifest.json``) against
+    its manifest. A manifest that is missing or unreadable is the report's one problem; a URL
+    naming shard files rather than a dataset raises MissingShardError (there is nothing to
+    verify them against)."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    if path.endswith((".tar", ".arrow")) or "{" in url or any(c in path for c in "*?["):
+        parent = posixpath.dirname(path)
+        hint = (
+            f"pass its dataset directory {fs.unstrip_protocol(parent)}"
+            if path.endswith((".tar", ".arrow")) and fs.exists(posixpath.join(parent, MANIFEST_NAME))
+            else f"write a manifest for plain tars with `stallfree index {url}`"
+        )
+        raise MissingShardError(
+            f"{url} names shard files, not a dataset: verify checks a dataset directory (or its "
+            f"{MANIFEST_NAME}) against the manifest; {hint}",
+            shard=posixpath.basename(path),
+        )
     root = posixpath.dirname(path) if path.endswith(".json") else path.rstrip("/")
     try:
         manifest = Manifest.load(path, fs=fs)
@@ -508,32 +478,15 @@ def verify_dataset(
         exc.reason += (
             " (nothing to verify against; for plain WebDataset tars write one with `stallfree index`)"
         )
-        report.problems.append(Problem.from_error(exc))
-        return report
+        return VerifyReport(url, errors=[exc])
     except ShardError as exc:
-        report.problems.append(Problem.from_error(exc))
-        return report
-    report.format = manifest.format
-    check = verify_tar_shard if manifest.format == "tar" else verify_arrow_shard
-    owners = KeyOwners()
-    for info in manifest.shards:
-        shard_path = join(root, info.path)
-        report.shards += 1
-        try:
-            if not fs.exists(shard_path):
-                raise MissingShardError(f"shard file {shard_path} is missing", shard=info.path)
-            keys = check(fs, shard_path, info, report, decode=decode, progress=progress)
-            report.problems.extend(Problem.from_error(e) for e in owners.add(info.path, keys))
-        except ShardError as exc:
-            report.problems.append(Problem.from_error(exc))
-        except OSError as exc:
-            report.problems.append(Problem("OSError", f"cannot read {shard_path}: {exc}", info.path))
-    return report
+        return VerifyReport(url, errors=[exc])
+    return verify_manifest(fs, root, manifest, hashes=hashes, decode=decode, progress=progress, dataset=url)
 
 
 def total_bytes(url: str, **storage_options: Any) -> int | None:
     """The manifest's byte total (for a progress bar), or None if it cannot be read."""
     try:
         return Manifest.load(url, **storage_options).bytes
-    except ShardError:
+    except (ShardError, OSError):
         return None

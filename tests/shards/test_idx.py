@@ -113,7 +113,7 @@ def test_reader_names_the_real_line_of_a_bad_idx(tar_dataset):
 
 
 def test_pax_path_record_later_one_wins_and_bad_lengths_stop():
-    from stallfree.shards.scan import pax_path
+    from stallfree.shards.tar_walk import pax_path
 
     def rec(key: str, value: str) -> bytes:
         body = f" {key}={value}\n"

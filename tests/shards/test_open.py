@@ -135,7 +135,8 @@ def test_without_idx_scans_headers(tar_dataset, samples, caplog):
     assert "has no .idx" in caplog.text
     problems = ds.verify(hashes=True)
     assert [str(p) for p in problems] == [
-        f"no .idx file beside the shard (shard shard-{i:06d}.tar)" for i in range(5)
+        f"missing index shard-{i:06d}.idx: no .idx file beside the shard (shard shard-{i:06d}.tar)"
+        for i in range(5)
     ]
 
 

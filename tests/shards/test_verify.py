@@ -267,12 +267,14 @@ def test_shared_keys_past_ten_name_at_most_five_shards(tmp_path: Path) -> None:
     from stallfree.shards.writer import ShardWriter
 
     keys = [f"k{i:02d}" for i in range(16)]
-    root = tmp_path / "ds"
-    with ShardWriter(str(root), max_samples=16, start_index=16) as w:  # all 16 keys in shard 16
+    root, extra = tmp_path / "ds", tmp_path / "extra"
+    with ShardWriter(str(extra), max_samples=16, start_index=16) as w:  # all 16 keys in shard 16
         for key in keys:
             w.write({"__key__": key, "txt": key})
-    last = json.loads((root / "manifest.json").read_text())["shards"]
-    write(root, "tar", keys, per_shard=1)  # shards 0..15: one key each (rewrites the manifest)
+    last = json.loads((extra / "manifest.json").read_text())["shards"]
+    write(root, "tar", keys, per_shard=1)  # shards 0..15: one key each
+    for name in ("shard-000016.tar", "shard-000016.idx"):  # then shard 16 beside them
+        shutil.copy(extra / name, root / name)
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["shards"] += last
     (root / "manifest.json").write_text(json.dumps(manifest))
@@ -369,7 +371,7 @@ def test_shard_cut_inside_a_member_names_it(tmp_path: Path) -> None:
             "CorruptShardError",
             "shard-000000.tar",
             "b",
-            offset,
-            f"truncated tar: member {name} needs {size} bytes, only 3 present",
+            offset - 512,  # the member's header, as every tar reader names it
+            f"truncated tar: member {name!r} needs {size} bytes, only 3 present",
         )
     ]
