@@ -131,7 +131,8 @@ class Source:
         if on_error == "raise":
             raise err
         log.warning("skipping %s", err)
-        self.skipped.append({"source": str(path), "error": err.reason})
+        where = err.where  # the sample and byte offset, where known: a skip names what was lost
+        self.skipped.append({"source": str(path), "error": f"{err.reason} ({where})" if where else err.reason})
 
 
 def walk_files(root: Path) -> Iterator[str]:

@@ -1,18 +1,36 @@
-"""Existing tar shards (WebDataset layout) as a source: members listed from the tar headers,
-read back by offset, so re-sharding keeps every field byte-identical."""
+"""Existing tar shards (WebDataset layout) as a source: members listed from the tar headers by the
+one tar walker (``tar_walk``, as every other tar reader here), read back by offset, so re-sharding
+keeps every field byte-identical.
+
+Nothing is lost in silence: a truncated or corrupt archive, a duplicate key, or a member name that
+would escape the destination (absolute, or with a ``..`` part) follows ``on_error``: ``raise``
+names the file, key and byte offset; ``skip`` keeps the samples before the bad spot and lists the
+rest as skipped (in the summary and the manifest).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
-import tarfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError, split_key_field
+import fsspec
+
+from stallfree.shards.errors import CorruptShardError, DuplicateKeyError
+from stallfree.shards.idx import IdxSample
+from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
+from stallfree.shards.tar import BLOCK
+from stallfree.shards.tar_walk import RangeReader, group_samples, walk_tar
 
 log = logging.getLogger(__name__)
+
+
+def unsafe_name(name: str) -> bool:
+    """True for a member name that must never be written: absolute, or with a ``..`` part (as
+    ``tar -x`` would refuse it; a shard reader unpacking ours must not be led outside its folder)."""
+    return name.startswith("/") or ".." in name.split("/")
 
 
 class TarSource(Source):
@@ -31,34 +49,55 @@ class TarSource(Source):
         for ti, path in enumerate(self.paths):
             try:
                 items.extend(self._list_tar(ti, path))
-            except (OSError, tarfile.TarError, SourceError) as exc:
+            except (OSError, SourceError) as exc:
                 self._skip_or_raise(self.on_error, path, exc)
         return items
 
     def _list_tar(self, ti: int, path: str) -> list[Item]:
-        groups: dict[str, list[tuple[str, int, int]]] = {}
-        with tarfile.open(path, "r:") as tf:
-            for m in tf:
-                if not m.isfile():
+        """The tar's samples as items; a bad spot is handed to the error policy, and (if that
+        skips) everything from it on is listed as skipped, the samples before it kept."""
+        fs = fsspec.filesystem("file")
+        reader = RangeReader(fs, path, os.path.getsize(path))
+        items: list[Item] = []
+        duplicates: list[DuplicateKeyError] = []
+        try:
+            for sample in group_samples(walk_tar(reader, path), path, on_duplicate=duplicates.append):
+                problem = self._problem(path, sample, duplicates)
+                duplicates.clear()
+                if problem is not None:
+                    self._skip_or_raise(self.on_error, path, problem)
                     continue
-                key, ext = split_key_field(m.name)
-                if not key:
-                    log.debug("%s: ignoring member %s (no key.field name)", path, m.name)
-                    continue
-                fields = groups.setdefault(key, [])
-                if any(f == ext for f, _, _ in fields):
-                    raise SourceReadError(f"duplicate member {m.name}", path=path, key=key, offset=m.offset)
-                fields.append((ext, m.offset_data, m.size))
-        end = os.path.getsize(path)
-        items = []
-        for key, fields in groups.items():
-            last = max(off + size for _, off, size in fields)
-            if last > end:
-                raise SourceReadError(
-                    f"truncated: member data ends at {last}, file has {end} bytes", path=path, key=key
-                )
-            items.append(Item(f"{path}:{key}", tuple(s for _, _, s in fields), (ti, key, tuple(fields))))
+                fields = tuple((f, off, size) for f, off, size, _ in sample.members)
+                sizes = tuple(size for _, _, size in fields)
+                items.append(Item(f"{path}:{sample.key}", sizes, (ti, sample.key, fields)))
+        except CorruptShardError as exc:
+            lost = exc.reason + (
+                "; this sample and every one after it are left out"
+                if exc.key
+                else "; every sample is left out"
+            )
+            self._skip_or_raise(
+                self.on_error, path, SourceReadError(lost, path=path, key=exc.key, offset=exc.offset)
+            )
+        finally:
+            reader.close()
         return items
+
+    @staticmethod
+    def _problem(path: str, sample: IdxSample, duplicates: list[DuplicateKeyError]) -> SourceReadError | None:
+        """Why ``sample`` cannot be re-sharded (a duplicate, an unsafe member name), or None."""
+        if duplicates:
+            dup = duplicates[0]
+            return SourceReadError(dup.reason, path=path, key=dup.key, offset=dup.offset)
+        for _, off, _, name in sample.members:
+            if unsafe_name(name):
+                return SourceReadError(
+                    f"member name {name!r} is absolute or has a '..' part; refusing to copy it",
+                    path=path,
+                    key=sample.key,
+                    offset=off - BLOCK,
+                )
+        return None
 
     def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
         handles: dict[int, Any] = {}

@@ -69,13 +69,22 @@ def member_header(name: str, size: int) -> bytes:
 
 
 def check_key(key: Any) -> str:
-    """Keys name samples: no dot in the last path part (the first dot starts the field), no spaces."""
+    """Keys name samples: no dot in the last path part (the first dot starts the field), no spaces,
+    and nothing that would escape a folder the shard is unpacked into (absolute, ``..``)."""
     if not isinstance(key, str) or not key:
         raise WriteError(f"sample '__key__' must be a non-empty string, got {key!r}")
     base = key.rsplit("/", 1)[-1]
-    if not base or "." in base or any(c.isspace() for c in key) or "\0" in key or key.startswith("/"):
+    if (
+        not base
+        or "." in base
+        or any(c.isspace() for c in key)
+        or "\0" in key
+        or key.startswith("/")
+        or ".." in key.split("/")
+    ):
         raise WriteError(
-            f"invalid sample key {key!r}: no '.' after the last '/', no whitespace, not absolute", key=key
+            f"invalid sample key {key!r}: no '.' after the last '/', no whitespace, not absolute, no '..' part",
+            key=key,
         )
     return key
 
