@@ -21,6 +21,8 @@ _EXPORTS = {
     "ClusterCache": "stallfree.cache.cluster",
     "TieredCache": "stallfree.cache.tiered",
     "ImageDecode": "stallfree.gpu_decode.select",
+    "mix": "stallfree.mix",
+    "TokenDataset": "stallfree.tokens.packing",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])

@@ -74,7 +74,13 @@ def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: st
             import pyarrow.parquet as pq
 
             with fs.open(path, "rb") as f:
-                table = pq.read_table(f, columns=[field])
+                pf = pq.ParquetFile(f)
+                if field not in pf.schema_arrow.names:
+                    raise ShardError(
+                        f"no column {field!r}; the columns are {pf.schema_arrow.names} (pass field=)",
+                        shard=name,
+                    )
+                table = pf.read(columns=[field])
             return list(table.column(field).chunks)
         source = pa.memory_map(path, "r") if is_local(fs) else pa.BufferReader(fs.cat_file(path))
         try:

@@ -1,0 +1,79 @@
+"""Arrow / Parquet list-of-int columns read back token-exact: pyarrow-written IPC (file and
+stream format), Parquet, Hugging Face ``datasets`` save_to_disk / to_parquet, our Arrow shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+import pytest
+
+from stallfree.shards.errors import ShardError
+from stallfree.shards.writer import ShardWriter
+from stallfree.tokens.packing import TokenDataset
+from tests.tokens.helpers import check_windows, random_docs
+
+
+def table(docs, typ=None):
+    return pa.table(
+        {"text": [f"doc {i}" for i in range(len(docs))], "input_ids": pa.array(docs, pa.list_(typ or pa.int32()))}
+    )
+
+
+@pytest.mark.parametrize("kind", ["file", "stream"])
+def test_arrow_ipc(tmp_path, kind):
+    docs = random_docs(1)
+    t = table(docs)
+    path = tmp_path / "tok.arrow"
+    with pa.OSFile(str(path), "wb") as sink:
+        writer = (ipc.new_file if kind == "file" else ipc.new_stream)(sink, t.schema)
+        for batch in t.to_batches(max_chunksize=7):  # documents spread over several batches
+            writer.write_batch(batch)
+        writer.close()
+    check_windows(TokenDataset(str(path), 6, eos=1), docs, 1)
+
+
+def test_parquet_files_in_a_directory(tmp_path):
+    docs = random_docs(2)
+    pq.write_table(table(docs[:20], pa.int64()), tmp_path / "part-0.parquet", row_group_size=6)
+    pq.write_table(table(docs[20:], pa.int64()), tmp_path / "part-1.parquet", row_group_size=6)
+    check_windows(TokenDataset(str(tmp_path), 5), docs)
+    check_windows(TokenDataset(str(tmp_path / "*.parquet"), 5), docs)
+
+
+def test_other_field(tmp_path):
+    docs = random_docs(3, n=10)
+    pq.write_table(pa.table({"tokens": pa.array(docs, pa.list_(pa.uint16()))}), tmp_path / "x.parquet")
+    check_windows(TokenDataset(str(tmp_path / "x.parquet"), 4, field="tokens"), docs)
+    with pytest.raises(ShardError, match="no column 'input_ids'"):
+        TokenDataset(str(tmp_path / "x.parquet"), 4)
+
+
+def test_not_a_token_column(tmp_path):
+    pq.write_table(
+        pa.table({"input_ids": pa.array([[0.5, 1.5]], pa.list_(pa.float32()))}), tmp_path / "f.parquet"
+    )
+    with pytest.raises(ShardError, match="list of integer token ids") as exc:
+        TokenDataset(str(tmp_path / "f.parquet"), 1)
+    assert exc.value.shard.endswith("f.parquet")
+
+
+def test_our_arrow_shards(tmp_path):
+    docs = random_docs(4, n=30)
+    with ShardWriter(str(tmp_path / "ds"), format="arrow", max_samples=7) as w:
+        for i, d in enumerate(docs):
+            w.write({"__key__": f"{i:04d}", "input_ids": np.asarray(d, np.int32)})
+    check_windows(TokenDataset(str(tmp_path / "ds"), 8, eos=0), docs, 0)
+
+
+def test_hugging_face_datasets(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    docs = [d for d in random_docs(5, n=30) if d]
+    texts = [" ".join(map(str, d)) for d in docs]
+    ds = datasets.Dataset.from_dict({"text": texts})
+    tokenized = ds.map(lambda b: {"input_ids": [list(map(int, t.split())) for t in b["text"]]}, batched=True)
+    tokenized.save_to_disk(str(tmp_path / "hf"), num_shards=3)
+    check_windows(TokenDataset(str(tmp_path / "hf"), 6), docs)
+    tokenized.to_parquet(str(tmp_path / "hf.parquet"))
+    check_windows(TokenDataset(str(tmp_path / "hf.parquet"), 6), docs)

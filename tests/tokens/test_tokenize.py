@@ -1,0 +1,60 @@
+"""tokenize_files: JSONL / Parquet text -> Megatron and Arrow token shards with a tiny BPE
+tokenizer built in-process (nothing downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from stallfree.shards.errors import SampleDecodeError
+from stallfree.tokens.packing import TokenDataset
+from stallfree.tokens.tokenize import tokenize_files
+from tests.tokens.helpers import check_windows
+
+tokenizers = pytest.importorskip("tokenizers")
+
+TEXTS = [f"the quick brown fox {i} jumps over the lazy dog {i * 7}" for i in range(40)] + ["", "ünïcödé"]
+
+
+@pytest.fixture
+def tokenizer_json(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    return str(path), tok
+
+
+@pytest.mark.parametrize("layout", ["megatron", "arrow"])
+def test_jsonl_and_parquet_round_trip(tmp_path, tokenizer_json, layout):
+    path, tok = tokenizer_json
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS[:20]))
+    pq.write_table(pa.table({"text": TEXTS[20:]}), tmp_path / "b.parquet")
+    out = tmp_path / "out"
+    manifest = tokenize_files(
+        [str(tmp_path / "a.jsonl"), str(tmp_path / "b.parquet")], str(out), path, layout=layout
+    )
+    expected = [tok.encode(t, add_special_tokens=False).ids for t in TEXTS]
+    assert manifest["documents"] == len(TEXTS) and manifest["tokens"] == sum(map(len, expected))
+    assert manifest["dtype"] == "uint16" and len(manifest["tokenizer"]["sha256"]) == 64
+    assert json.loads((out / "tokens.json").read_text()) == manifest
+    assert not [p for p in os.listdir(out) if ".tmp-" in p]
+    source = str(out / "tokens") if layout == "megatron" else str(out)
+    eos = tok.token_to_id("<eos>")
+    check_windows(TokenDataset(source, 5, eos=eos), expected, eos)
+
+
+def test_bad_jsonl_line_names_file_and_offset(tmp_path, tokenizer_json):
+    path, _ = tokenizer_json
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n{"body": "no text"}\n')
+    with pytest.raises(SampleDecodeError) as exc:
+        tokenize_files(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), path)
+    assert exc.value.shard.endswith("a.jsonl") and exc.value.offset == 15 and "line 2" in str(exc.value)
+    assert not (tmp_path / "out" / "tokens.bin").exists() and not (tmp_path / "out" / "tokens.json").exists()
