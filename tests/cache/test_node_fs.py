@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from stallfree.cache import lmdbenv
 from stallfree.cache.base import CacheKey
 from stallfree.cache.node import NodeCache
 
@@ -208,3 +209,41 @@ def test_a_read_only_directory_without_a_store_is_a_miss_logged_once(tmp_path):
     assert out["hits"] == []
     assert out["stats"]["errors"] == 200  # each of the 100 gets and 100 puts
     assert len(warnings) == 1, warnings
+
+
+# -- the lock file ---------------------------------------------------------------------------------
+
+
+def allocated(file: Path) -> bool:
+    """Every byte of ``file`` has a block behind it (no hole a shared mapping could fault on)."""
+    st = file.stat()
+    return st.st_blocks * 512 >= st.st_size
+
+
+def test_the_lock_file_is_fully_allocated_at_the_size_lmdb_uses(tmp_path):
+    cache = NodeCache(tmp_path / "node")
+    assert not cache.contains(CacheKey("fp", 0, "raw"))  # opens the store
+    lock = tmp_path / "node" / "lock.mdb"
+    assert allocated(lock)
+    with lmdbenv.using():
+        handle = lmdbenv.acquire(cache.path, cache.map_size)
+        assert handle.env.max_readers() == lmdbenv._MAX_READERS  # LMDB kept the size we allocated
+        lmdbenv.release(cache.path, handle)
+    cache.close()
+
+
+def test_a_sparse_lock_file_left_by_an_older_version_is_allocated_on_open(tmp_path):
+    cache = NodeCache(tmp_path / "node")
+    cache.put_many([(CacheKey("fp", 1, "raw"), b"v" * 100)])
+    cache.close()
+    lock = tmp_path / "node" / "lock.mdb"
+    size = lock.stat().st_size
+    with open(lock, "r+b") as f:  # the same size, all one hole
+        f.truncate(0)
+        f.truncate(size)
+    if allocated(lock):
+        pytest.skip("this filesystem does not make sparse files")
+    cache = NodeCache(tmp_path / "node")
+    assert cache.get_many([CacheKey("fp", 1, "raw")]) == [b"v" * 100]
+    assert allocated(lock) and lock.stat().st_size == size
+    cache.close()
