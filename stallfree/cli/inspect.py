@@ -112,17 +112,21 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from stallfree.shards.errors import ShardError
     from stallfree.shards.verify import total_bytes, verify_dataset
 
-    with tqdm(
-        total=total_bytes(args.dataset),
-        unit="B",
-        unit_scale=True,
-        desc="verifying",
-        file=sys.stderr,
-        disable=args.no_progress,
-    ) as bar:
-        report = verify_dataset(args.dataset, decode=args.decode, progress=bar.update)
+    try:
+        with tqdm(
+            total=total_bytes(args.dataset),
+            unit="B",
+            unit_scale=True,
+            desc="verifying",
+            file=sys.stderr,
+            disable=args.no_progress,
+        ) as bar:
+            report = verify_dataset(args.dataset, decode=args.decode, progress=bar.update)
+    except (ShardError, OSError, ValueError) as exc:
+        return fail("verify", exc)
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:

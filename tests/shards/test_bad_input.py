@@ -114,7 +114,9 @@ def test_idx_offset_past_end(tar_dataset):
     lines[3] = " ".join(parts)
     idx.write_text("\n".join(lines) + "\n")
     # the tar is whole (its size matches the manifest, its headers walk to the end): the index is wrong
-    with pytest.raises(IndexMismatchError, match="ends at byte .* the index does not belong to this tar") as info:
+    with pytest.raises(
+        IndexMismatchError, match="ends at byte .* the index does not belong to this tar"
+    ) as info:
         open_dataset(str(tar_dataset))[5]
     assert (info.value.shard, info.value.key, info.value.offset) == (SHARD1, "sample00007", 99999999 - 512)
 
@@ -252,3 +254,29 @@ def test_shard_larger_than_recorded(tar_dataset, arrow_dataset, fmt):
     with pytest.raises(CorruptShardError, match=f"larger than recorded: {size + 512} bytes") as info:
         ds[5]
     assert (info.value.shard, info.value.offset) == (name, size + 512)
+
+
+@pytest.mark.parametrize("with_manifest", [True, False])
+def test_idx_of_another_tar_is_an_index_mismatch(tmp_path, with_manifest):
+    """A whole tar with the .idx of a bigger one: the index is wrong, not the tar truncated."""
+    small, big = tmp_path / "small", tmp_path / "big"
+    for root, n in ((small, 3), (big, 8)):
+        with ShardWriter(str(root), max_samples=10) as w:
+            for s in make_samples(n):
+                w.write(s)
+    name = "shard-000000.tar"
+    (small / "shard-000000.idx").write_bytes((big / "shard-000000.idx").read_bytes())
+    if not with_manifest:
+        os.remove(small / "manifest.json")
+    else:  # the manifest's count agrees with the borrowed index, so only the offsets can tell
+        obj = json.loads((small / "manifest.json").read_text())
+        obj["shards"][0]["samples"] = 8
+        (small / "manifest.json").write_text(json.dumps(obj))
+    size = (small / name).stat().st_size
+    key, members = _idx_line(big, name, 3)  # sample00003's jpg: the first entry past the small tar's end
+    (_, off, length) = members[1]
+    assert members[1][0] == "jpg" and off + length > size >= members[0][1] + members[0][2]
+    with pytest.raises(IndexMismatchError, match="the index does not belong to this tar") as info:
+        open_dataset(str(small))[0]
+    assert (info.value.shard, info.value.key, info.value.offset) == (name, key, off - 512)
+    assert "the tar ends at byte" in info.value.reason

@@ -164,6 +164,33 @@ def test_verify_exit_codes_and_problem_list(sharded: Path, tmp_path: Path, capsy
     assert [p["error"] for p in report["problems"]] == ["HashMismatchError", "MissingShardError"]
 
 
+def test_verify_of_a_tar_file_is_one_error_line(sharded: Path, tmp_path: Path) -> None:
+    """A shard file, whole or cut, is not a dataset: one error line and exit 1, no traceback."""
+    tar = sharded / "shard-000000.tar"
+    res = cli("verify", str(tar), "--no-progress")
+    assert (res.returncode, res.stdout) == (1, "")
+    assert res.stderr.splitlines() == [
+        f"stallfree verify: error: {tar} names shard files, not a dataset: verify checks a dataset directory "
+        f"(or its manifest.json) against the manifest; pass its dataset directory file://{sharded} "
+        "(shard shard-000000.tar)"
+    ]
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(tar.read_bytes()[:700])
+    res = cli("verify", str(cut), "--no-progress")
+    assert (res.returncode, res.stdout) == (1, "")
+    assert res.stderr.splitlines() == [
+        f"stallfree verify: error: {cut} names shard files, not a dataset: verify checks a dataset directory "
+        f"(or its manifest.json) against the manifest; write a manifest for plain tars with "
+        f"`stallfree index {cut}` (shard cut.tar)"
+    ]
+    res = cli("verify", str(tmp_path / "*.tar"), "--no-progress")
+    assert (
+        res.returncode == 1
+        and res.stderr.startswith("stallfree verify: error: ")
+        and "Traceback" not in res.stderr
+    )
+
+
 def test_index_existing_webdataset_tars(tmp_path: Path, capsys) -> None:
     import webdataset as wds
 
