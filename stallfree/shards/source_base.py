@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from stallfree.shards.errors import ShardError
+from stallfree.shards.tar_walk import sample_parts
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +66,9 @@ def normalize_field(ext: str) -> str:
 
 
 def split_key_field(name: str) -> tuple[str, str]:
-    """WebDataset's rule: the key is the path up to the first dot of the base name."""
-    head, _, base = name.rpartition("/")
-    stem, dot, ext = base.partition(".")
-    if not dot or not stem:
-        return "", ""
-    return (f"{head}/{stem}" if head else stem), ext
+    """WebDataset's rule: the key is the path up to the first dot of the base name; ``("", "")``
+    for a name that is not sample data. The tar readers' rule (``tar_walk.sample_parts``)."""
+    return sample_parts(name) or ("", "")
 
 
 def safe_key(stem: str) -> str:
