@@ -130,7 +130,9 @@ class Source:
             raise err
         log.warning("skipping %s", err)
         where = err.where  # the sample and byte offset, where known: a skip names what was lost
-        self.skipped.append({"source": str(path), "error": f"{err.reason} ({where})" if where else err.reason})
+        self.skipped.append(
+            {"source": str(path), "error": f"{err.reason} ({where})" if where else err.reason}
+        )
 
 
 def walk_files(root: Path) -> Iterator[str]:
