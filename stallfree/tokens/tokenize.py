@@ -11,7 +11,7 @@ import hashlib
 import json
 import logging
 import posixpath
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -92,12 +92,15 @@ def tokenize_files(
     add_special_tokens: bool = False,
     batch_size: int = 1000,
     max_bytes: int = 256_000_000,
+    progress: Callable[[int, int], None] | None = None,
     **storage_options: Any,
 ) -> dict[str, Any]:
     """Tokenize every document of ``sources`` into ``dst`` (a directory URL) and return the
     ``tokens.json`` contents. ``layout``: ``"megatron"`` (``dst/name.bin`` + ``.idx``) or
     ``"arrow"`` (Arrow shards + ``manifest.json``; open either with ``TokenDataset(dst...)``).
-    ``dtype``: default uint16 when the vocabulary fits (< 65536 ids), else int32."""
+    ``dtype``: default uint16 when the vocabulary fits (< 65536 ids), else int32.
+    ``progress(documents, tokens)``: called after each batch of ``batch_size`` documents (the CLI
+    draws its progress bar from it)."""
     from tokenizers import Tokenizer
 
     if layout not in LAYOUTS:
@@ -122,6 +125,10 @@ def tokenize_files(
             for batch in _batches(texts, batch_size):
                 for enc in tok.encode_batch(batch, add_special_tokens=add_special_tokens):
                     w.write(np.asarray(enc.ids, dt))
+                    docs += 1
+                    tokens += len(enc.ids)
+                if progress is not None:
+                    progress(docs, tokens)
         files = [w.info["bin"], w.info["idx"]]  # type: ignore[index]
         docs, tokens = w.info["documents"], w.info["tokens"]  # type: ignore[index]
     else:
@@ -135,6 +142,8 @@ def tokenize_files(
                     w.write({"__key__": f"{docs:010d}", "input_ids": np.asarray(enc.ids, dt)})
                     docs += 1
                     tokens += len(enc.ids)
+                if progress is not None:
+                    progress(docs, tokens)
         files = [s.to_json() for s in w.shards]
     manifest = {
         "format": "stallfree.tokens",
