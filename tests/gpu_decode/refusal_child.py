@@ -2,7 +2,7 @@
 images; prints what came out as one JSON line (run in a subprocess so that a decoder that does not
 refuse, and instead spends minutes and gigabytes on a bomb, fails the test by its timeout).
 
-argv[1]: JSON {"url", "backend", "on_error", "num_workers", "max_pixels" (absent: the default)}.
+argv[1]: JSON {"url", "backend", "device", "on_error", "num_workers", "max_pixels" (absent: the default)}.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ def main() -> None:
     logging.getLogger().addHandler(warnings)
     limit = {"max_pixels": args["max_pixels"]} if "max_pixels" in args else {}
     ds = open_dataset(args["url"])
-    dec = ImageDecode(train=False, size=32, backend=args["backend"], num_threads=2, **limit)
+    dec = ImageDecode(
+        train=False, size=32, backend=args["backend"], device=args["device"], num_threads=2, **limit
+    )
     loader = DataLoader(
         ds,
         batch_size=len(ds),

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from stallfree.gpu_decode.header import DEFAULT_MAX_PIXELS, BadImageError, ImageTooLargeError, probe
@@ -189,18 +190,25 @@ def run_child(**args) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (DALI mixed decode)")
 CASES = [
-    pytest.param("cpu", 0, id="cpu"),
-    pytest.param("cpu", 2, id="cpu-2-workers"),
-    pytest.param("dali", 0, id="dali-cpu-ops"),
+    pytest.param("cpu", "cpu", 0, id="cpu"),
+    pytest.param("cpu", "cpu", 2, id="cpu-2-workers"),
+    pytest.param("dali", "cpu", 0, id="dali-cpu-ops"),
+    pytest.param("dali", "cuda", 0, id="dali-mixed", marks=[pytest.mark.gpu, _NO_CUDA]),
 ]
 
 
-@pytest.mark.parametrize(("backend", "workers"), CASES)
+@pytest.mark.parametrize(("backend", "device", "workers"), CASES)
 @pytest.mark.parametrize("on_error", ["raise", "skip", "warn"])
-def test_refused_images_follow_on_error_and_name_the_key(refusals, backend, workers, on_error):
+def test_refused_images_follow_on_error_and_name_the_key(refusals, backend, device, workers, on_error):
     out = run_child(
-        url=str(refusals), backend=backend, on_error=on_error, num_workers=workers, max_pixels=LIMIT
+        url=str(refusals),
+        backend=backend,
+        device=device,
+        on_error=on_error,
+        num_workers=workers,
+        max_pixels=LIMIT,
     )
     if on_error == "raise":
         assert out["keys"] == []
@@ -214,9 +222,8 @@ def test_refused_images_follow_on_error_and_name_the_key(refusals, backend, work
         assert out["failed_keys"] == sorted(BAD)
         warned = [w for w in out["warnings"] if w.startswith("skipping sample")]
         if on_error == "warn":
-            assert sorted(k for k in BAD for w in warned if f"(key {k!r})" in w and BAD[k] in w) == sorted(
-                BAD
-            )
+            named = {k for k in BAD for w in warned if f"(key {k!r})" in w and BAD[k] in w}
+            assert named == set(BAD) and len(warned) == len(BAD)
         else:
             assert warned == []
     if workers == 0:  # no decoder allocated the pixels (the forged 30000x30000 alone needs 2.5 GiB)
@@ -233,8 +240,8 @@ def test_real_12000x8000_jpeg_is_over_the_default_limit(tmp_path, photos, backen
             {"__key__": "big", "jpg": encode_jpeg(make_image(rng, photos, (12000, 8000)), 75), "cls": b"0"}
         )
         w.write({"__key__": "ok", "jpg": encode_jpeg(make_image(rng, photos, (320, 240))), "cls": b"1"})
-    out = run_child(url=str(tmp_path), backend=backend, on_error="skip", num_workers=0)
+    out = run_child(url=str(tmp_path), backend=backend, device="cpu", on_error="skip", num_workers=0)
     assert out["keys"] == ["ok"] and out["failed_keys"] == ["big"]
-    out = run_child(url=str(tmp_path), backend=backend, on_error="raise", num_workers=0)
+    out = run_child(url=str(tmp_path), backend=backend, device="cpu", on_error="raise", num_workers=0)
     assert out["error_keys"] == ["big"]
     assert "12000x8000 = 96,000,000 pixels is over the limit of 89,478,485" in out["causes"][0]
