@@ -1,9 +1,12 @@
 """Explicit, versioned byte encoding of cached values - never pickle.
 
 A cache entry may come back from another process, another node, or a disk a crashed writer left
-behind, so the decoder trusts nothing: every length is checked against the buffer, and a CRC32
-over the payload catches torn or flipped bytes. Anything wrong raises ``CodecError``; the cache
-turns that into a miss and deletes the entry.
+behind, so the decoder trusts nothing: every length is checked against the buffer, a CRC32 over
+the payload catches torn or flipped bytes, and ``Limits`` bounds what a well-framed entry may ask
+for (nesting depth, sizes, counts, array dims and dtypes, decoded bytes), so a hostile entry costs
+at most one bounded decode. Anything wrong raises ``CodecError`` - never another exception type -
+and the cache turns that into a miss and deletes the entry. The encoder refuses what the decoder
+would refuse, so nothing admitted is unreadable.
 
 Layout (little-endian)::
 
@@ -19,8 +22,11 @@ Layout (little-endian)::
 from __future__ import annotations
 
 import json
+import math
+import re
 import struct
 import zlib
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -39,61 +45,100 @@ _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
+# plain numeric, bool and fixed-width string dtypes; no object, void/structured, subarray or datetime
+_DTYPE = re.compile(r"[<>|=]?(?:b1|[iu][1248]|f[248]|c(?:8|16)|[SU][0-9]{1,6})")
+_BIG_INT = re.compile(rb"-?[0-9]+")
+_QUOTE, _OPEN_LIST, _CLOSE_LIST, _OPEN_DICT, _CLOSE_DICT = b'"[]{}'
+_CONTAINER_BYTES = 64  # what one decoded JSON list/dict costs at least (counted in decoded bytes)
+
 
 class CodecError(ValueError):
     """A value cannot be encoded, or a cached blob is not a valid, intact entry."""
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one entry may ask of the decoder (and so what the encoder admits)."""
+
+    max_entry_bytes: int = 2 << 30  # payload length
+    max_decoded_bytes: int = 2 << 30  # all fields' decoded sizes, JSON containers counted too
+    max_fields: int = 4096
+    max_name_bytes: int = 1024
+    max_array_ndim: int = 32
+    max_json_bytes: int = 16 << 20  # all JSON fields of one entry together
+    max_json_depth: int = 64
+    max_json_containers: int = 1_000_000
+    max_int_digits: int = 4300  # Python's own str->int limit
+
+
+DEFAULT_LIMITS = Limits()
+
+
 # -- encoding ---------------------------------------------------------------------------------
 
 
-def encode(value: Any) -> bytes:
+def encode(value: Any, limits: Limits = DEFAULT_LIMITS) -> bytes:
     """Encode a sample dict, bytes-like, or numpy array into one self-checking blob."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _frame(_T_BYTES, [bytes(value)])
+        return _frame(_T_BYTES, [bytes(value)], limits)
     if isinstance(value, np.ndarray):
-        return _frame(_T_ARRAY, _array_parts(value))
+        return _frame(_T_ARRAY, _array_parts(value, limits), limits)
     if isinstance(value, dict):
-        return _frame(_T_DICT, _dict_parts(value))
+        return _frame(_T_DICT, _dict_parts(value, limits), limits)
     raise CodecError(f"cannot cache a value of type {type(value).__name__} (want dict, bytes or ndarray)")
 
 
-def _frame(type_tag: int, parts: list[bytes | memoryview]) -> bytes:
+def _frame(type_tag: int, parts: list[bytes | memoryview], limits: Limits) -> bytes:
     crc = 0
     length = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
-        length += len(part) if isinstance(part, bytes) else part.nbytes
+        length += _size(part)
+    if length > limits.max_entry_bytes:
+        raise CodecError(f"entry of {length} bytes is over the limit of {limits.max_entry_bytes}")
     return b"".join([_HEADER.pack(MAGIC, VERSION, type_tag, 0, crc, length), *parts])
 
 
-def _array_parts(arr: np.ndarray) -> list[bytes | memoryview]:
+def _size(part: bytes | memoryview) -> int:
+    return len(part) if isinstance(part, bytes) else part.nbytes
+
+
+def _array_parts(arr: np.ndarray, limits: Limits) -> list[bytes | memoryview]:
     if arr.dtype.hasobject:
         raise CodecError(f"cannot cache an array of dtype {arr.dtype} (object arrays need pickle)")
+    if not _DTYPE.fullmatch(arr.dtype.str) or arr.dtype.fields is not None:
+        raise CodecError(f"cannot cache an array of dtype {arr.dtype} (numeric, bool, S or U only)")
     dtype = arr.dtype.str.encode("ascii")
-    if len(dtype) > 255 or arr.ndim > 255:
-        raise CodecError(f"array dtype {arr.dtype} / ndim {arr.ndim} out of range")
+    if arr.ndim > limits.max_array_ndim:
+        raise CodecError(f"array ndim {arr.ndim} is over the limit of {limits.max_array_ndim}")
     if not arr.flags.c_contiguous:
         arr = arr.copy(order="C")  # (np.ascontiguousarray would turn 0-d into 1-d)
     head = struct.pack(f"<B{len(dtype)}sB{arr.ndim}Q", len(dtype), dtype, arr.ndim, *arr.shape)
     return [head, memoryview(arr).cast("B") if arr.size else b""]
 
 
-def _dict_parts(sample: dict) -> list[bytes | memoryview]:
+def _dict_parts(sample: dict, limits: Limits) -> list[bytes | memoryview]:
+    if len(sample) > limits.max_fields:
+        raise CodecError(f"sample has {len(sample)} fields, over the limit of {limits.max_fields}")
     parts: list[bytes | memoryview] = [_U32.pack(len(sample))]
+    json_bytes = 0
     for name, value in sample.items():
         if not isinstance(name, str):
             raise CodecError(f"sample field names must be str, got {type(name).__name__}")
         bname = name.encode("utf-8")
-        if len(bname) > 0xFFFF:
-            raise CodecError(f"field name too long: {name[:40]!r}...")
-        tag, body = _field(name, value)
-        length = sum(len(b) if isinstance(b, bytes) else b.nbytes for b in body)
+        if len(bname) > limits.max_name_bytes:
+            raise CodecError(f"field name too long: {name[:40]!r}... ({len(bname)} bytes)")
+        tag, body = _field(name, value, limits)
+        length = sum(_size(b) for b in body)
+        if tag == ord("j"):
+            json_bytes += length
+            if json_bytes > limits.max_json_bytes:
+                raise CodecError(f"JSON fields are over the limit of {limits.max_json_bytes} bytes")
         parts += [_U16.pack(len(bname)), bname, _FIELD.pack(tag, length), *body]
     return parts
 
 
-def _field(name: str, value: Any) -> tuple[int, list[bytes | memoryview]]:
+def _field(name: str, value: Any, limits: Limits) -> tuple[int, list[bytes | memoryview]]:
     if isinstance(value, (bytes, bytearray, memoryview)):
         return ord("b"), [bytes(value)]
     if isinstance(value, str):
@@ -104,27 +149,43 @@ def _field(name: str, value: Any) -> tuple[int, list[bytes | memoryview]]:
         value = int(value)
         if _INT64_MIN <= value <= _INT64_MAX:
             return ord("i"), [_I64.pack(value)]
-        return ord("I"), [str(value).encode("ascii")]
+        if value.bit_length() > limits.max_int_digits * 3:  # > 3 bits a digit: surely too long
+            raise CodecError(f"cannot cache field {name!r}: integer over {limits.max_int_digits} digits")
+        text = str(value).encode("ascii")
+        if len(text.lstrip(b"-")) > limits.max_int_digits:
+            raise CodecError(f"cannot cache field {name!r}: integer over {limits.max_int_digits} digits")
+        return ord("I"), [text]
     if isinstance(value, (float, np.floating)):
         return ord("f"), [_F64.pack(float(value))]
     if value is None:
         return ord("n"), []
     if isinstance(value, np.ndarray):
-        return ord("a"), _array_parts(value)
+        return ord("a"), _array_parts(value, limits)
     if isinstance(value, (list, tuple, dict)):
         try:
-            text = json.dumps(value, allow_nan=True, separators=(",", ":"))
-        except (TypeError, ValueError) as exc:
+            text = json.dumps(value, allow_nan=True, separators=(",", ":")).encode("utf-8")
+        except (TypeError, ValueError, RecursionError) as exc:
             raise CodecError(f"cannot cache field {name!r}: {exc}") from exc
-        return ord("j"), [text.encode("utf-8")]
+        _json_containers(name, text, limits)  # refuse what decode would refuse
+        return ord("j"), [text]
     raise CodecError(f"cannot cache field {name!r} of type {type(value).__name__}")
 
 
 # -- decoding ---------------------------------------------------------------------------------
 
 
-def decode(blob: bytes | bytearray | memoryview) -> Any:
-    """Decode a blob from ``encode``; raises ``CodecError`` on any damage or unknown version."""
+def decode(blob: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
+    """Decode a blob from ``encode``; raises ``CodecError`` (and nothing else) on any damage,
+    unknown version, or an entry beyond ``limits``."""
+    try:
+        return _decode(blob, limits)
+    except CodecError:
+        raise
+    except Exception as exc:  # struct/unicode/numpy/json errors, RecursionError, MemoryError
+        raise CodecError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
+
+
+def _decode(blob: bytes | bytearray | memoryview, limits: Limits) -> Any:
     view = memoryview(blob).cast("B")
     if len(view) < HEADER_SIZE:
         raise CodecError(f"entry too short for a header ({len(view)} bytes)")
@@ -136,86 +197,151 @@ def decode(blob: bytes | bytearray | memoryview) -> Any:
     payload = view[HEADER_SIZE:]
     if len(payload) != length:
         raise CodecError(f"payload is {len(payload)} bytes, header says {length}")
+    if length > limits.max_entry_bytes:
+        raise CodecError(f"entry of {length} bytes is over the limit of {limits.max_entry_bytes}")
     if zlib.crc32(payload) != crc:
         raise CodecError("checksum mismatch")
-    try:
-        if type_tag == _T_BYTES:
-            return payload.tobytes()
-        if type_tag == _T_ARRAY:
-            return _read_array(payload)
-        if type_tag == _T_DICT:
-            return _read_dict(payload)
-    except (struct.error, UnicodeDecodeError, TypeError, ValueError) as exc:
-        if isinstance(exc, CodecError):
-            raise
-        raise CodecError(f"malformed payload: {exc}") from exc
+    if type_tag == _T_BYTES:
+        return payload.tobytes()
+    if type_tag == _T_ARRAY:
+        return _read_array(payload, limits)
+    if type_tag == _T_DICT:
+        return _Reader(limits).read_dict(payload)
     raise CodecError(f"unknown value type {type_tag}")
 
 
-def _read_array(buf: memoryview) -> np.ndarray:
+def _read_array(buf: memoryview, limits: Limits) -> np.ndarray:
     (n,) = struct.unpack_from("<B", buf, 0)
-    dtype = np.dtype(bytes(buf[1 : 1 + n]).decode("ascii"))
-    if dtype.hasobject:
-        raise CodecError(f"object dtype {dtype} in cache entry")
+    text = bytes(buf[1 : 1 + n]).decode("ascii")
+    if not _DTYPE.fullmatch(text):
+        raise CodecError(f"array dtype {text!r} is not allowed in a cache entry")
+    dtype = np.dtype(text)
+    if dtype.hasobject or dtype.fields is not None or dtype.shape:
+        raise CodecError(f"array dtype {text!r} is not allowed in a cache entry")
     pos = 1 + n
     (ndim,) = struct.unpack_from("<B", buf, pos)
+    if ndim > limits.max_array_ndim:
+        raise CodecError(f"array ndim {ndim} is over the limit of {limits.max_array_ndim}")
     shape = struct.unpack_from(f"<{ndim}Q", buf, pos + 1)
     pos += 1 + 8 * ndim
-    count = int(np.prod(shape, dtype=np.uint64)) if ndim else 1
+    count = math.prod(shape)  # exact: a uint64 product could wrap to a small number
     if len(buf) - pos != count * dtype.itemsize:
         raise CodecError(
-            f"array buffer is {len(buf) - pos} bytes, shape {shape} of {dtype} needs more or less"
+            f"array buffer is {len(buf) - pos} bytes, shape {shape} of {dtype} needs {count * dtype.itemsize}"
         )
     # copy: the caller owns a writable array, independent of the cache's buffer
     return np.frombuffer(buf, dtype=dtype, count=count, offset=pos).reshape(shape).copy()
 
 
-def _read_dict(buf: memoryview) -> dict[str, Any]:
-    (count,) = _U32.unpack_from(buf, 0)
-    pos = _U32.size
-    out: dict[str, Any] = {}
-    for _ in range(count):
-        (nlen,) = _U16.unpack_from(buf, pos)
-        pos += _U16.size
-        name = bytes(buf[pos : pos + nlen]).decode("utf-8")
-        pos += nlen
-        tag, length = _FIELD.unpack_from(buf, pos)
-        pos += _FIELD.size
-        if pos + length > len(buf):
-            raise CodecError(f"field {name!r} runs past the end of the entry")
-        body = buf[pos : pos + length]
-        pos += length
-        out[name] = _read_field(name, tag, body)
-    if pos != len(buf):
-        raise CodecError(f"{len(buf) - pos} trailing bytes after {count} fields")
-    return out
+class _Reader:
+    """One dict entry's decode, keeping the running totals its limits bound."""
 
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.decoded = 0
+        self.json_bytes = 0
 
-def _read_field(name: str, tag: int, body: memoryview) -> Any:
-    t = chr(tag)
-    if t == "b":
-        return body.tobytes()
-    if t == "s":
-        return bytes(body).decode("utf-8")
-    if t == "i":
-        return _I64.unpack(body)[0]
-    if t == "I":
-        return int(bytes(body).decode("ascii"))
-    if t == "f":
-        return _F64.unpack(body)[0]
-    if t == "?":
-        if len(body) != 1:
-            raise CodecError(f"bool field {name!r} has {len(body)} bytes")
-        return body[0] != 0
-    if t == "n":
-        if len(body):
-            raise CodecError(f"None field {name!r} has a body")
-        return None
-    if t == "a":
-        return _read_array(body)
-    if t == "j":
+    def _spend(self, nbytes: int, name: str) -> None:
+        self.decoded += nbytes
+        if self.decoded > self.limits.max_decoded_bytes:
+            raise CodecError(f"field {name!r}: entry decodes to over {self.limits.max_decoded_bytes} bytes")
+
+    def read_dict(self, buf: memoryview) -> dict[str, Any]:
+        (count,) = _U32.unpack_from(buf, 0)
+        if count > self.limits.max_fields:
+            raise CodecError(f"entry has {count} fields, over the limit of {self.limits.max_fields}")
+        pos = _U32.size
+        out: dict[str, Any] = {}
+        for _ in range(count):
+            (nlen,) = _U16.unpack_from(buf, pos)
+            pos += _U16.size
+            if nlen > self.limits.max_name_bytes:
+                raise CodecError(
+                    f"field name of {nlen} bytes is over the limit of {self.limits.max_name_bytes}"
+                )
+            if pos + nlen > len(buf):
+                raise CodecError("field name runs past the end of the entry")
+            name = bytes(buf[pos : pos + nlen]).decode("utf-8")
+            pos += nlen
+            tag, length = _FIELD.unpack_from(buf, pos)
+            pos += _FIELD.size
+            if pos + length > len(buf):
+                raise CodecError(f"field {name!r} runs past the end of the entry")
+            if name in out:
+                raise CodecError(f"field {name!r} appears twice")
+            body = buf[pos : pos + length]
+            pos += length
+            out[name] = self.read_field(name, tag, body)
+        if pos != len(buf):
+            raise CodecError(f"{len(buf) - pos} trailing bytes after {count} fields")
+        return out
+
+    def read_field(self, name: str, tag: int, body: memoryview) -> Any:
+        t = chr(tag)
+        self._spend(len(body), name)
+        if t == "b":
+            return body.tobytes()
+        if t == "s":
+            return bytes(body).decode("utf-8")
+        if t == "i":
+            return _I64.unpack(body)[0]
+        if t == "I":
+            text = bytes(body)
+            if len(text) > self.limits.max_int_digits + 1 or not _BIG_INT.fullmatch(text):
+                raise CodecError(
+                    f"field {name!r} is not a decimal integer of at most {self.limits.max_int_digits} digits"
+                )
+            return int(text)
+        if t == "f":
+            return _F64.unpack(body)[0]
+        if t == "?":
+            if len(body) != 1:
+                raise CodecError(f"bool field {name!r} has {len(body)} bytes")
+            return body[0] != 0
+        if t == "n":
+            if len(body):
+                raise CodecError(f"None field {name!r} has a body")
+            return None
+        if t == "a":
+            return _read_array(body, self.limits)
+        if t == "j":
+            return self.read_json(name, bytes(body))
+        raise CodecError(f"field {name!r} has unknown tag {tag}")
+
+    def read_json(self, name: str, text: bytes) -> Any:
+        self.json_bytes += len(text)
+        if self.json_bytes > self.limits.max_json_bytes:
+            raise CodecError(f"field {name!r}: JSON fields are over {self.limits.max_json_bytes} bytes")
+        self._spend(_CONTAINER_BYTES * _json_containers(name, text, self.limits), name)
         try:
-            return json.loads(bytes(body).decode("utf-8"))
-        except json.JSONDecodeError as exc:
+            return json.loads(text.decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
             raise CodecError(f"field {name!r} is not valid JSON: {exc}") from exc
-    raise CodecError(f"field {name!r} has unknown tag {tag}")
+
+
+def _json_containers(name: str, text: bytes, limits: Limits) -> int:
+    """How many lists/dicts ``text`` holds; ``CodecError`` when nested deeper than the limit.
+
+    Checked before parsing, with array operations (Python's parser recurses once per level).
+    Escape pairs are dropped first (``\\\\`` then ``\\"``, left to right as JSON reads them), so every
+    quote left delimits a string, and a bracket is structural where an even number of quotes
+    precedes it. The parser reads strings the same way, so it never nests deeper than counted here.
+    """
+    if not any(b in text for b in (b"[", b"{")):
+        return 0
+    chars = np.frombuffer(text.replace(b"\\\\", b"").replace(b'\\"', b""), dtype=np.uint8)
+    outside = (np.cumsum(chars == _QUOTE, dtype=np.uint8) & 1) == 0  # parity survives uint8 wrap
+    opens = ((chars == _OPEN_LIST) | (chars == _OPEN_DICT)) & outside
+    closes = ((chars == _CLOSE_LIST) | (chars == _CLOSE_DICT)) & outside
+    containers = int(np.count_nonzero(opens))
+    if containers > limits.max_json_containers:
+        raise CodecError(
+            f"field {name!r}: {containers} JSON lists/dicts, over the limit of {limits.max_json_containers}"
+        )
+    steps = opens[opens | closes].astype(np.int32) * 2 - 1  # +1 open, -1 close, in text order
+    depth = int(np.cumsum(steps).max()) if steps.size else 0
+    if depth > limits.max_json_depth:
+        raise CodecError(
+            f"field {name!r}: JSON nested {depth} deep, over the limit of {limits.max_json_depth}"
+        )
+    return containers
