@@ -136,6 +136,14 @@ class TokenDataset:
         columns = [torch.from_numpy(arrays[k]).unbind(0) for k in keys]
         return [dict(zip(keys, row, strict=True)) for row in zip(*columns, strict=True)]
 
+    def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
+        """The collated batch for ``indices`` (what ``default_collate(get_many(indices))`` gives),
+        as four ``(len, seq_len)`` tensors: a loader can write each into its slot in one copy."""
+        return {
+            k: torch.from_numpy(np.ascontiguousarray(v))
+            for k, v in self.windows(self._check(indices)).items()
+        }
+
     def windows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
         """``(len(idx), seq_len)`` int64 arrays ``input_ids``, ``labels``, ``position_ids``, ``doc_ids``.
 

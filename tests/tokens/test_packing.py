@@ -60,6 +60,9 @@ def test_get_many_equals_getitem_and_pickles(tmp_path):
         for k, v in ds[i].items():
             assert torch.equal(got[k], v)
     assert again.fingerprint == ds.fingerprint
+    batch = ds.get_batch(order[:7])
+    for k, v in torch.utils.data.default_collate(ds.get_many(order[:7])).items():
+        assert torch.equal(batch[k], v) and batch[k].is_contiguous()
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
