@@ -9,7 +9,9 @@ Programmatic entry::
     report = run_bench(BenchConfig(dataset="./shards", loaders=["stallfree", "torch"], nproc=2, steps=20))
     print(format_table(report))
 
-Modules: runner (launch, phases), metrics (stall accounting), loaders (adapters), steps (the step),
-datasets / fixtures (bench data), analyze (differential analysis, what-if), tune (workers x
-prefetch sweep), report (table, JSON, PNG).
+Modules: config (BenchConfig), phases (the measured runs, typed), runner (launch on loopback,
+run the phases), errors (RankFailed, one error line), metrics (stall accounting), loaders
+(adapters), steps (the step), datasets / fixtures (bench data), analyze (differential analysis,
+what-if), tune (workers x prefetch sweep), report (table, JSON, PNG). runner imports analyze and
+tune; they import only config and phases.
 """

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
-from stallfree.harness.runner import BenchConfig, Phase
+from stallfree.harness.config import BenchConfig
+from stallfree.harness.phases import Phase, Probe, Variant
 
 logger = logging.getLogger(__name__)
 
@@ -67,34 +69,30 @@ def probe_dataset(cfg: BenchConfig) -> Any:
     return resolve_dataset(cfg.dataset, cfg.storage_options)
 
 
-def analysis_phases(cfg: BenchConfig, dataset: Any) -> list[Phase]:
-    """The phases --analyze adds (labels start with ``analyze:``); ``dataset`` from :func:`probe_dataset`."""
+def analysis_phases(cfg: BenchConfig, dataset: Any) -> dict[Probe, Phase]:
+    """The phase measuring each probe; ``dataset`` from :func:`probe_dataset`. The cold training
+    run is the loader's own bench phase when that one runs with no warm cache."""
     from stallfree.harness.datasets import mean_sample_bytes
 
     name = analysis_loader(cfg)
     n = len(dataset)
     subset = cached_subset_size(cfg, n)
     x = whatif_share(cfg, mean_sample_bytes(dataset) * n)
-    phases = [
-        Phase("analyze:synthetic", "synthetic"),
-        Phase("analyze:prep", name, variant="cached", step="none", subset=subset),
-        Phase("analyze:fetch+prep", name, variant="cold", step="none", cache_fraction=0.0),
-        Phase("analyze:train-cached", name, variant="cached", subset=subset),
-        Phase("analyze:train-cold", name, variant="cold", cache_fraction=0.0),
-        Phase("analyze:whatif", name, variant="partial", cache_fraction=x),
-    ]
-    if _reuses_loader_phase(cfg, name):
-        phases = [p for p in phases if p.label != "analyze:train-cold"]
-    return phases
-
-
-def _reuses_loader_phase(cfg: BenchConfig, name: str) -> bool:
-    """The loader's own bench phase is the cold training run when no warm cache is configured."""
-    return name in cfg.loaders and cfg.cache_fraction == 0.0
-
-
-def _cold_label(cfg: BenchConfig, name: str) -> str:
-    return name if _reuses_loader_phase(cfg, name) else "analyze:train-cold"
+    cached, cold = Variant.CACHED, Variant.COLD
+    if name in cfg.loaders and cfg.cache_fraction == 0.0:
+        train_cold = Phase(name)
+    else:
+        train_cold = Phase.analysis(Probe.TRAIN_COLD, name, variant=cold, cache_fraction=0.0)
+    return {
+        Probe.SYNTHETIC: Phase.analysis(Probe.SYNTHETIC, "synthetic"),
+        Probe.PREP: Phase.analysis(Probe.PREP, name, variant=cached, step="none", subset=subset),
+        Probe.FETCH_PREP: Phase.analysis(
+            Probe.FETCH_PREP, name, variant=cold, step="none", cache_fraction=0.0
+        ),
+        Probe.TRAIN_CACHED: Phase.analysis(Probe.TRAIN_CACHED, name, variant=cached, subset=subset),
+        Probe.TRAIN_COLD: train_cold,
+        Probe.WHATIF: Phase.analysis(Probe.WHATIF, name, variant=Variant.PARTIAL, cache_fraction=x),
+    }
 
 
 def fetch_rate(fp: float, p: float, serial: bool) -> float:
@@ -155,29 +153,29 @@ def _probe_cache_bandwidth(dataset: Any, n: int) -> tuple[float, float]:
     return 3 * copied / dt, total / max(1, len(held))
 
 
-def _speed(by_label: dict[str, Any], label: str) -> float:
+def analyze(
+    cfg: BenchConfig, results: Mapping[Phase, Any], plan: Mapping[Probe, Phase], dataset: Any
+) -> dict[str, Any]:
+    """Rates, stall split, what-if prediction vs measurement, and advice, from the ``results`` of
+    the ``plan``'s phases (see :func:`analysis_phases`); sample sizes and memory read speed are
+    probed on ``dataset`` (see :func:`probe_dataset`)."""
     from stallfree.harness.report import phase_entry
 
-    return phase_entry(by_label[label])["job"]["samples_per_s"]
+    def job(probe: Probe) -> dict[str, Any]:
+        return phase_entry(results[plan[probe]])["job"]
 
-
-def analyze(cfg: BenchConfig, by_label: dict[str, Any], dataset: Any) -> dict[str, Any]:
-    """Rates, stall split, what-if prediction vs measurement, and advice, from the phases run;
-    sample sizes and memory read speed are probed on ``dataset`` (see :func:`probe_dataset`)."""
-    from stallfree.harness.report import phase_entry
+    def speed(probe: Probe) -> float:
+        return job(probe)["samples_per_s"]
 
     name = analysis_loader(cfg)
     serial = SERIAL_FETCH_PREP.get(name, True)
     cache_bw, mean_bytes = _probe_cache_bandwidth(dataset, 64)
     total_bytes = mean_bytes * len(dataset)
-    g = _speed(by_label, "analyze:synthetic")
-    p = _speed(by_label, "analyze:prep")
-    fp_alone = _speed(by_label, "analyze:fetch+prep")
-    cold_label = _cold_label(cfg, name)
-    t_g, t_p, t_c = (
-        1.0 / _speed(by_label, k) for k in ("analyze:synthetic", "analyze:train-cached", cold_label)
-    )
-    cold = phase_entry(by_label[cold_label])["job"]
+    g = speed(Probe.SYNTHETIC)
+    p = speed(Probe.PREP)
+    fp_alone = speed(Probe.FETCH_PREP)
+    t_g, t_p, t_c = (1.0 / speed(k) for k in (Probe.SYNTHETIC, Probe.TRAIN_CACHED, Probe.TRAIN_COLD))
+    cold = job(Probe.TRAIN_COLD)
     # The ceiling the data path can reach once fetch is free: the step rate G, less the hand-off
     # cost (IPC, collate, queueing) the cached training run shows; min(F, P, G) with that G.
     g_eff = min(g, 1.0 / t_p)
@@ -188,9 +186,9 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any], dataset: Any) -> dict[st
     s_rate = fetch_rate(fp, p, serial)
     storage_bw = s_rate * mean_bytes
     model = {"serial": serial, "cache_bw": cache_bw, "sample_bytes": mean_bytes, "prep": p, "ceiling": g_eff}
-    x = by_label["analyze:whatif"]["phase"]["cache_fraction"]
+    x = plan[Probe.WHATIF].cache_fraction
     predicted = whatif_speed(x=x, storage_bw=storage_bw, **model)["speed"]
-    measured = _speed(by_label, "analyze:whatif")
+    measured = speed(Probe.WHATIF)
     result: dict[str, Any] = {
         "loader": name,
         "serial_fetch_prep": serial,
@@ -235,8 +233,11 @@ def analyze(cfg: BenchConfig, by_label: dict[str, Any], dataset: Any) -> dict[st
                 "speed"
             ],
         }
-    result["phases_samples_per_s"] = {
-        k: _speed(by_label, k) for k in by_label if k.startswith("analyze:") or k == cold_label
+    planned = set(plan.values())
+    result["phases_samples_per_s"] = {  # in the order the phases ran
+        phase.label: phase_entry(r)["job"]["samples_per_s"]
+        for phase, r in results.items()
+        if phase in planned
     }
     result["advice"] = advice(result, serial)
     return result

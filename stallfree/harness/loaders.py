@@ -187,9 +187,7 @@ class StallfreeAdapter(Adapter):
         s = settings
         world = World(rank=s.rank, size=s.world_size, local_rank=s.local_rank, local_size=s.local_size)
         kwargs: dict[str, Any] = dict(s.extra)
-        decode = s.decode
-        if decode == "auto":
-            decode = "image-decode" if importlib.util.find_spec("stallfree.gpu_decode.select") else "recipe"
+        decode = "image-decode" if s.decode == "auto" else s.decode  # ImageDecode ships with stallfree
         if decode == "image-decode":
             from stallfree.gpu_decode.select import ImageDecode
 
@@ -378,8 +376,8 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "dali": DaliAdapter,
 }
 
+# Third-party packages an adapter needs (stallfree's own loader and decoders always ship).
 _REQUIRES = {
-    "stallfree": "stallfree.loader.dataloader",
     "webdataset": "webdataset",
     "dali": "nvidia.dali",
 }

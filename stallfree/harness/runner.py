@@ -17,96 +17,19 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from stallfree.harness import analyze, report, tune
+from stallfree.harness.config import BenchConfig
+from stallfree.harness.errors import RankFailed
+from stallfree.harness.phases import Phase, Purpose, Variant
+
+# BenchConfig, Phase and RankFailed are part of the programmatic entry (see harness/__init__.py).
+__all__ = ["BenchConfig", "Phase", "RankFailed", "loader_phases", "rank_main", "run_bench", "run_phases"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class BenchConfig:
-    """Everything a bench needs; the CLI fills it from flags (and torchrun's env, when present)."""
-
-    dataset: str
-    loaders: list[str] = field(default_factory=lambda: ["stallfree", "torch"])
-    nproc: int = 2
-    step: str = "sleep"  # sleep | busy | model | none
-    step_ms: float = 20.0
-    batch_size: int = 32
-    workers: int = 2
-    prefetch: int | None = None
-    steps: int = 50
-    warmup: int = 3
-    image_size: int = 64
-    seed: int = 0
-    device: str = "cpu"
-    decode: str = "auto"
-    worker_start: str = "forkserver"  # fork | forkserver | spawn, for every loader's workers
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    loader_options: dict[str, Any] = field(default_factory=dict)
-    slow_delay_s: float = 0.0  # sleep per sample in __getitem__ (an injected, known stall)
-    cache_fraction: float = 0.0  # share of the dataset held warm in memory in front of storage
-    warm_from: str | None = None  # the same dataset on fast storage, to fill warm caches from
-    timeline: bool = True
-    progress: bool = False  # a tqdm bar on stderr (rank 0)
-    # Set when running inside an existing job (torchrun): this process's rank and the rendezvous.
-    rank: int | None = None
-    world_size: int | None = None
-    local_rank: int = 0
-    local_size: int | None = None
-    init_method: str | None = None
-    # Analysis and tuning (see analyze.py / tune.py).
-    analyze: bool = False
-    analyze_loader: str | None = None
-    whatif_cache_fraction: float = 0.5
-    whatif_cache_bytes: float | None = None  # overrides whatif_cache_fraction when set
-    whatif_storage_bytes_per_s: float | None = None
-    tune: bool = False
-    tune_workers: list[int] = field(default_factory=lambda: [1, 2, 4])
-    tune_prefetch: list[int] = field(default_factory=lambda: [2, 4])
-    tune_target_stall: float = 0.02
-
-    def validate(self) -> None:
-        """Reject settings that cannot run, with a message naming the flag."""
-        if self.nproc < 1:
-            raise ValueError(f"--nproc must be >= 1, got {self.nproc}")
-        if self.steps < 1 or self.warmup < 0:
-            raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {self.steps}, {self.warmup}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if self.workers < 0:
-            raise ValueError(f"--workers must be >= 0, got {self.workers}")
-        if self.step_ms < 0:
-            raise ValueError(f"--step-ms must be >= 0, got {self.step_ms}")
-        if self.worker_start not in ("fork", "forkserver", "spawn"):
-            raise ValueError(f"--worker-start must be fork, forkserver or spawn, got {self.worker_start!r}")
-        if self.step not in ("sleep", "busy", "model", "none"):
-            raise ValueError(f"--step must be sleep, busy, model or none, got {self.step!r}")
-        if not self.loaders:
-            raise ValueError("--loader needs at least one loader name")
-        if not 0.0 <= self.cache_fraction <= 1.0 or not 0.0 <= self.whatif_cache_fraction <= 1.0:
-            raise ValueError("cache fractions must be within [0, 1]")
-
-
-@dataclass
-class Phase:
-    """One measured run inside the ranks. ``variant``: cold | cached (a subset held in memory) |
-    partial (``cache_fraction`` of the data warm in memory)."""
-
-    label: str
-    loader: str
-    variant: str = "cold"
-    step: str | None = None  # None: the config's step
-    steps: int | None = None
-    workers: int | None = None
-    prefetch: int | None = None
-    cache_fraction: float | None = None
-    subset: int | None = None
-
-
-class RankFailed(RuntimeError):
-    """A spawned rank raised or died; the message names the rank and its error line."""
 
 
 # ---------------------------------------------------------------- inside one rank
@@ -141,14 +64,12 @@ def _phase_dataset(cfg: BenchConfig, phase: Phase, base: Any, warm: Any) -> Any:
 
     ds = SlowDataset(base, cfg.slow_delay_s) if cfg.slow_delay_s > 0 else base
     fraction = cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction
-    if phase.variant == "cold":
-        return PartialCache(ds, fraction, warm) if fraction > 0 else ds
-    if phase.variant == "cached":
+    if phase.variant is Variant.CACHED:
         subset = phase.subset or len(ds)
         return PartialCache(_Subset(ds, subset), 1.0, None if warm is None else _Subset(warm, subset))
-    if phase.variant == "partial":
-        return PartialCache(ds, fraction, warm)
-    raise ValueError(f"unknown phase variant {phase.variant!r}")
+    if phase.variant is Variant.COLD and fraction <= 0:
+        return ds
+    return PartialCache(ds, fraction, warm)
 
 
 def _run_phase(
@@ -282,7 +203,7 @@ def rank_main(
                 dist.all_gather_object(gathered, mine)
             else:
                 gathered = [mine]
-            results.append({"phase": asdict(phase), "ranks": gathered})
+            results.append({"phase": phase.as_dict(), "ranks": gathered})
     finally:
         if bar is not None:  # also when a phase raised, so an error prints below the bar
             bar.close()
@@ -369,7 +290,7 @@ def loader_phases(cfg: BenchConfig) -> tuple[list[Phase], dict[str, str]]:
             skipped[name] = reason
             logger.warning("skipping loader %s: %s", name, reason)
         else:
-            phases.append(Phase(label=name, loader=name))
+            phases.append(Phase(name))
     return phases, skipped
 
 
@@ -386,36 +307,33 @@ def _dataset_len(cfg: BenchConfig) -> int | None:
 def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     """The programmatic entry: run the loaders (and analysis / tuning when asked) and return the
     report dict (see report.build_report); None on ranks other than 0 inside torchrun."""
-    from stallfree.harness import analyze, report, tune
-
     cfg.validate()
     phases, skipped = loader_phases(cfg)
-    extra: list[Phase] = []
     probe = analyze.probe_dataset(cfg) if cfg.analyze else None
-    if cfg.analyze:
-        extra += analyze.analysis_phases(cfg, probe)
+    plan = analyze.analysis_phases(cfg, probe) if cfg.analyze else {}
+    extra = [p for p in plan.values() if p not in phases]  # the cold run may be a loader's own
     if cfg.tune:
         extra += tune.tune_phases(cfg)
     if not phases and not extra:
         raise ValueError(f"no requested loader can run here: {skipped}")
     started = time.time()
-    results = run_phases(cfg, phases + extra)
-    if results is None:
+    gathered = run_phases(cfg, phases + extra)
+    if gathered is None:
         return None
-    by_label = {}
-    for r in results:
+    results: dict[Phase, dict[str, Any]] = {}
+    for phase, r in zip(phases + extra, gathered, strict=True):
         reason = next((x["skipped"] for x in r["ranks"] if "skipped" in x), None)
         if reason is None:
-            by_label[r["phase"]["label"]] = r
-        elif r["phase"]["label"] in cfg.loaders:
-            skipped[r["phase"]["label"]] = reason
+            results[phase] = r
+        elif phase.purpose is Purpose.BENCH:
+            skipped[phase.label] = reason
         else:
-            raise ValueError(f"phase {r['phase']['label']} could not run: {reason}")
-    ran = [by_label[p.label] for p in phases if p.label in by_label]
+            raise ValueError(f"phase {phase.label} could not run: {reason}")
+    ran = [results[p] for p in phases if p in results]
     rep = report.build_report(cfg, ran, skipped, elapsed_s=time.time() - started)
     rep["dataset_samples"] = _dataset_len(cfg)
     if cfg.analyze:
-        rep["analysis"] = analyze.analyze(cfg, by_label, probe)
+        rep["analysis"] = analyze.analyze(cfg, results, plan, probe)
     if cfg.tune:
-        rep["tune"] = tune.summarize(cfg, by_label)
+        rep["tune"] = tune.summarize(cfg, results)
     return rep

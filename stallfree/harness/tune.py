@@ -4,9 +4,11 @@ stall when none is)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from stallfree.harness.runner import BenchConfig, Phase
+from stallfree.harness.config import BenchConfig
+from stallfree.harness.phases import Phase
 
 
 def tune_loader(cfg: BenchConfig) -> str:
@@ -29,8 +31,7 @@ def tune_phases(cfg: BenchConfig) -> list[Phase]:
         for prefetch in sorted(set(cfg.tune_prefetch)) if workers > 0 else [None]:
             if prefetch is not None and prefetch < 1:
                 raise ValueError(f"--tune-prefetch must be >= 1, got {prefetch}")
-            label = f"tune:{name}:w{workers}" + (f":p{prefetch}" if prefetch else "")
-            phases.append(Phase(label, name, workers=workers, prefetch=prefetch))
+            phases.append(Phase.tuning(name, workers, prefetch))
     return phases
 
 
@@ -44,14 +45,15 @@ def pick(rows: list[dict[str, Any]], target: float) -> dict[str, Any]:
     return min(rows, key=lambda r: (r["stall_share"], r["cpu_cores"]))
 
 
-def summarize(cfg: BenchConfig, by_label: dict[str, Any]) -> dict[str, Any]:
-    """The sweep's rows (stall, CPU, throughput per setting) and the chosen setting."""
+def summarize(cfg: BenchConfig, results: Mapping[Phase, Any]) -> dict[str, Any]:
+    """The sweep's rows (stall, CPU, throughput per setting) and the chosen setting, from the
+    ``results`` of the phases :func:`tune_phases` plans."""
     from stallfree.harness.report import phase_entry
 
     phases = tune_phases(cfg)
     rows = []
     for phase in phases:
-        job = phase_entry(by_label[phase.label])["job"]
+        job = phase_entry(results[phase])["job"]
         rows.append(
             {
                 "workers": phase.workers,

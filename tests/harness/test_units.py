@@ -336,3 +336,42 @@ def test_torch_style_loaders_get_the_same_worker_keywords():
     ).torch_loader_kwargs()
     assert kwargs.pop("multiprocessing_context").get_start_method() == "spawn"
     assert kwargs == {"pin_memory": True, "persistent_workers": True, "prefetch_factor": 4}
+
+
+def test_phases_are_typed_values_looked_up_by_what_they_are():
+    from stallfree.harness.phases import Phase, Probe, Purpose, Variant
+
+    ds = resolve_dataset("synthetic:64:32x24")
+    cfg = BenchConfig(dataset="synthetic:64:32x24", loaders=["torch"], batch_size=4, analyze=True)
+    plan = analyze.analysis_phases(cfg, ds)
+    assert list(plan) == list(Probe)
+    # no warm cache: the loader's own bench phase is the cold training run (run once)
+    assert plan[Probe.TRAIN_COLD] == Phase("torch") and plan[Probe.TRAIN_COLD].purpose is Purpose.BENCH
+    assert [p.label for p in plan.values()] == [
+        "analyze:synthetic",
+        "analyze:prep",
+        "analyze:fetch+prep",
+        "analyze:train-cached",
+        "torch",
+        "analyze:whatif",
+    ]
+    assert plan[Probe.PREP].variant is Variant.CACHED and plan[Probe.PREP].step == "none"
+    assert plan[Probe.WHATIF].variant is Variant.PARTIAL and plan[Probe.WHATIF].cache_fraction == 0.5
+    warm = BenchConfig(dataset="synthetic:64:32x24", loaders=["torch"], cache_fraction=0.25, analyze=True)
+    cold = analyze.analysis_phases(warm, ds)[Probe.TRAIN_COLD]
+    assert (cold.label, cold.purpose, cold.cache_fraction) == ("analyze:train-cold", Purpose.ANALYZE, 0.0)
+    assert Phase.tuning("torch", 2, 4).as_dict() == {
+        "label": "tune:torch:w2:p4",
+        "loader": "torch",
+        "variant": "cold",
+        "step": None,
+        "steps": None,
+        "workers": 2,
+        "prefetch": 4,
+        "cache_fraction": None,
+        "subset": None,
+    }
+    with pytest.raises(ValueError, match="needs a probe"):
+        Phase("torch", Purpose.ANALYZE)
+    with pytest.raises(ValueError, match="needs a probe"):
+        Phase("torch", probe=Probe.PREP)
