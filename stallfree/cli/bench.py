@@ -194,21 +194,20 @@ def _finite(value):
 
 def run(args: argparse.Namespace) -> int:
     from stallfree.harness import report as rpt
-    from stallfree.harness.runner import RankFailed, run_bench
+    from stallfree.harness.errors import RankFailed, error_line
+    from stallfree.harness.runner import run_bench
     from stallfree.shards.errors import ShardError
 
     dataset = str(args.dataset)
     if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():
-        print(f"stallfree bench: dataset {dataset} does not exist", file=sys.stderr)
-        return 2
+        return fail("bench", f"dataset {dataset} does not exist", code=2)
     try:
         cfg = config_from_args(args)
         result = run_bench(cfg)
-    except ValueError as exc:
-        print(f"stallfree bench: {exc}", file=sys.stderr)
-        return 2
     except (ShardError, RankFailed) as exc:  # bad data met by a loader, in this process or a rank
-        return fail("bench", exc)
+        return fail("bench", error_line(exc))  # a worker's error carries its traceback: one line
+    except ValueError as exc:  # settings that cannot run
+        return fail("bench", error_line(exc), code=2)
     if result is None:  # a non-zero rank inside torchrun: rank 0 reports
         return 0
     print(rpt.format_table(result, per_rank=not args.no_per_rank))

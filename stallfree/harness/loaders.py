@@ -19,6 +19,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
 from stallfree.harness.transforms import PILRecipe, collate_pairs
+from stallfree.shards.errors import CorruptShardError
 
 logger = logging.getLogger(__name__)
 
@@ -253,6 +255,18 @@ def tar_shard_urls(dataset: Any) -> list[str]:
     return paths if local else [fs.unstrip_protocol(p) for p in paths]
 
 
+def _webdataset_errors(exc: Exception) -> bool:
+    """webdataset's error handler: a damaged tar (cut short, bad header) is bad data, so a
+    CorruptShardError naming the shard, not tarfile's bare error. webdataset calls this first
+    inside the tar iterator (no URL yet: re-raise) and again once it has added the source's
+    stream and URL to the arguments."""
+    url = exc.args[-1] if len(exc.args) >= 3 and isinstance(exc.args[-1], str) else None
+    if isinstance(exc, tarfile.TarError) and url is not None:
+        reason = str(exc.args[0]).split(" @ ", 1)[0]
+        raise CorruptShardError(f"cannot read tar: {reason}", shard=url.rsplit("/", 1)[-1]) from exc
+    raise exc
+
+
 class WebDatasetAdapter(Adapter):
     """webdataset reading the same tar shards sequentially, shards split across ranks and workers."""
 
@@ -278,6 +292,7 @@ class WebDatasetAdapter(Adapter):
                 nodesplitter=functools.partial(_split_by_rank, rank=s.rank, world=s.world_size),
                 seed=s.seed,
                 empty_check=False,
+                handler=_webdataset_errors,
             )
             .shuffle(64, initial=64)
             .map(PILRecipe(s.image_size, s.seed))

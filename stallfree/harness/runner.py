@@ -23,7 +23,7 @@ from typing import Any
 
 from stallfree.harness import analyze, report, tune
 from stallfree.harness.config import BenchConfig
-from stallfree.harness.errors import RankFailed
+from stallfree.harness.errors import RankFailed, error_line
 from stallfree.harness.phases import Phase, Purpose, Variant
 
 # BenchConfig, Phase and RankFailed are part of the programmatic entry (see harness/__init__.py).
@@ -223,9 +223,9 @@ def _spawned(
     except BaseException as exc:
         # When one rank fails, its peers fail right after in the collective (gloo: "connection
         # closed"); the parent reports the earliest failure, the cause, not whichever it sees first.
-        line = next((ln for ln in reversed(f"{type(exc).__name__}: {exc}".splitlines()) if ln.strip()), "")
+        line = f"{type(exc).__name__}: {error_line(exc)}"
         with contextlib.suppress(OSError):
-            Path(f"{out_path}.rank{rank}.err").write_text(json.dumps([time.time(), line.strip()]))
+            Path(f"{out_path}.rank{rank}.err").write_text(json.dumps([time.time(), line]))
         raise
 
 

@@ -22,11 +22,15 @@ _STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 
 
 def image_field(sample: dict[str, Any]) -> str:
-    """The name of the sample's encoded-image field."""
+    """The name of the sample's encoded-image field. None is bad data (a sample cut short by a
+    truncated tar arrives without its image): SampleDecodeError naming the key and what it has."""
     for name in IMAGE_FIELDS:
         if name in sample:
             return name
-    raise KeyError(f"sample {sample.get('__key__', '?')!r} has no image field (looked for {IMAGE_FIELDS})")
+    fields = ", ".join(sorted(k for k in sample if not k.startswith("__"))) or "none"
+    raise SampleDecodeError(
+        f"no image field (looked for {', '.join(IMAGE_FIELDS)}; it has {fields})", key=sample.get("__key__")
+    )
 
 
 def label_of(sample: dict[str, Any]) -> int:

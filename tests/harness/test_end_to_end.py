@@ -99,13 +99,13 @@ def test_unrunnable_loader_is_skipped_with_its_reason(capsys):
 
 def test_bad_flags_fail_with_a_clear_message(capsys):
     assert main(["bench", "synthetic:8", "--nproc", "0"]) == 2
-    assert "--nproc must be >= 1" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "stallfree bench: error: --nproc must be >= 1, got 0"
 
 
 def test_missing_dataset_fails_before_spawning_ranks(tmp_path, capsys):
     missing = tmp_path / "no-such-shards"
     assert main(["bench", str(missing), "--nproc", "2"]) == 2
-    assert capsys.readouterr().err.strip() == f"stallfree bench: dataset {missing} does not exist"
+    assert capsys.readouterr().err.strip() == f"stallfree bench: error: dataset {missing} does not exist"
 
 
 def test_tar_shards_over_loopback_http_with_every_installed_reader(tmp_path):

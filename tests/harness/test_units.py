@@ -155,8 +155,12 @@ def test_pil_recipe_decodes_crops_and_labels_and_refuses_broken_samples():
     assert exc.value.key == "b"
     with pytest.raises(SampleDecodeError, match=r"cannot decode png: .*\(sample 'd'\)"):
         recipe({"__key__": "d", "png": b"not an image"})
-    with pytest.raises(KeyError, match="sample 'c' has no image field"):
-        recipe({"__key__": "c", "txt": b"no image"})
+    with pytest.raises(SampleDecodeError) as missing:
+        recipe({"__key__": "c", "txt": b"no image", "cls": b"1"})
+    assert str(missing.value) == (
+        "no image field (looked for jpg, jpeg, png, webp, img, image; it has cls, txt) (sample 'c')"
+    )
+    assert missing.value.key == "c"
 
 
 def test_label_of_reads_tar_and_arrow_forms():
@@ -336,6 +340,26 @@ def test_torch_style_loaders_get_the_same_worker_keywords():
     ).torch_loader_kwargs()
     assert kwargs.pop("multiprocessing_context").get_start_method() == "spawn"
     assert kwargs == {"pin_memory": True, "persistent_workers": True, "prefetch_factor": 4}
+
+
+def test_error_line_is_the_message_or_the_wrapped_workers_own_error():
+    from stallfree.harness.errors import error_line
+    from stallfree.shards.errors import CorruptShardError
+
+    assert (
+        error_line(SampleDecodeError("cannot decode jpg: bad", key="k"))
+        == "cannot decode jpg: bad (sample 'k')"
+    )
+    wrapped = CorruptShardError(
+        "Caught CorruptShardError in DataLoader worker process 0.\n"
+        "Original Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in f\n'
+        "    raise CorruptShardError(\n"
+        "stallfree.shards.errors.CorruptShardError: shard is truncated (shard a.tar, byte offset 9)\n"
+    )
+    assert error_line(wrapped) == "shard is truncated (shard a.tar, byte offset 9)"
+    assert error_line(RuntimeError("Caught it.\nTraceback:\nValueError: x")) == "ValueError: x"
+    assert error_line(RuntimeError("")) == "RuntimeError"
 
 
 def test_phases_are_typed_values_looked_up_by_what_they_are():

@@ -1,0 +1,112 @@
+"""`stallfree bench` in a subprocess (with a timeout, so a hang fails the test): bad data ends
+in one error line."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 300  # generous: the machine is shared; a hang still fails instead of stalling the suite
+
+
+def _bench(*argv: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return subprocess.Popen(
+        [sys.executable, "-m", "stallfree", "bench", *argv],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return proc.returncode, out, err
+
+
+def _cut(tmp: Path, where: str) -> tuple[Path, str, int]:
+    """One tar shard of 64 JPEG samples, cut after its manifest was written: inside the header
+    (``"header"``) or the data (``"data"``) of sample 32's ``jpg`` member. Returns the dataset,
+    the tar's name, and its size before the cut."""
+    from stallfree.harness.fixtures import write_jpeg_shards
+
+    root = write_jpeg_shards(tmp / "shards", 64, per_shard=64, size=(48, 32))
+    (tar,) = sorted(Path(root).glob("*.tar"))
+    with tarfile.open(tar) as t:
+        member = t.getmember("00000032.jpg")
+    full = tar.stat().st_size
+    os.truncate(tar, member.offset + 100 if where == "header" else member.offset_data + 64)
+    return Path(root), tar.name, full
+
+
+@pytest.fixture(scope="module")
+def cut_in_data(tmp_path_factory) -> tuple[Path, str, int]:
+    return _cut(tmp_path_factory.mktemp("cut-data"), "data")
+
+
+def _run(root: Path, loader: str, nproc: int, workers: int, steps: int = 8) -> tuple[int, str]:
+    rc, _, err = _finish(
+        _bench(
+            str(root),
+            *("--nproc", str(nproc), "--loader", loader, "--workers", str(workers), "--batch-size", "4"),
+            *("--steps", str(steps), "--image-size", "16", "--device", "cpu"),
+        )
+    )
+    return rc, err
+
+
+def _error_line(rc: int, err: str) -> str:
+    """The last stderr line, once the run is known to have failed without a traceback."""
+    assert rc == 1, err
+    assert "Traceback" not in err, err
+    return err.rstrip("\n").splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "loader, nproc, prefix",
+    [
+        ("torch", 1, ""),  # torch's worker re-raises with the worker's traceback in the message
+        ("stallfree", 1, ""),  # so does stallfree's
+        ("torch", 2, "rank "),
+    ],
+)
+def test_truncated_shard_is_one_error_line(cut_in_data, loader, nproc, prefix):
+    root, name, full = cut_in_data
+    size = (root / name).stat().st_size
+    line = _error_line(*_run(root, loader, nproc, workers=1))
+    assert line.startswith("stallfree bench: error: " + prefix), line
+    assert line.endswith(
+        f"shard is truncated: {size} bytes on storage, the manifest says {full} (shard {name}, byte offset {size})"
+    ), line
+
+
+def test_webdataset_on_a_tar_cut_inside_a_member_names_the_shard(cut_in_data):
+    pytest.importorskip("webdataset")
+    root, name, _ = cut_in_data
+    line = _error_line(*_run(root, "webdataset", 1, workers=0, steps=12))
+    assert line == f"stallfree bench: error: cannot read tar: unexpected end of data (shard {name})"
+
+
+def test_webdataset_on_a_tar_cut_inside_a_header_names_the_sample_cut_short(tmp_path):
+    """tarfile takes a cut header for the end of the archive; the sample cut there arrives
+    without its image."""
+    pytest.importorskip("webdataset")
+    root, _, _ = _cut(tmp_path, "header")
+    line = _error_line(*_run(root, "webdataset", 1, workers=0, steps=12))
+    assert line == (
+        "stallfree bench: error: no image field (looked for jpg, jpeg, png, webp, img, image; "
+        "it has cls) (sample '00000032')"
+    )
