@@ -17,7 +17,6 @@ import os
 import socket
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -35,10 +34,31 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------- inside one rank
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def loopback_store(timeout_s: float = 600.0) -> tuple[Any, int]:
+    """The ranks' rendezvous store, served by the launching process on 127.0.0.1 only; and its port.
+
+    A TCPStore that binds its own socket listens on every interface; handed a socket already
+    bound to loopback, it serves there (and owns, and closes, that socket). The port comes from
+    that bind, so nothing can take it between choosing and listening."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    store = dist.TCPStore(
+        "127.0.0.1",
+        port,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    return store, port
 
 
 class _Subset:
@@ -161,11 +181,18 @@ def _progress(cfg: BenchConfig, phases: list[Phase], rank: int) -> Any:
 
 
 def rank_main(
-    cfg: BenchConfig, phases: list[Phase], rank: int, world: int, out_path: str | None
+    cfg: BenchConfig,
+    phases: list[Phase],
+    rank: int,
+    world: int,
+    out_path: str | None,
+    store_port: int | None = None,
 ) -> list[dict] | None:
     """Body of one rank: join the process group, run every phase, gather to rank 0.
 
-    Returns (on rank 0) one entry per phase: ``{"phase": ..., "ranks": [per-rank results]}``.
+    The group meets at the launcher's :func:`loopback_store` on ``store_port`` when given (spawned
+    ranks), else at ``cfg.init_method`` (inside torchrun). Returns (on rank 0) one entry per
+    phase: ``{"phase": ..., "ranks": [per-rank results]}``.
     """
     import torch
     import torch.distributed as dist
@@ -178,13 +205,14 @@ def rank_main(
         backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(cfg.local_rank if cfg.rank is not None else rank)
-        dist.init_process_group(
-            backend,
-            init_method=cfg.init_method,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=600),
-        )
+        timeout = datetime.timedelta(seconds=600)
+        if store_port is not None:  # a client of the launcher's store: nothing listens here
+            store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, init_method=cfg.init_method, rank=rank, world_size=world, timeout=timeout
+            )
         group = dist
     bar = _progress(cfg, phases, rank)
     try:
@@ -215,11 +243,17 @@ def rank_main(
 
 
 def _spawned(
-    rank: int, cfg: BenchConfig, phases: list[Phase], world: int, out_path: str, log_level: int
+    rank: int,
+    cfg: BenchConfig,
+    phases: list[Phase],
+    world: int,
+    out_path: str,
+    log_level: int,
+    store_port: int,
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     try:
-        rank_main(cfg, phases, rank, world, out_path)
+        rank_main(cfg, phases, rank, world, out_path, store_port)
     except BaseException as exc:
         # When one rank fails, its peers fail right after in the collective (gloo: "connection
         # closed"); the parent reports the earliest failure, the cause, not whichever it sees first.
@@ -259,13 +293,13 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
-    cfg = replace(cfg, init_method=f"tcp://127.0.0.1:{_free_port()}")
+    store, port = loopback_store()  # held open until every rank is done
     with tempfile.TemporaryDirectory(prefix="stallfree-bench-") as tmp:
         out_path = os.path.join(tmp, "results.json")
         try:
             mp.start_processes(
                 _spawned,
-                args=(cfg, phases, cfg.nproc, out_path, logging.getLogger().level),
+                args=(cfg, phases, cfg.nproc, out_path, logging.getLogger().level, port),
                 nprocs=cfg.nproc,
                 join=True,
                 start_method="spawn",
@@ -276,6 +310,8 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
                 last = next((ln for ln in reversed(str(exc).splitlines()) if ln.strip()), "no message")
                 first = (exc.error_index, last.strip())
             raise RankFailed(f"rank {first[0]} failed: {first[1]}") from exc
+        finally:
+            del store
         return json.loads(Path(out_path).read_text())
 
 

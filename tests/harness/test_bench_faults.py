@@ -1,14 +1,17 @@
 """`stallfree bench` in a subprocess (with a timeout, so a hang fails the test): bad data ends
-in one error line."""
+in one error line, and a multi-rank bench listens on loopback only."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -110,3 +113,57 @@ def test_webdataset_on_a_tar_cut_inside_a_header_names_the_sample_cut_short(tmp_
         "stallfree bench: error: no image field (looked for jpg, jpeg, png, webp, img, image; "
         "it has cls) (sample '00000032')"
     )
+
+
+def _listening(root_pid: int) -> set[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket listening in the process tree under ``root_pid``."""
+    try:
+        procs = [psutil.Process(root_pid), *psutil.Process(root_pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return set()
+    found = set()
+    for proc in procs:
+        try:
+            for conn in proc.net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_two_rank_bench_listens_on_loopback_only():
+    """The rendezvous store (and gloo's own sockets) accept connections from this machine only."""
+    proc = _bench(
+        "synthetic:64:32x24",
+        *("--nproc", "2", "--loader", "torch", "--workers", "0", "--batch-size", "4"),
+        *("--steps", "60", "--step-ms", "20", "--image-size", "16", "--device", "cpu"),
+    )
+    seen: set[tuple[int, str, int]] = set()
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen |= _listening(proc.pid)
+            time.sleep(0.05)
+    finally:
+        rc, out, err = _finish(proc)
+    assert rc == 0, err
+    assert seen, "no listening socket seen during a 2-rank bench: the check saw nothing"
+    wide = sorted(s for s in seen if not ipaddress.ip_address(s[1]).is_loopback)
+    assert not wide, f"listening beyond loopback (pid, address, port): {wide}"
+
+
+def test_the_rendezvous_store_binds_loopback():
+    """The store the launcher serves for its ranks, checked at construction."""
+    from stallfree.harness.runner import loopback_store
+
+    store, port = loopback_store(timeout_s=30)
+    try:
+        mine = {
+            (c.laddr.ip, c.laddr.port)
+            for c in psutil.Process().net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        }
+        assert mine == {("127.0.0.1", port)}
+    finally:
+        del store
