@@ -13,7 +13,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
@@ -24,6 +24,7 @@ from stallfree.cache.policy import Policy, get_policy
 log = logging.getLogger(__name__)
 
 Value = dict[str, Any] | bytes | np.ndarray
+Check = Callable[["CacheKey", Any], None]  # raises codec.CodecError when a decoded entry is unfit
 
 _MAX_KEY_BYTES = 400  # LMDB's key limit is 511; longer keys are hashed
 
@@ -45,9 +46,12 @@ class CacheKey(NamedTuple):
 
 @runtime_checkable
 class Cache(Protocol):
-    """A sample cache tier. Lookups and stores never raise: a dead or slow tier answers misses."""
+    """A sample cache tier. Lookups and stores never raise: a dead or slow tier answers misses.
 
-    def get_many(self, keys: Sequence[CacheKey]) -> list[Value | None]: ...
+    ``check(key, value)``, when given, vets every decoded entry; one it rejects (by raising
+    ``codec.CodecError``) is a miss and is deleted, as a corrupt entry is."""
+
+    def get_many(self, keys: Sequence[CacheKey], check: Check | None = None) -> list[Value | None]: ...
 
     def put_many(self, items: Sequence[tuple[CacheKey, Value]]) -> None: ...
 
@@ -162,7 +166,7 @@ class BaseCache:
         raise NotImplementedError
 
     # -- the public protocol -----------------------------------------------------------------
-    def get_many(self, keys: Sequence[CacheKey]) -> list[Value | None]:
+    def get_many(self, keys: Sequence[CacheKey], check: Check | None = None) -> list[Value | None]:
         kbytes = [k.to_bytes() for k in keys]
         raw = self.get_encoded_many(kbytes)
         out: list[Value | None] = []
@@ -172,7 +176,10 @@ class BaseCache:
                 out.append(None)
                 continue
             try:
-                out.append(codec.decode(blob))
+                value = codec.decode(blob)
+                if check is not None:
+                    check(key, value)
+                out.append(value)
             except codec.CodecError as exc:
                 log.warning("%s: dropping corrupt entry %s: %s", self.name, key, exc)
                 bad.append(kb)

@@ -9,6 +9,10 @@ Capacity under ``minio`` is exact and shared by all clients: a small server-side
 entry only while the server's ``used`` counter plus its size fits ``capacity_bytes``. Under ``lru``
 the server evicts (``allkeys-lru`` with ``maxmemory``). An out-of-memory reply means "full".
 
+With a ``secret`` every entry is signed (HMAC-SHA256 over key and value, ``signing.py``) and an
+entry that is unsigned or signed otherwise is a miss and deleted: a process that can reach a
+server but lacks the secret cannot plant a sample.
+
 Faults never reach the caller: a server that refuses connections, times out or fails to
 authenticate is marked down by a per-server circuit breaker and its keys are misses; it is tried
 again after an exponentially growing backoff, and used again once it answers (a restarted server is
@@ -27,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stallfree.cache.base import BaseCache, PutResult
+from stallfree.cache.credentials import read_secret_file
 from stallfree.cache.policy import Policy
 from stallfree.cache.redis_ops import (
     ADMIT_LUA,
@@ -43,6 +48,7 @@ from stallfree.cache.redis_ops import (
     server_info,
     server_status,
 )
+from stallfree.cache.signing import EntrySigner
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +82,9 @@ class ClusterCache(BaseCache):
     """A cache spread over Redis servers (one per node), each key owned by one server.
 
     ``capacity_bytes`` is the budget of encoded bytes *per server* (``None``: as the server's own
-    ``maxmemory`` allows). ``password``/``username`` apply to every server unless its URL has its
-    own; ``tls=True`` (or ``rediss://`` URLs) encrypts, with optional CA and client certificates.
+    ``maxmemory`` allows). ``password`` (or ``password_file``, as ``stallfree cache serve`` writes
+    it)/``username`` apply to every server unless its URL has its own; ``secret`` (or
+    ``secret_file``) signs every entry and accepts only entries signed with it; ``tls=True`` (or ``rediss://`` URLs) encrypts, with optional CA and client certificates.
     With ``configure_servers`` the servers' ``maxmemory-policy`` is set to match ``policy``
     (and, under ``lru``, an unlimited ``maxmemory`` to ``capacity_bytes`` above current use).
     ``connect_timeout_s``/``timeout_s`` bound every call (a slow server becomes misses);
@@ -96,6 +103,9 @@ class ClusterCache(BaseCache):
         *,
         password: str | None = None,
         username: str | None = None,
+        password_file: str | os.PathLike | None = None,
+        secret: bytes | str | None = None,
+        secret_file: str | os.PathLike | None = None,
         tls: bool = False,
         tls_ca_certs: str | None = None,
         tls_certfile: str | None = None,
@@ -121,7 +131,13 @@ class ClusterCache(BaseCache):
             raise ValueError("ClusterCache needs at least one server URL")
         self._set_budget(capacity_bytes, policy)
         self.servers = list(servers)
-        self.password = password
+        if password is not None and password_file is not None:
+            raise ValueError("give ClusterCache a password or a password_file, not both")
+        if secret is not None and secret_file is not None:
+            raise ValueError("give ClusterCache a secret or a secret_file, not both")
+        self.password = read_secret_file(password_file, "password") if password_file is not None else password
+        self.secret = read_secret_file(secret_file, "secret") if secret_file is not None else secret
+        self._signer = EntrySigner(self.secret) if self.secret is not None else None
         self.username = username
         self.tls = tls
         self.tls_ca_certs = tls_ca_certs
@@ -149,7 +165,7 @@ class ClusterCache(BaseCache):
 
     def _config(self) -> dict[str, Any]:
         names = (
-            "servers capacity_bytes password username tls tls_ca_certs tls_certfile tls_keyfile tls_verify "
+            "servers capacity_bytes password username secret tls tls_ca_certs tls_certfile tls_keyfile tls_verify "
             "connect_timeout_s timeout_s backoff_s max_backoff_s full_recheck_s configure_servers parallel"
         ).split()
         cfg = {n: getattr(self, n) for n in names}
@@ -327,9 +343,30 @@ class ClusterCache(BaseCache):
                             pending.append(pos)
             if not pending:
                 break
+        return self._open_signed(keys, out) if self._signer is not None else out
+
+    def _open_signed(self, keys: Sequence[bytes], values: list[bytes | None]) -> list[bytes | None]:
+        """Strip and check each entry's signature; unsigned or badly signed ones are deleted."""
+        out: list[bytes | None] = []
+        bad: list[bytes] = []
+        for key, value in zip(keys, values, strict=True):
+            if value is None:
+                out.append(None)
+                continue
+            blob, why = self._signer.open(key, value)
+            if blob is None:
+                if not bad:
+                    log.warning("cluster: dropping entry %r: %s", key, why)
+                bad.append(key)
+            out.append(blob)
+        if bad:
+            self._stats.add(corrupt=len(bad))
+            self._delete_raw(bad)
         return out
 
     def _put_raw(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        if self._signer is not None:
+            items = [(key, self._signer.sign(key, blob)) for key, blob in items]
         ranks = self._ranks([k for k, _ in items])
         admitted = nbytes = 0
         pending = list(range(len(items)))

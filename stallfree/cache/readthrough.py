@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from stallfree.cache.base import Cache, CacheKey
+from stallfree.cache.expect import raw_check
 
 
 class ReadStats:
@@ -63,6 +64,8 @@ def read_through(
     Misses are fetched in one batched ``dataset.get_many`` call (or ``dataset[i]`` one by one when
     the dataset has no ``get_many``) and offered to the cache; the cache's policy decides what it
     keeps. Cache failures are misses (the tiers never raise); storage errors propagate unchanged.
+    Under the ``raw`` stage a cached entry must look like the dataset's own sample
+    (``expect.raw_check``), else it is a miss and deleted.
     """
     indices = [int(i) for i in indices]
     if cache is None:
@@ -72,7 +75,7 @@ def read_through(
         return samples
     fp = fingerprint if fingerprint is not None else dataset_fingerprint(dataset)
     keys = [CacheKey(fp, i, stage) for i in indices]
-    found = cache.get_many(keys)
+    found = cache.get_many(keys, check=raw_check(dataset) if stage == "raw" else None)
     missing = [pos for pos, value in enumerate(found) if value is None]
     if missing:
         fetched = _fetch(dataset, [indices[pos] for pos in missing])
