@@ -124,27 +124,53 @@ class ArrowTokenSource:
         self.url, self.field, self.storage_options = url, field, storage_options
         self.name = posixpath.basename(url.rstrip("/"))
         fs, self.files = resolve_files(url, **storage_options)
-        pieces = self._load(fs)
+        pieces, owner = [], []
+        for f, path in enumerate(self.files):
+            got = self._file_pieces(fs, path)
+            pieces += got
+            owner += [f] * len(got)
         self.dtype = np.result_type(*[p[0].dtype for p in pieces]) if pieces else np.dtype(np.int64)
         self.doc_lengths = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int64)
         sizes = np.array([len(p[0]) for p in pieces], np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._owner = np.asarray(owner, np.int64)  # file number of each piece
+        self._first = np.searchsorted(self._owner, np.arange(len(self.files)))  # each file's first piece
         self._sizes = [int(fs.size(f)) for f in self.files]
         self._fingerprint = fingerprint_of(
             "arrow", url, field, self.files, self._sizes, int(self._starts[-1])
         )
-
-    def _load(self, fs: fsspec.AbstractFileSystem | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
-        if fs is None:
-            fs = fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
-        pieces = []
-        for path in self.files:
-            for b, col in enumerate(_open_batches(fs, path, path, self.field)):
-                if len(col):
-                    pieces.append(_piece(col, path, b))
-        self._values = [p[0] for p in pieces]
+        self._fs: fsspec.AbstractFileSystem | None = fs
+        self._values: list[np.ndarray | None] = [p[0] for p in pieces]
         self._pid = os.getpid()
-        return pieces
+
+    def _file_pieces(self, fs: fsspec.AbstractFileSystem, path: str) -> list[tuple[np.ndarray, np.ndarray]]:
+        return [
+            _piece(col, path, b)
+            for b, col in enumerate(_open_batches(fs, path, path, self.field))
+            if len(col)
+        ]
+
+    def _piece(self, p: int) -> np.ndarray:
+        """Piece ``p``'s tokens; in a new process each file is opened when first needed (a worker
+        reading a few windows of a 1,000-file dataset opens a few files, not all)."""
+        if self._pid != os.getpid() or self._values is None:
+            self._values = [None] * len(self._owner)
+            self._fs, self._pid = None, os.getpid()
+        v = self._values[p]
+        if v is None:
+            if self._fs is None:
+                self._fs = fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+            f = int(self._owner[p])
+            path = self.files[f]
+            got = self._file_pieces(self._fs, path)
+            first = int(self._first[f])
+            expect = self._starts[first + 1 : first + len(got) + 1] - self._starts[first : first + len(got)]
+            if len(got) != int((self._owner == f).sum()) or [len(g[0]) for g in got] != expect.tolist():
+                raise CorruptShardError("the file changed since the dataset was opened", shard=path)
+            for k, (values, _) in enumerate(got):
+                self._values[first + k] = values
+            v = self._values[p]
+        return v  # type: ignore[return-value]
 
     @property
     def fingerprint(self) -> str:
@@ -152,26 +178,24 @@ class ArrowTokenSource:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)``: a view when inside one piece, else the pieces joined."""
-        if self._values is None or self._pid != os.getpid():
-            self._load()
-        starts, values = self._starts, self._values
+        starts, pieces = self._starts, len(self._owner)
         if not 0 <= start <= stop <= starts[-1]:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {starts[-1]}) of {self.url}")
-        if not values:
+        if not pieces or start == stop:
             return np.zeros(0, self.dtype)
-        p = min(int(np.searchsorted(starts, start, "right")) - 1, len(values) - 1)
+        p = min(int(np.searchsorted(starts, start, "right")) - 1, pieces - 1)
         if stop <= starts[p + 1]:
-            return values[p][start - starts[p] : stop - starts[p]]
+            return self._piece(p)[start - starts[p] : stop - starts[p]]
         parts = []
         while start < stop:
             lo, hi = start - starts[p], min(stop, starts[p + 1]) - starts[p]
-            parts.append(values[p][lo:hi])
+            parts.append(self._piece(p)[lo:hi])
             start, p = starts[p] + hi, p + 1
         return np.concatenate(parts)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state["_values"] = None  # reopened (memory-mapped again) in the process that reads
+        state["_values"], state["_fs"] = None, None  # each file reopened where it is read
         return state
 
     def __repr__(self) -> str:

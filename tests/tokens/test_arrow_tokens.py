@@ -17,7 +17,10 @@ from tests.tokens.helpers import check_windows, random_docs
 
 def table(docs, typ=None):
     return pa.table(
-        {"text": [f"doc {i}" for i in range(len(docs))], "input_ids": pa.array(docs, pa.list_(typ or pa.int32()))}
+        {
+            "text": [f"doc {i}" for i in range(len(docs))],
+            "input_ids": pa.array(docs, pa.list_(typ or pa.int32())),
+        }
     )
 
 
@@ -77,3 +80,18 @@ def test_hugging_face_datasets(tmp_path):
     check_windows(TokenDataset(str(tmp_path / "hf"), 6), docs)
     tokenized.to_parquet(str(tmp_path / "hf.parquet"))
     check_windows(TokenDataset(str(tmp_path / "hf.parquet"), 6), docs)
+
+
+def test_unpickled_copy_opens_only_the_files_it_reads(tmp_path):
+    import pickle
+
+    docs = random_docs(6, n=40)
+    for f in range(4):
+        pq.write_table(table(docs[f * 10 : (f + 1) * 10]), tmp_path / f"p{f}.parquet")
+    ds = TokenDataset(str(tmp_path), 4)
+    copy = pickle.loads(pickle.dumps(ds))
+    copy[0]
+    assert [v is not None for v in copy.source._values].count(True) == len(
+        [o for o in copy.source._owner if o == 0]
+    )  # only the first file's pieces
+    check_windows(copy, docs)
