@@ -24,6 +24,11 @@ from stallfree.loader import shm
 
 Path = tuple[Any, ...]
 
+# Below this many tensor bytes per sample, streaming costs more than it saves: each row would be a
+# syscall plus ~30 us of Python (a batch of 40,960 scalars took seconds), while the batch kept until
+# collate is small anyway. Measured with tests/loader/test_exit.py's large-batch case.
+STREAM_MIN_ROW_BYTES = 16 << 10
+
 
 class Row:
     """Stands in a sample for a tensor already written to its batch row (found by ``path``)."""
@@ -118,7 +123,8 @@ class RowWriter:
             return sample
 
     def _start(self, leaves: list[tuple[Path, torch.Tensor]]) -> bool:
-        if not leaves:
+        row_bytes = sum(t.numel() * t.element_size() for _, t in leaves)
+        if row_bytes < STREAM_MIN_ROW_BYTES:  # small rows: one stacked write at collate is cheaper
             self.active = False
             return False
         need = sum(-(-self.n * t.numel() * t.element_size() // shm.ALIGN) * shm.ALIGN for _, t in leaves)

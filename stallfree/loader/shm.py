@@ -24,9 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data._utils.collate import collate, default_collate_fn_map
+
+from stallfree.loader import _torch_compat as compat
 
 ALIGN = 64
+SMALL_ROW_BYTES = 16 << 10  # rows below this are stacked privately and written to a slot at once
 PAGE = mmap.PAGESIZE
 logger = logging.getLogger(__name__)
 
@@ -92,10 +94,10 @@ class SlotFile:
 
         if not hasattr(os, "pwrite") or tmp.get_sharing_strategy() != "file_descriptor":
             return None
-        try:
-            fd, size = storage._share_fd_cpu_()
-        except (RuntimeError, AttributeError):
+        shared = compat.shared_fd(storage)
+        if shared is None:
             return None
+        fd, size = shared
         if size != storage.nbytes() or size < 8:
             return None
         slot = cls(fd, storage.data_ptr(), size)
@@ -170,6 +172,9 @@ def _collate_tensor_into(arena: Arena, file: SlotFile | None = None) -> Callable
         if out is None or any(b.shape != elem.shape for b in batch):
             return torch.stack(list(batch), 0)
         if file is not None and all(b.dtype == elem.dtype and b.device.type == "cpu" for b in batch):
+            if elem.numel() * elem.element_size() < SMALL_ROW_BYTES:  # one write, not one per row
+                file.write_tensor(out, torch.stack(list(batch), 0))
+                return out
             for i, b in enumerate(batch):  # torch.stack(out=) without mapping the slot
                 file.write_tensor(out[i], b)
             return out
@@ -189,10 +194,8 @@ def default_collate_into(
 
     ``extra``: more ``collate_fn_map`` entries, looked up first (rows already written: rows.py).
     """
-    fn_map = dict(extra or {})
-    fn_map.update(default_collate_fn_map)
-    fn_map[torch.Tensor] = _collate_tensor_into(arena, file)
-    return collate(batch, collate_fn_map=fn_map)
+    fn_map = {torch.Tensor: _collate_tensor_into(arena, file), **(extra or {})}
+    return compat.collate_with(batch, fn_map)
 
 
 def map_leaves(obj: Any, kinds: type | tuple[type, ...], leaf: Callable[[Any], Any]) -> Any:
@@ -279,7 +282,10 @@ class _Lease:
         self.release = release
 
     def __del__(self) -> None:
-        self.release()
+        try:  # never raise (nor print) from a finaliser: at interpreter exit module globals are gone
+            self.release()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 class _View:
