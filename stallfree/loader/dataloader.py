@@ -15,24 +15,26 @@ Three modes, chosen from the arguments (``loader.mode``):
 
 from __future__ import annotations
 
-import itertools
 import logging
-import os
 import warnings
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.utils.data as tud
 
+from stallfree.loader import _torch_compat as compat
 from stallfree.loader import order as order_mod
 from stallfree.loader.engine import Engine
-from stallfree.loader.prefetch import FastIterator, failure_budget
+from stallfree.loader.iterator import LoaderIterator
+from stallfree.loader.plan import MainPlan, WorkerPlan, worker_cores
+from stallfree.loader.prefetch import Assembler, failure_budget
+from stallfree.loader.progress import EpochProgress
+from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices
 from stallfree.loader.state import LoaderState
 from stallfree.loader.stats import LoaderStats
-from stallfree.loader.workers import WorkerSpec
 from stallfree.loader.world import World, resolve_world
 
 logger = logging.getLogger(__name__)
@@ -54,7 +56,10 @@ def _is_remote(dataset: Any) -> bool:
     return proto not in _LOCAL_PROTOCOLS
 
 
-class DataLoader(tud.DataLoader):
+T_co = TypeVar("T_co", covariant=True)
+
+
+class DataLoader(tud.DataLoader[T_co]):
     """Drop-in for ``torch.utils.data.DataLoader``; see the module docstring for the three modes.
 
     Our keyword-only options: ``seed`` (epoch order; default drawn from ``generator`` or torch's
@@ -184,11 +189,10 @@ class DataLoader(tud.DataLoader):
         self._seed = self._resolve_seed(seed, generator) if self._fast else int(seed or 0)
         self._stats = LoaderStats()
         self._next_epoch = 0
-        self._resume_from = 0
-        self._skip_batches = 0
+        self._resume_from = 0  # positions (our order) or batches (sampler, iterable) to skip
         self._active: weakref.ref | None = None  # the current iterator, which holds us (not the reverse)
         self._engine: Engine | None = None
-        self._epoch_state: dict[str, int] | None = None  # epoch, start, received positions, done
+        self._progress: EpochProgress | None = None
 
     # -- construction helpers ------------------------------------------------------------
     def _resolve_seed(self, seed: int | None, generator: Any) -> int:
@@ -227,7 +231,7 @@ class DataLoader(tud.DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at the beginning of ``epoch`` (also passed on to a sampler with set_epoch)."""
-        self._next_epoch, self._resume_from, self._skip_batches = int(epoch), 0, 0
+        self._next_epoch, self._resume_from = int(epoch), 0
         if not self._fast:
             for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
                 if hasattr(s, "set_epoch"):
@@ -236,44 +240,31 @@ class DataLoader(tud.DataLoader):
     def __len__(self) -> int:
         if not self._fast:
             return super().__len__()
-        n, w, bs = len(self.dataset), self._world.size, self.batch_size
-        share = -(-n // w) if self._uneven == "pad" else n // w  # equal per rank: padded or cut
-        return share // bs if self.drop_last else -(-share // bs)
+        return len(self._order_indices())
 
     def __iter__(self) -> Any:
-        if self._mode == "fast":
-            return self._fast_iter()
-        if self._mode == "sampler":
-            return self._sampler_iter()
-        return self._generic_iter()
+        if self._mode == "iterable":
+            return self._generic_iter()
+        return self._pipeline_iter()
 
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has received so far (never what was only prefetched); JSON-safe."""
-        n = len(self.dataset) if self._fast else 0
-        st = self._epoch_state
-        if self._fast and st is not None:
-            if st["done"]:
-                epoch, consumed = st["epoch"] + 1, 0
+        p = self._progress
+        epoch, resume = self._next_epoch, self._resume_from
+        if p is not None:
+            if p.done:
+                epoch, resume = p.epoch + 1, 0
+            elif self._fast:
+                epoch, resume = p.epoch, self._order_indices().consumed(p)
             else:
-                epoch = st["epoch"]
-                consumed = order_mod.consumed_after(st["start"], st["received"], self._world.size, n)
-        else:
-            epoch, consumed = self._next_epoch, self._resume_from
-        batches = 0
-        if not self._fast:
-            if st is None:
-                batches = self._skip_batches
-            elif not st["done"]:
-                epoch, batches = st["epoch"], st["received"]
-            else:
-                epoch = st["epoch"] + 1
+                epoch, resume = p.epoch, p.received
         return LoaderState(
             seed=self._seed,
             epoch=epoch,
-            consumed=consumed,
-            dataset_len=n,
+            consumed=resume if self._fast else 0,
+            dataset_len=len(self.dataset) if self._fast else 0,
             mode=self._mode,
-            batches=batches,
+            batches=0 if self._fast else resume,
             world_size=self._world.size,
         ).to_dict()
 
@@ -289,9 +280,8 @@ class DataLoader(tud.DataLoader):
             )
         self._seed = st.seed
         self._next_epoch = st.epoch
-        self._resume_from = st.consumed
-        self._skip_batches = st.batches
-        self._epoch_state = None
+        self._resume_from = st.consumed if self._fast else st.batches
+        self._progress = None
 
     def stats(self) -> dict[str, Any]:
         """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""
@@ -301,7 +291,7 @@ class DataLoader(tud.DataLoader):
             rank=self._world.rank,
             world_size=self._world.size,
             num_workers=self.num_workers,
-            epoch=(self._epoch_state or {}).get("epoch", self._next_epoch),
+            epoch=self._progress.epoch if self._progress is not None else self._next_epoch,
         )
         if self._tuner is not None:
             out["autotune"] = {
@@ -343,25 +333,18 @@ class DataLoader(tud.DataLoader):
             it.close()
         self._active = None
 
-    # -- fast path ----------------------------------------------------------------------
-    def _order_for(self, epoch: int) -> np.ndarray:
-        return order_mod.epoch_order(
-            self._seed,
-            epoch,
-            len(self.dataset),
-            mode=self._order,
-            shard_sizes=getattr(self.dataset, "shard_sizes", None),
+    # -- the pipeline: one plan, two index sources ---------------------------------------------------
+    def _order_indices(self) -> OrderIndices:
+        return OrderIndices(
+            self.dataset,
+            order=self._order,
+            seed=self._seed,
+            world=self._world,
+            uneven=self._uneven,
             window=self._window,
+            batch_size=self.batch_size,
+            drop_last=self.drop_last,
         )
-
-    def _plan(self, epoch: int, start: int) -> list[np.ndarray]:
-        w = self._world
-        if self._order == "sequential":
-            full = np.arange(len(self.dataset), dtype=np.int64)
-        else:
-            full = self._order_for(epoch)
-        share = order_mod.rank_share(full, start, w.rank, w.size, self._uneven)
-        return order_mod.batches(share, self.batch_size, self.drop_last)
 
     def _decode_in_workers(self) -> bool:
         """A batch decoder that says it can (``runs_in_workers``: a CPU decoder, picklable) runs in
@@ -374,11 +357,7 @@ class DataLoader(tud.DataLoader):
             and bool(getattr(dec, "runs_in_workers", False))
         )
 
-    def _decode_in_main(self) -> bool:
-        """A batch decoder that runs in this process (off the consumer's thread)."""
-        return hasattr(self._decode, "decode_batch") and not self._decode_in_workers()
-
-    def _spec(self, base_seed: int) -> WorkerSpec:
+    def _worker_plan(self, base_seed: int) -> WorkerPlan:
         dec = self._decode
         batch_decoder = dec is not None and hasattr(dec, "decode_batch")
         in_workers = self._decode_in_workers()
@@ -388,23 +367,40 @@ class DataLoader(tud.DataLoader):
             raise ValueError(
                 "cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)"
             )
-        return WorkerSpec(
+        return WorkerPlan(
             dataset=self.dataset,
             num_workers=self.num_workers,
             collate_fn=None if self.collate_fn is tud.default_collate else self.collate_fn,
-            auto_collation=self._auto_collation,
+            auto_collation=compat.auto_collation(self),
             map_fn=None if batch_decoder else dec,
-            cache=self._cache,
-            stage=stage if self._cache is not None else None,
-            fingerprint=fingerprint,
-            raw_only=batch_decoder and not in_workers,
             batch_decode=dec if in_workers else None,
+            send_raw=batch_decoder and not in_workers,
+            cache=self._cache,
+            cache_stage=stage if self._cache is not None else None,
+            fingerprint=fingerprint,
             on_error=self._on_error,
             worker_init_fn=self.worker_init_fn,
             base_seed=base_seed,
             max_slots=(self.prefetch_factor or 2) + 1,
             threads=self._threads(),
             fetch_threads=self._fetch_threads,
+        )
+
+    def _main_plan(self, n_workers: int, samples: int) -> MainPlan:
+        pf = self.prefetch_factor or 2
+        in_workers = self._decode_in_workers()
+        return MainPlan(
+            depth=max(1, pf) * n_workers,  # like torch: prefetch_factor x workers batches in flight
+            prefetch_factor=pf,
+            in_order=self.in_order,
+            pin_memory=self.pin_memory and torch.cuda.is_available(),
+            device=self._device,
+            decode_batch=self._decode if hasattr(self._decode, "decode_batch") and not in_workers else None,
+            worker_decode=in_workers,
+            on_error=self._on_error,
+            budget=failure_budget(self._max_failures, samples) if self._on_error != "raise" else None,
+            timeout=self.timeout or 0,
+            worker_timeout=self._worker_timeout,
         )
 
     def _engine_for(self, base_seed: int) -> tuple[Engine, bool]:
@@ -418,96 +414,42 @@ class DataLoader(tud.DataLoader):
             )
         if self.persistent_workers and self.num_workers > 0:
             if self._engine is None or self._engine.closed:
-                self._engine = Engine(self._spec(base_seed), self.num_workers, self.multiprocessing_context)
+                self._engine = self._new_engine(base_seed)
             return self._engine, False
-        return Engine(self._spec(base_seed), self.num_workers, self.multiprocessing_context), True
+        return self._new_engine(base_seed), True
 
-    def _make_iterator(
-        self, engine: Engine, owns: bool, batches: Any, total: int | None, st: dict[str, int], count: str
-    ) -> FastIterator:
-        planned = st.setdefault("planned", -1)
+    def _new_engine(self, base_seed: int) -> Engine:
+        return Engine(self._worker_plan(base_seed), self.num_workers, self.multiprocessing_context)
 
-        def on_batch(positions: int) -> None:
-            st["received"] += 1 if count == "batches" else positions
-            if planned >= 0 and st["received"] >= planned:
-                st["done"] = 1  # everything this rank owes is received: a save now resumes at the next epoch
-
-        def on_end() -> None:
-            st["done"] = 1
-
-        epoch, rank, seed = st["epoch"], self._world.rank, self._seed
+    def _pipeline_iter(self) -> LoaderIterator:
+        epoch, resume = self._next_epoch, self._resume_from
+        self._next_epoch, self._resume_from = epoch + 1, 0
+        source = self._order_indices() if self._fast else SamplerIndices(self)
+        ep: EpochIndices = source.epoch(epoch, resume)
+        engine, owns = self._engine_for(ep.base_seed)
+        rank, seed = self._world.rank, self._seed
 
         def decode_seed(seq: int) -> int:
             return int(np.random.SeedSequence([seed & (2**63 - 1), epoch, rank, seq]).generate_state(1)[0])
 
-        it = FastIterator(
-            engine,
-            batches,
-            total=total,
-            prefetch_factor=self.prefetch_factor or 2,
-            in_order=self.in_order,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            device=self._device,
-            decode_batch=self._decode if self._decode_in_main() else None,
-            decode_seed=decode_seed,
-            worker_decode=self._decode_in_workers(),
-            on_error=self._on_error,
-            budget=failure_budget(self._max_failures, st["samples"]) if self._on_error != "raise" else None,
-            timeout=float(self.timeout or 0),
-            worker_timeout=self._worker_timeout,
-            stats=self._stats,
-            on_batch=on_batch,
-            on_end=on_end,
-            owns_engine=owns,
-            tuner=self._make_tuner(engine.n),
-        )
-        it.owner = self  # the loader lives as long as any iterator of it
+        try:
+            core = Assembler(
+                engine,
+                ep.batches,
+                self._main_plan(engine.n, ep.progress.samples),
+                decode_seed=decode_seed,
+                stats=self._stats,
+                owns_engine=owns,
+                tuner=self._make_tuner(engine.n),
+            )
+        except BaseException:
+            if owns:
+                engine.shutdown(graceful=False)
+            raise
+        self._progress = ep.progress
+        it = LoaderIterator(core, ep.progress, self._stats, ep.total, owner=self)
         self._active = weakref.ref(it)
         return it
-
-    def _fast_iter(self) -> FastIterator:
-        epoch, start = self._next_epoch, self._resume_from
-        self._next_epoch, self._resume_from = epoch + 1, 0
-        start = min(start, len(self.dataset))  # a saved end-of-epoch state: nothing left this epoch
-        plan = self._plan(epoch, start)
-        seed = self._seed & (2**63 - 1)
-        engine, owns = self._engine_for(
-            int(np.random.SeedSequence([seed, epoch, self._world.rank, 7]).generate_state(1)[0])
-        )
-        samples = sum(len(b) for b in plan)
-        st = {
-            "epoch": epoch,
-            "start": start,
-            "received": 0,
-            "done": 0,
-            "planned": samples,
-            "samples": samples,
-        }
-        self._epoch_state = st
-        return self._make_iterator(engine, owns, plan, len(plan), st, count="samples")
-
-    def _sampler_iter(self) -> FastIterator:
-        """Any sampler / batch sampler (torch's rules), through our workers; resume skips indices only."""
-        epoch, skip = self._next_epoch, self._skip_batches
-        self._next_epoch, self._skip_batches = epoch + 1, 0
-        source: Any = iter(self._index_sampler)
-        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        if not self._auto_collation:
-            source = ([i] for i in source)
-        if skip:
-            source = itertools.islice(source, skip, None)
-        try:
-            total: int | None = max(0, super().__len__() - skip)
-        except TypeError:
-            total = None
-        engine, owns = self._engine_for(base_seed)
-        try:
-            samples = len(self.sampler)  # what a fractional failure budget is a fraction of
-        except TypeError:
-            samples = 0
-        st = {"epoch": epoch, "start": 0, "received": skip, "done": 0, "planned": -1, "samples": samples}
-        self._epoch_state = st
-        return self._make_iterator(engine, owns, source, total, st, count="batches")
 
     def _make_tuner(self, n_workers: int) -> Any:
         """The depth tuner (kept across epochs so a tuned depth carries over), or None."""
@@ -530,19 +472,18 @@ class DataLoader(tud.DataLoader):
             return self._decode_threads
         if self._decode is None or hasattr(self._decode, "decode_batch"):
             return 1  # no per-sample decode of ours to spread
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, min(4, cores // max(1, self.num_workers)))
+        return worker_cores(self.num_workers)
 
     # -- generic path -------------------------------------------------------------------
     def _generic_iter(self) -> _GenericIter:
-        epoch, skip = self._next_epoch, self._skip_batches
-        self._next_epoch, self._skip_batches = epoch + 1, 0
-        st = {"epoch": epoch, "start": 0, "received": skip, "done": 0}
-        self._epoch_state = st
+        epoch, skip = self._next_epoch, self._resume_from
+        self._next_epoch, self._resume_from = epoch + 1, 0
+        progress = EpochProgress(epoch, "batches", received=skip)
+        self._progress = progress
         it = super().__iter__()
-        if self.num_workers > 0 and not self.timeout and self._worker_timeout and hasattr(it, "_timeout"):
-            it._timeout = self._worker_timeout  # a hung worker becomes torch's timeout error, never a hang
-        return _GenericIter(it, st, self._stats, skip)
+        if self.num_workers > 0 and not self.timeout and self._worker_timeout:
+            compat.set_iterator_timeout(it, self._worker_timeout)  # a hung worker is an error, never a hang
+        return _GenericIter(it, progress, self._stats, skip)
 
     def __del__(self) -> None:
         try:
@@ -560,9 +501,9 @@ class _GenericIter:
     deterministic sampler or iterable dataset, but it reads them again (the fast path does not).
     """
 
-    def __init__(self, it: Any, st: dict[str, int], stats: LoaderStats, skip: int) -> None:
+    def __init__(self, it: Any, progress: EpochProgress, stats: LoaderStats, skip: int) -> None:
         self._it = it
-        self._st = st
+        self._progress = progress
         self._stats = stats
         stats.iteration_started()
         for _ in range(skip):
@@ -585,10 +526,10 @@ class _GenericIter:
         try:
             batch = next(self._it)
         except StopIteration:
-            self._st["done"] = 1
+            self._progress.finish()
             self._stats.epochs += 1
             raise
-        self._st["received"] += 1
+        self._progress.on_batch(1)
         self._stats.after_next(t0, _batch_len(batch))
         return batch
 

@@ -1,49 +1,62 @@
 """The worker pool: processes (or one in-process thread for ``num_workers=0``), their queues and
 shared slots, and an orderly (or, after a failure, immediate) shutdown. Lives for one epoch, or for
 the loader's lifetime with ``persistent_workers``.
+
+Nothing here may wait forever: a pool is shut down from iterator finalisers and at interpreter
+exit as well as at an epoch's end. Queues never join their feeder threads at exit (a worker that
+stopped reading would hold the process forever), slot returns never block (returns.py), and every
+pool still alive at exit is stopped before multiprocessing's own exit handler runs.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import logging
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 - its exit handler is registered before ours, so ours runs first
 import os
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from stallfree.loader.fetch import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ
-from stallfree.loader.workers import WorkerSpec, worker_main
+from stallfree.loader.messages import Task
+from stallfree.loader.plan import WorkerPlan
+from stallfree.loader.returns import SlotReturns
+from stallfree.loader.workers import worker_main
 
 logger = logging.getLogger(__name__)
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
 class Engine:
     """Workers and their queues; lives for one epoch, or for the loader when persistent."""
 
-    def __init__(self, spec: WorkerSpec, num_workers: int, mp_context: Any = None) -> None:
-        self.spec = spec
+    def __init__(self, plan: WorkerPlan, num_workers: int, mp_context: Any = None) -> None:
         self.in_process = num_workers == 0
         self.n = max(1, num_workers)
         self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}
         self.gen = 0
         self.closed = False
         if self.in_process:
-            spec.in_process, spec.use_shm = True, False
-            self.task_qs = [queue.Queue()]
-            self.free_qs = [queue.Queue()]
+            self.plan = replace(plan, in_process=True)
+            self.task_qs: list[Any] = [queue.Queue()]
+            self.returns = [SlotReturns()]
             self.result_q: Any = queue.Queue()
-            self.progress = [[-1, -1, -1, -1]]
+            self.progress: list[Any] = [[-1, -1, -1, -1]]
             self.procs: list[Any] = [
                 threading.Thread(
                     target=worker_main,
-                    args=(0, spec, self.task_qs[0], self.free_qs[0], self.result_q, self.progress[0]),
+                    args=(0, self.plan, self.task_qs[0], self.returns[0], self.result_q, self.progress[0]),
                     daemon=True,
                     name="stallfree-worker",
                 )
@@ -52,9 +65,11 @@ class Engine:
             import torch.multiprocessing  # noqa: F401 - registers tensor/storage reductions
 
             ctx = _context(mp_context)
-            spec.start_method, spec.parent_pid = ctx.get_start_method(), os.getpid()
+            self.plan = replace(plan, start_method=ctx.get_start_method(), parent_pid=os.getpid())
             self.task_qs = [ctx.Queue() for _ in range(self.n)]
-            self.free_qs = [ctx.Queue() for _ in range(self.n)]
+            for q in self.task_qs:
+                q.cancel_join_thread()  # never wait at exit for tasks a dead worker will not read
+            self.returns = [SlotReturns(ctx) for _ in range(self.n)]
             self.result_q = ctx.Queue()
             self.progress = [ctx.RawArray("q", 4) for _ in range(self.n)]
             for p in self.progress:
@@ -62,15 +77,23 @@ class Engine:
             self.procs = [
                 ctx.Process(
                     target=worker_main,
-                    args=(w, spec, self.task_qs[w], self.free_qs[w], self.result_q, self.progress[w]),
+                    args=(w, self.plan, self.task_qs[w], self.returns[w], self.result_q, self.progress[w]),
                     daemon=True,
                     name=f"stallfree-worker-{w}",
                 )
                 for w in range(self.n)
             ]
-        with _frozen_gc(not self.in_process and spec.start_method == "fork"):
-            for p in self.procs:
-                p.start()
+        _LIVE.add(self)
+        try:
+            with _frozen_gc(not self.in_process and self.plan.start_method == "fork"):
+                for p in self.procs:
+                    p.start()
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def send(self, worker: int, task: Task) -> None:
+        self.task_qs[worker].put(task)
 
     def doing(self, wid: int) -> str:
         """What worker ``wid`` is busy with, for error messages (reading beats decoding: it is earlier)."""
@@ -79,45 +102,78 @@ class Engine:
             return f"while reading sample {p[FETCH_IDX]} (batch {p[FETCH_SEQ]})"
         if p[MAP_IDX] >= 0:
             return f"while loading sample {p[MAP_IDX]} (batch {p[MAP_SEQ]})"
-        return "while idle"
+        if p[FETCH_SEQ] >= 0:
+            return f"while reading batch {p[FETCH_SEQ]}"
+        if p[MAP_SEQ] >= 0:
+            return f"while loading batch {p[MAP_SEQ]}"
+        return "while waiting for work"
 
     def pid(self, wid: int) -> int | None:
         return getattr(self.procs[wid], "pid", None)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs if getattr(p, "pid", None) is not None]
 
     def dead(self, wid: int) -> tuple[bool, int | None]:
         p = self.procs[wid]
         if self.in_process:
             return (not p.is_alive(), None)
-        return (not p.is_alive(), p.exitcode)
+        return (not _alive(p), p.exitcode)
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the workers: ask politely (draining their output so none blocks on a full pipe),
-        and terminate whoever is still there after a grace period (at once when not graceful)."""
+        and terminate whoever is still there after a grace period (at once when not graceful).
+        Bounded: at most ~3 s graceful, ~1 s otherwise; safe from finalisers and at exit."""
         if self.closed:
             return
         self.closed = True
-        for q in self.task_qs:
-            try:
-                q.put(None)
-            except (OSError, ValueError):
-                logger.debug("task queue already closed")
+        _LIVE.discard(self)
+        for r in self.returns:
+            r.close()
+        if graceful or self.in_process:
+            for q in self.task_qs:
+                try:
+                    q.put(None)
+                except Exception:  # noqa: BLE001 - a closed queue: the worker is gone anyway
+                    logger.debug("task queue already closed")
         deadline = time.monotonic() + (3.0 if graceful else 0.0)
-        while time.monotonic() < deadline and any(p.is_alive() for p in self.procs):
+        while time.monotonic() < deadline and any(_alive(p) for p in self.procs):
             try:
                 while True:
                     self.result_q.get_nowait()
-            except (queue.Empty, OSError, ValueError, EOFError):
+            except Exception:  # noqa: BLE001 - empty, closed or torn: keep waiting out the grace period
                 time.sleep(0.01)
         if not self.in_process:
-            for p in self.procs:
+            started = [p for p in self.procs if p.pid is not None]
+            for p in started:
                 if p.is_alive():
                     p.terminate()
-            for p in self.procs:
-                p.join(timeout=1.0)
-            for q in [*self.task_qs, *self.free_qs, self.result_q]:
+            end = time.monotonic() + 1.0
+            for p in started:
+                p.join(timeout=max(0.0, end - time.monotonic()))
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=0.1)
+            for q in [*self.task_qs, self.result_q]:
                 q.cancel_join_thread()
                 q.close()
         self.storages.clear()
+
+
+def _alive(p: Any) -> bool:
+    return getattr(p, "pid", 0) is not None and p.is_alive()
+
+
+def _shutdown_all_at_exit() -> None:
+    """Stop every pool still running (an iterator kept alive by a traceback, a persistent pool)
+    before multiprocessing's exit handler joins queues a dead worker would never read."""
+    for engine in list(_LIVE):
+        with contextlib.suppress(Exception):
+            engine.shutdown(graceful=False)
+
+
+atexit.register(_shutdown_all_at_exit)
 
 
 @contextlib.contextmanager

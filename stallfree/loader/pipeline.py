@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from stallfree.shards.errors import BatchDecodeError
 
 logger = logging.getLogger(__name__)
 
@@ -16,12 +21,18 @@ logger = logging.getLogger(__name__)
 class SampleFailure(Exception):
     """One sample failed in a stage; carries the index, key and the original exception."""
 
-    def __init__(self, index: int, key: str, stage: str, cause: BaseException) -> None:
+    def __init__(self, index: Any, key: str, stage: str, cause: BaseException) -> None:
         self.index, self.key, self.stage, self.cause = index, key, stage, cause
         super().__init__(f"sample {index} (key {key!r}) failed in {stage}: {type(cause).__name__}: {cause}")
 
 
-def sample_key(sample: Any, index: int) -> str:
+def as_index(i: Any) -> Any:
+    """A sampler's index as ``dataset[...]`` gets it: numpy integers become ints; anything else (a
+    list of indices for a bulk-reading dataset with ``batch_size=None``, a key) is left as it is."""
+    return int(i) if isinstance(i, (int, np.integer)) else i
+
+
+def sample_key(sample: Any, index: Any) -> str:
     if isinstance(sample, dict) and "__key__" in sample:
         return str(sample["__key__"])
     return str(index)
@@ -65,7 +76,7 @@ def fetch(
     A failing batched read is retried one sample at a time so one bad sample does not sink the
     batch; failed positions hold a :class:`SampleFailure`.
     """
-    idx = [int(i) for i in indices]
+    idx = [as_index(i) for i in indices]
     try:
         out = _fetch_batch(dataset, idx, cache, on_sample, read_stats)
         if len(out) != len(idx):
@@ -92,7 +103,7 @@ def apply_map(samples: list[Any], indices: Sequence[int], fn: Callable[[Any], An
         try:
             out.append(fn(s))
         except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
-            out.append(SampleFailure(int(i), sample_key(s, int(i)), "decode", exc))
+            out.append(SampleFailure(as_index(i), sample_key(s, as_index(i)), "decode", exc))
     return out
 
 
@@ -106,5 +117,37 @@ def split_failures(
             bad.append(s)
         else:
             good.append(s)
-            good_idx.append(int(i))
+            good_idx.append(as_index(i))
     return good, good_idx, bad
+
+
+@dataclass(frozen=True)
+class DecodeOutcome:
+    """A batch decoder's output over the samples it kept (``batch`` None when none was left)."""
+
+    batch: Any
+    samples: list[Any]
+    indices: list[Any]
+    failures: list[SampleFailure]
+
+
+def decode_dropping_failures(
+    decode: Callable[[list[Any]], Any], samples: list[Any], indices: list[Any], on_error: str
+) -> DecodeOutcome:
+    """Run a batch decoder; under on_error skip/warn drop the samples it names (a BatchDecodeError
+    lists them) and decode the rest again, until it succeeds or nothing is left. Raises the
+    decoder's BatchDecodeError under on_error="raise" (or when it names no sample). The one
+    implementation, for decoders in the workers and in the main process alike."""
+    failures: list[SampleFailure] = []
+    samples, indices = list(samples), list(indices)
+    while samples:
+        try:
+            return DecodeOutcome(decode(samples), samples, indices, failures)
+        except BatchDecodeError as exc:
+            if on_error == "raise" or not exc.failures:
+                raise
+            bad = {pos for pos, _, _ in exc.failures}
+            failures += [SampleFailure(indices[pos], key, "decode_batch", cause) for pos, key, cause in exc.failures]
+            samples = [s for p, s in enumerate(samples) if p not in bad]
+            indices = [i for p, i in enumerate(indices) if p not in bad]
+    return DecodeOutcome(None, [], [], failures)

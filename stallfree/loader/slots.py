@@ -6,18 +6,17 @@ next batch into it through its shm file where it can (shm.SlotFile), so it never
 
 from __future__ import annotations
 
-import queue
-from typing import Any
-
 import numpy as np
 import torch
 
+from stallfree.loader import _torch_compat as compat
 from stallfree.loader import shm
+from stallfree.loader.returns import SlotReturns
 
 
 class Slots:
     """The worker's shared slots. A slot is leased to the main process with a batch and comes
-    back (on ``free_q``) once the consumer has dropped every tensor of that batch. In-flight
+    back (through ``returns``) once the consumer has dropped every tensor of that batch. In-flight
     batches are bounded by the main process's dispatching, so a missing free slot means the
     consumer is keeping batches: then a new slot is made rather than waiting (no deadlock), and
     slots beyond ``max_slots`` are given up again once they come back.
@@ -25,23 +24,19 @@ class Slots:
 
     HARD_CAP = 256
 
-    def __init__(self, max_slots: int, free_q: Any) -> None:
+    def __init__(self, max_slots: int, returns: SlotReturns) -> None:
         self.storages: list[torch.UntypedStorage | None] = []
         self.free: list[int] = []
         self.vacant: list[int] = []
         self.dropped: list[int] = []
         self.max_slots = max_slots
-        self.free_q = free_q
+        self.returns = returns
         self.last_size = 0
         self.fresh: list[int] = []  # slots made ahead whose storage the main process has not seen
         self.files: dict[int, shm.SlotFile | None] = {}
 
     def _drain(self) -> None:
-        try:
-            while True:
-                self.free.append(self.free_q.get_nowait())
-        except queue.Empty:
-            return
+        self.free.extend(self.returns.take_ready())
 
     def acquire(self) -> int:
         self._drain()
@@ -59,7 +54,10 @@ class Slots:
             self.storages.append(None)
             k = len(self.storages) - 1
         else:
-            return self.free_q.get()
+            slot = self.returns.wait()
+            if slot is None:
+                raise RuntimeError("the loader's main process is gone: no slot will come back")
+            return slot
         if self.last_size:  # size a new slot like the last batch: collate goes straight in
             self.grow(k, self.last_size)
             self.fresh.append(k)
@@ -70,7 +68,7 @@ class Slots:
         return out
 
     def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
-        storage = torch.UntypedStorage._new_shared(max(nbytes, 1 << 16))
+        storage = compat.new_shared_storage(max(nbytes, 1 << 16))
         self.storages[slot] = storage
         self.files.pop(slot, None)
         self.last_size = max(self.last_size, nbytes)

@@ -10,6 +10,8 @@ import pytest
 
 from stallfree.loader import fetch, shardio, workers
 from stallfree.loader.dataloader import DataLoader
+from stallfree.loader.messages import Task
+from stallfree.loader.plan import WorkerPlan
 from stallfree.shards.errors import ShardError
 
 shards = pytest.importorskip("stallfree.shards.open")
@@ -99,18 +101,19 @@ class _Recorder:
 
 def test_fetch_thread_warms_every_queued_task_before_reading_the_first():
     src = _Recorder()
-    spec = workers.WorkerSpec(dataset=None, num_workers=1, in_process=True, source=src)
+    plan = WorkerPlan(dataset=None, num_workers=1, in_process=True)
+    ctx = workers.WorkerContext(0, plan, [-1] * 4, source=src)
     task_q: queue.Queue = queue.Queue()
     for seq, idx in enumerate([[0, 1], [15, 25], [31, 47]]):
-        task_q.put((0, seq, idx, None))
+        task_q.put(Task(0, seq, idx))
     task_q.put(None)
     ready: queue.Queue = queue.Queue()
-    t = threading.Thread(target=fetch.reader_loop, args=(spec, task_q, ready, threading.Event(), [-1] * 4))
+    t = threading.Thread(target=fetch.reader_loop, args=(ctx, task_q, ready, threading.Event()))
     t.start()
     t.join(30)
     out = deque()
     while (item := ready.get_nowait()) is not None:
-        out.append(item[2])
+        out.append(item.task.indices)
     assert list(out) == [[0, 1], [15, 25], [31, 47]]
     assert src.events[:4] == [("warm", (0, 0)), ("warm", (1, 2)), ("warm", (3, 4)), ("read", (0, 1))]
 

@@ -1,0 +1,124 @@
+"""Where an epoch's indices come from: the only thing the loader's modes differ in.
+
+- :class:`OrderIndices`: our seeded, world-size-independent epoch order (order.py), split into
+  equal disjoint rank shares; resumed by global position, on any world size.
+- :class:`SamplerIndices`: torch's sampler / batch sampler rules, unchanged; resumed by skipping
+  the batches already received (indices only: nothing is read again).
+
+Both feed the same pipeline (plan.py, prefetch.py, workers.py). An ``IterableDataset`` decides
+itself what each worker yields, so it runs on torch's own iterator (dataloader.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from stallfree.loader import _torch_compat as compat
+from stallfree.loader import order as order_mod
+from stallfree.loader.progress import EpochProgress
+from stallfree.loader.world import World
+
+
+@dataclass(frozen=True)
+class EpochIndices:
+    """One epoch of one rank: its batches of indices, how many (None: unknown), its progress
+    counter, and the base seed its workers get."""
+
+    batches: Iterable[Sequence[Any]]
+    total: int | None
+    progress: EpochProgress
+    base_seed: int
+
+
+def _derived_seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([p & (2**63 - 1) for p in parts]).generate_state(1)[0])
+
+
+class OrderIndices:
+    """Our order: a pure function of (seed, epoch, dataset length), ranks take equal slices."""
+
+    unit = "positions"
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        order: str,
+        seed: int,
+        world: World,
+        uneven: str,
+        window: int,
+        batch_size: int,
+        drop_last: bool,
+    ) -> None:
+        self.dataset = dataset
+        self.order = order
+        self.seed = seed
+        self.world = world
+        self.uneven = uneven
+        self.window = window
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        n, w, bs = len(self.dataset), self.world.size, self.batch_size
+        share = -(-n // w) if self.uneven == "pad" else n // w  # equal per rank: padded or cut
+        return share // bs if self.drop_last else -(-share // bs)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        return order_mod.epoch_order(
+            self.seed,
+            epoch,
+            len(self.dataset),
+            mode=self.order,
+            shard_sizes=getattr(self.dataset, "shard_sizes", None),
+            window=self.window,
+        )
+
+    def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
+        start = min(resume_from, len(self.dataset))  # a saved end-of-epoch state: nothing left
+        w = self.world
+        share = order_mod.rank_share(self.epoch_order(epoch), start, w.rank, w.size, self.uneven)
+        plan = order_mod.batches(share, self.batch_size, self.drop_last)
+        samples = sum(len(b) for b in plan)
+        progress = EpochProgress(epoch, self.unit, start=start, planned=samples, samples=samples)
+        base_seed = _derived_seed(self.seed, epoch, w.rank, 7)
+        return EpochIndices(plan, len(plan), progress, base_seed)
+
+    def consumed(self, progress: EpochProgress) -> int:
+        """Global position reached once every rank has received what this one has."""
+        return order_mod.consumed_after(progress.start, progress.received, self.world.size, len(self.dataset))
+
+
+class SamplerIndices:
+    """torch's sampler (or batch sampler), as torch's DataLoader draws from it."""
+
+    unit = "batches"
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader = loader
+
+    def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
+        loader = self.loader
+        source: Any = iter(compat.index_sampler(loader))
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        if not compat.auto_collation(loader):
+            source = ([i] for i in source)  # one index per task (maybe itself a list: bulk reads)
+        if resume_from:
+            source = itertools.islice(source, resume_from, None)
+        try:
+            total: int | None = max(0, len(compat.index_sampler(loader)) - resume_from)
+        except TypeError:
+            total = None
+        try:
+            samples = len(loader.sampler)  # what a fractional failure budget is a fraction of
+        except TypeError:
+            samples = 0
+        progress = EpochProgress(epoch, self.unit, received=resume_from, samples=samples)
+        return EpochIndices(source, total, progress, base_seed)

@@ -1,0 +1,165 @@
+"""A training loop that raises mid-epoch ends the process promptly, on every loader path.
+
+Each case runs a real script in a subprocess: it builds the loader, takes batches, records its
+worker pids, then raises while it still holds a batch and the iterator (the traceback keeps both
+alive until interpreter exit). The process must exit with the error within the timeout, its
+workers must be gone, and it must leave nothing in /dev/shm. Before the fix, releasing a held
+batch at interpreter exit waited forever on a multiprocessing queue.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+PRELUDE = """
+import sys, psutil, torch
+import stallfree
+from stallfree import DataLoader, ImageDecode
+from stallfree.cache import MemoryCache
+from tests.loader.helpers import Numbers
+
+def sharded(root):
+    from stallfree.testing.images import jpeg_bytes
+    with stallfree.ShardWriter(root, format="tar", max_samples=16) as w:
+        for i, jpg in enumerate(jpeg_bytes(48, seed=3, sizes=((96, 64), (64, 96)))):
+            w.write({"__key__": f"s{i:04d}", "jpg": jpg, "cls": str(i % 4).encode()})
+    return stallfree.open_dataset(root)
+
+class MainDecoder:
+    runs_in_workers = False
+    def decode_batch(self, samples, *, seed):
+        return {"n": torch.tensor([len(s["jpg"]) for s in samples])}
+
+def report(it):
+    pids = [p.pid for p in psutil.Process().children(recursive=True)]
+    print("PIDS", *pids, flush=True)
+"""
+
+LOADERS = {
+    "plain": "DataLoader(Numbers(400), batch_size=16, shuffle=True, num_workers=2)",
+    "sampler": "DataLoader(Numbers(400), batch_size=16, num_workers=2)",
+    "sharded": "DataLoader(sharded(DIR), batch_size=8, shuffle=True, num_workers=2)",
+    "sharded_cache": "DataLoader(sharded(DIR), batch_size=8, shuffle=True, num_workers=2, "
+    "cache=MemoryCache(capacity_bytes=1 << 26))",
+    "decode_in_workers": "DataLoader(sharded(DIR), batch_size=16, shuffle=True, num_workers=2, "
+    "decode=ImageDecode(train=True, size=32, backend='cpu'))",
+    "decode_in_main": "DataLoader(sharded(DIR), batch_size=8, shuffle=True, num_workers=2, decode=MainDecoder())",
+    "persistent": "DataLoader(Numbers(400), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True)",
+    "large_batches": "DataLoader(Numbers(100_000, width=1), batch_size=40_960, shuffle=True, num_workers=2)",
+    "in_process": "DataLoader(sharded(DIR), batch_size=8, shuffle=True, num_workers=0)",
+}
+
+
+def _shm() -> set[str]:
+    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+
+def _left_in_shm(before: set[str]) -> set[str]:
+    """New shared-memory segments that stay after the run (a moment's grace for torch's cleanup).
+
+    Named semaphores (``sem.*``) are left out: under fork, multiprocessing unlinks each one the
+    moment it is made (strace shows open + unlink), so any that show up belong to other processes
+    on the machine."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = {e for e in _shm() - before if not e.startswith("sem.")}
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.2)
+
+
+def _run(body: str, tmp_path: Path, timeout: float = 30.0) -> tuple[subprocess.CompletedProcess, float]:
+    script = PRELUDE + textwrap.dedent(body).replace("DIR", repr(str(tmp_path / "ds")))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    return proc, time.monotonic() - t0
+
+
+def _pids(stdout: str) -> list[int]:
+    line = next(ln for ln in stdout.splitlines() if ln.startswith("PIDS"))
+    return [int(p) for p in line.split()[1:]]
+
+
+def _gone(pids: list[int]) -> list[int]:
+    """The pids still alive (and not zombies) a moment after the parent exited."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("path", sorted(LOADERS))
+def test_a_raising_training_loop_exits_with_its_error(path, tmp_path):
+    before = _shm()
+    body = f"""
+    dl = {LOADERS[path]}
+    it = iter(dl)
+    batch = next(it)
+    batch = next(it)
+    report(it)
+    raise RuntimeError("training step failed")
+    """
+    proc, took = _run(body, tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: training step failed" in proc.stderr
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+    assert took < 25, f"exit took {took:.1f} s"
+    assert len(_pids(proc.stdout)) >= (0 if path == "in_process" else 2)
+    assert _gone(_pids(proc.stdout)) == []
+    assert _left_in_shm(before) == set()
+
+
+@pytest.mark.parametrize("path", ["plain", "decode_in_workers", "persistent"])
+def test_batches_alive_at_a_normal_exit_print_nothing(path, tmp_path):
+    """Batches still referenced at interpreter exit are released silently (no 'Exception ignored')."""
+    body = f"""
+    dl = {LOADERS[path]}
+    kept = [b for _, b in zip(range(3), dl)]
+    it = iter(dl)
+    more = next(it)
+    report(it)
+    """
+    proc, _ = _run(body, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.strip() == "", proc.stderr[-3000:]
+    assert _gone(_pids(proc.stdout)) == []
+
+
+def test_a_slot_released_from_another_thread_after_the_iterator_is_gone_does_not_block(tmp_path):
+    body = """
+    import gc, threading
+    dl = DataLoader(Numbers(64), batch_size=8, shuffle=True, num_workers=2)
+    it = iter(dl)
+    batch = next(it)
+    del it
+    gc.collect()
+    report(None)
+    t = threading.Thread(target=lambda: globals().pop("batch"))
+    t.start(); t.join(5)
+    print("ALIVE", t.is_alive(), flush=True)
+    """
+    proc, _ = _run(body, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ALIVE False" in proc.stdout
+    assert _gone(_pids(proc.stdout)) == []
