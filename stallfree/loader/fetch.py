@@ -18,13 +18,11 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from stallfree.loader import pipeline
+from stallfree.loader.context import WorkerContext
 from stallfree.loader.messages import Task
-
-if TYPE_CHECKING:
-    from stallfree.loader.workers import WorkerContext
 
 logger = logging.getLogger(__name__)
 

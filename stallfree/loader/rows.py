@@ -25,9 +25,9 @@ from stallfree.loader import shm
 Path = tuple[Any, ...]
 
 # Below this many tensor bytes per sample, streaming costs more than it saves: each row would be a
-# syscall plus ~30 us of Python (a batch of 40,960 scalars took seconds), while the batch kept until
-# collate is small anyway. Measured with tests/loader/test_exit.py's large-batch case.
-STREAM_MIN_ROW_BYTES = 16 << 10
+# syscall plus ~30 us of Python (a batch of 40,960 scalars took 15 s under cProfile, 4 s without
+# streaming), while a batch of such rows kept until collate is small anyway.
+STREAM_MIN_ROW_BYTES = 1 << 10
 
 
 class Row:
@@ -82,7 +82,8 @@ def _streamable(t: Any) -> bool:
 class RowWriter:
     """Writes the tensors of the ``n`` samples of one batch into rows in a slot.
 
-    ``reserve(nbytes) -> storage`` gives the slot's storage, grown to at least ``nbytes`` (called
+    Samples whose streamable tensors total fewer than ``min_row_bytes`` are not streamed (see
+    STREAM_MIN_ROW_BYTES). ``reserve(nbytes) -> storage`` gives the slot's storage, grown to at least ``nbytes`` (called
     once, on the first sample, before anything is written). Thread-safe: decode threads call
     ``put`` as their samples finish.
     """
@@ -92,8 +93,10 @@ class RowWriter:
         n: int,
         reserve: Callable[[int], torch.UntypedStorage],
         file: Callable[[], shm.SlotFile | None] | None = None,
+        min_row_bytes: int = STREAM_MIN_ROW_BYTES,
     ) -> None:
         self.n = n
+        self.min_row_bytes = min_row_bytes
         self._reserve = reserve
         self._file = file
         self.file: shm.SlotFile | None = None
@@ -124,7 +127,7 @@ class RowWriter:
 
     def _start(self, leaves: list[tuple[Path, torch.Tensor]]) -> bool:
         row_bytes = sum(t.numel() * t.element_size() for _, t in leaves)
-        if row_bytes < STREAM_MIN_ROW_BYTES:  # small rows: one stacked write at collate is cheaper
+        if not leaves or row_bytes < self.min_row_bytes:  # small rows: stacked once at collate
             self.active = False
             return False
         need = sum(-(-self.n * t.numel() * t.element_size() // shm.ALIGN) * shm.ALIGN for _, t in leaves)

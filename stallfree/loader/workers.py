@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,6 +32,7 @@ import torch
 from stallfree.loader import _torch_compat as compat
 from stallfree.loader import fetch, pipeline, rows, shardio, shm
 from stallfree.loader import slots as slots_mod
+from stallfree.loader.context import WorkerContext
 from stallfree.loader.fetch import MAP_IDX, MAP_SEQ, Fetched
 from stallfree.loader.messages import BatchReady, FailedSample, Task, WorkerFailure
 from stallfree.loader.plan import WorkerPlan
@@ -47,20 +48,6 @@ __all__ = ["get_worker_info", "WorkerContext", "worker_main"]
 def get_worker_info() -> Any:
     """Inside a loader worker: its ``WorkerInfo`` (id, num_workers, seed, dataset); else None."""
     return compat.get_worker_info()
-
-
-@dataclass
-class WorkerContext:
-    """One worker's runtime state (the plan it executes never changes)."""
-
-    wid: int
-    plan: WorkerPlan
-    progress: Any  # shared with the main process: which batch/sample each stage is on (fetch.py)
-    source: Any = None  # what the read stage reads: the dataset, or a ConcurrentShards over it
-    read_stats: Any = None  # stallfree.cache.readthrough.ReadStats, made in the worker
-    cache_baseline: dict | None = None  # cache counters at the worker's last report
-    init_error: Any = None  # worker_init_fn's failure: the answer to every task, as in torch
-    pool: ThreadPoolExecutor | None = field(default=None, repr=False)  # map threads
 
 
 def _seed_worker(plan: WorkerPlan, wid: int) -> int:

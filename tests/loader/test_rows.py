@@ -109,7 +109,7 @@ def test_a_sample_of_another_structure_behaves_as_default_collate():
 
 def test_writer_frees_each_samples_tensor_and_never_mutates_it():
     storage = torch.UntypedStorage._new_shared(1 << 20)
-    writer = rows.RowWriter(2, lambda nbytes: storage)
+    writer = rows.RowWriter(2, lambda nbytes: storage, min_row_bytes=0)
     kept = {"x": torch.arange(4.0), "label": 1}  # a decode may return objects it keeps
     out = writer.put(1, kept)
     assert torch.equal(kept["x"], torch.arange(4.0)) and isinstance(out["x"], rows.Row)
@@ -128,7 +128,7 @@ def test_writer_frees_each_samples_tensor_and_never_mutates_it():
 
 def test_writer_hands_rows_back_when_a_later_sample_differs():
     storage = torch.UntypedStorage._new_shared(1 << 20)
-    writer = rows.RowWriter(3, lambda nbytes: storage)
+    writer = rows.RowWriter(3, lambda nbytes: storage, min_row_bytes=0)
     items = [writer.put(0, {"x": torch.ones(2)}), writer.put(1, {"x": torch.ones(2, dtype=torch.int64)})]
     items.append(writer.put(2, {"x": torch.zeros(2)}))
     assert not writer.active

@@ -8,7 +8,8 @@ from collections import deque
 
 import pytest
 
-from stallfree.loader import fetch, shardio, workers
+from stallfree.loader import fetch, shardio
+from stallfree.loader.context import WorkerContext
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.messages import Task
 from stallfree.loader.plan import WorkerPlan
@@ -102,7 +103,7 @@ class _Recorder:
 def test_fetch_thread_warms_every_queued_task_before_reading_the_first():
     src = _Recorder()
     plan = WorkerPlan(dataset=None, num_workers=1, in_process=True)
-    ctx = workers.WorkerContext(0, plan, [-1] * 4, source=src)
+    ctx = WorkerContext(0, plan, [-1] * 4, source=src)
     task_q: queue.Queue = queue.Queue()
     for seq, idx in enumerate([[0, 1], [15, 25], [31, 47]]):
         task_q.put(Task(0, seq, idx))
