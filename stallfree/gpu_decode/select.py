@@ -19,12 +19,12 @@ import numpy as np
 import torch
 
 from ..shards.errors import BatchDecodeError, SampleDecodeError
+from ..shards.fields import IMAGE_FIELDS
 from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
 from .cpu import CpuDecoder
 from .dali import INSTALL_HINT, DaliDecoder, dali_available
 from .header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "img", "image")
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,

@@ -28,6 +28,7 @@ import torch
 
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
 from stallfree.harness.transforms import PILRecipe, collate_pairs
+from stallfree.loader import _torch_compat as compat
 from stallfree.shards.errors import CorruptShardError
 
 logger = logging.getLogger(__name__)
@@ -171,8 +172,8 @@ class TorchAdapter(Adapter):
 
     def close(self) -> None:
         iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None and hasattr(iterator, "_shutdown_workers"):
-            iterator._shutdown_workers()
+        if iterator is not None:
+            compat.shutdown_torch_iterator(iterator)
         super().close()
 
 

@@ -15,8 +15,8 @@ from PIL import Image
 
 from stallfree.gpu_decode.augment import random_resized_crop
 from stallfree.shards.errors import SampleDecodeError
+from stallfree.shards.fields import IMAGE_FIELDS
 
-IMAGE_FIELDS = ("jpg", "jpeg", "png", "webp", "img", "image")
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)
 _STD = torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
 

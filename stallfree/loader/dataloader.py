@@ -36,11 +36,11 @@ from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices
 from stallfree.loader.state import LoaderState
 from stallfree.loader.stats import LoaderStats
 from stallfree.loader.world import World, resolve_world
+from stallfree.shards.atomic import is_local
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip", "warn")
-_LOCAL_PROTOCOLS = ("", "file", "local")
 
 
 def is_sharded(dataset: Any) -> bool:
@@ -51,9 +51,9 @@ def is_sharded(dataset: Any) -> bool:
 
 
 def _is_remote(dataset: Any) -> bool:
-    url = str(getattr(dataset, "url", "") or "")
-    proto = url.split("://", 1)[0] if "://" in url else ""
-    return proto not in _LOCAL_PROTOCOLS
+    """A sharded dataset on anything but the local filesystem (the one rule: shards.atomic.is_local)."""
+    fs = getattr(dataset, "fs", None)
+    return fs is not None and not is_local(fs)
 
 
 T_co = TypeVar("T_co", covariant=True)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from stallfree.shards.fields import IMAGE_EXTENSIONS
 from stallfree.shards.source_base import (
     Item,
     Source,
@@ -22,7 +23,6 @@ from stallfree.shards.source_base import (
 
 log = logging.getLogger(__name__)
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
 class ImageFolderSource(Source):

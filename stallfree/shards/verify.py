@@ -32,6 +32,7 @@ from stallfree.shards.errors import (
     ShardError,
     ShardReadError,
 )
+from stallfree.shards.fields import is_image_field
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
 from stallfree.shards.scan import file_size, record_mismatches
@@ -40,7 +41,6 @@ from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, wa
 
 log = logging.getLogger(__name__)
 
-IMAGE_FIELDS = {"jpg", "jpeg", "png", "webp", "bmp", "gif", "ppm", "pgm", "tif", "tiff"}
 ProgressFn = Callable[[int], None]  # bytes checked
 KeyAt = tuple[str, int | None]  # a sample key and the byte offset of its first header (tar)
 MAX_LISTED = 10  # problems of one kind listed per shard before a "... and N more" line
@@ -154,10 +154,6 @@ def _decode_image(data: bytes, shard: str, key: str, offset: int | None, fieldna
     return None
 
 
-def _is_image(fieldname: str) -> bool:
-    return fieldname.rsplit(".", 1)[-1].lower() in IMAGE_FIELDS
-
-
 def _decoding(
     members: Iterable[TarMember],
     reader: _HashingReader,
@@ -169,7 +165,7 @@ def _decoding(
     still at it: the reader only goes forward)."""
     for m in members:
         parts = sample_parts(m.name)
-        if parts is not None and _is_image(parts[1]):
+        if parts is not None and is_image_field(parts[1]):
             report.decoded += 1
             problem = _decode_image(reader.read(m.offset, m.end), shard, parts[0], m.offset, parts[1])
             if problem is not None:
@@ -345,7 +341,7 @@ def verify_arrow_shard(
                         found.append((f"{stem}/{rows + r}", None))
                     if decode:
                         for name in batch.schema.names:
-                            if _is_image(name):
+                            if is_image_field(name):
                                 value = batch.column(name)[r].as_py()
                                 if isinstance(value, bytes):
                                     report.decoded += 1

@@ -158,7 +158,7 @@ def test_pil_recipe_decodes_crops_and_labels_and_refuses_broken_samples():
     with pytest.raises(SampleDecodeError) as missing:
         recipe({"__key__": "c", "txt": b"no image", "cls": b"1"})
     assert str(missing.value) == (
-        "no image field (looked for jpg, jpeg, png, webp, img, image; it has cls, txt) (sample 'c')"
+        "no image field (looked for jpg, jpeg, png, webp, bmp, ppm, pgm, tif, tiff, img, image; it has cls, txt) (sample 'c')"
     )
     assert missing.value.key == "c"
 
