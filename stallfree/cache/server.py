@@ -2,20 +2,26 @@
 
 The configuration is written to a private (0600) file, so a password never appears on a command
 line: loopback only unless told otherwise, no persistence (a cache is rebuilt from storage),
-``maxmemory`` from the capacity and the eviction policy from the cache policy.
+``maxmemory`` from the capacity and the eviction policy from the cache policy. On Linux the
+server is tied to the process that started it (``PR_SET_PDEATHSIG``): when that process dies,
+even by SIGKILL, the kernel kills the server too, so no orphan keeps the port and the memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import re
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from stallfree.cache.policy import Policy, get_policy
@@ -62,7 +68,9 @@ class RedisServer:
     """One ``redis-server`` process acting as a cache node; a context manager.
 
     ``capacity_bytes`` becomes ``maxmemory`` (``None``: unlimited) and ``policy`` its
-    ``maxmemory-policy`` (minio -> noeviction, lru -> allkeys-lru).
+    ``maxmemory-policy`` (minio -> noeviction, lru -> allkeys-lru). On Linux the server dies with
+    the *thread* that started it (the kernel's parent-death signal follows the forking thread), so
+    start it from the main thread or another that lives as long as the server should.
     """
 
     def __init__(
@@ -156,7 +164,10 @@ class RedisServer:
             f.write(self.config_text())
         log_start = self.logfile.stat().st_size if self.logfile.exists() else 0  # a restart appends
         self.process = subprocess.Popen(
-            [self.executable, str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+            [self.executable, str(conf)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            preexec_fn=_die_with_parent(),
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -241,6 +252,29 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.cleanup()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A ``preexec_fn`` asking the kernel to SIGKILL the child when its parent dies (Linux only;
+    ``None`` elsewhere). It runs between fork and exec, so it only calls the resolved ``prctl``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        log.debug("prctl unavailable; redis-server will outlive a killed parent")
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before the request took effect
+            os._exit(1)
+
+    return preexec
 
 
 def _quote(text: str) -> str:

@@ -7,10 +7,13 @@ import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 from stallfree.cli._common import fail
 
 _PASSWORD_ENV = "STALLFREE_CACHE_PASSWORD"
+_PASSWORD_FILE_ENV = "STALLFREE_CACHE_PASSWORD_FILE"
+_SECRET_FILE_ENV = "STALLFREE_CACHE_SECRET_FILE"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -31,8 +34,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="start a Redis cache server for this node (foreground; Ctrl-C stops it)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "example:\n  stallfree cache serve --capacity 8GB --policy minio --port 6380\n\n"
+            "example:\n  stallfree cache serve --capacity 8GB --policy minio --port 6380 \\\n"
+            "      --password-file ~/.stallfree/cache.password --secret-file ~/.stallfree/cache.secret\n\n"
+            "Without --password/--password-file the server gets a random password, written to a\n"
+            "private (0600) file in its working directory; the path is printed. Clients read it with\n"
+            f"--password-file, ${_PASSWORD_FILE_ENV} or ClusterCache(password_file=...).\n"
             f"The password may also come from ${_PASSWORD_ENV} (kept off the process list).\n"
+            "--secret-file creates (once) the secret clients sign entries with: ClusterCache(secret_file=...).\n"
             "Binds to 127.0.0.1 unless --bind says otherwise; no persistence (a cache refills from storage)."
         ),
     )
@@ -47,6 +55,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     serve.add_argument(
         "--password", default=None, help=f"require this password (AUTH); or set ${_PASSWORD_ENV}"
+    )
+    serve.add_argument(
+        "--password-file",
+        default=None,
+        help=f"require the password in this file, creating it (random, 0600) if missing; or ${_PASSWORD_FILE_ENV}",
+    )
+    serve.add_argument(
+        "--no-password", action="store_true", help="no password: any process that reaches the port may use it"
+    )
+    serve.add_argument(
+        "--secret-file",
+        default=None,
+        help=f"create (if missing) the entry-signing secret clients share, 0600; or ${_SECRET_FILE_ENV}",
     )
     serve.add_argument("--bind", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     serve.add_argument("--dir", default=None, help="working directory for the server's config and log")
@@ -68,6 +89,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     stats.add_argument("urls", nargs="+", metavar="URL", help="cache servers, redis://host:port")
     stats.add_argument("--password", default=None, help=f"server password; or set ${_PASSWORD_ENV}")
     stats.add_argument(
+        "--password-file", default=None, help=f"file holding the password; or set ${_PASSWORD_FILE_ENV}"
+    )
+    stats.add_argument(
         "--timeout", type=float, default=2.0, help="seconds to wait for each server (default 2)"
     )
     stats.add_argument("--json", action="store_true", help="machine-readable output")
@@ -75,24 +99,42 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
 
 
-def _password(args: argparse.Namespace) -> str | None:
-    """``--password``, else ``$STALLFREE_CACHE_PASSWORD`` (kept off the process list), else none."""
-    return args.password or os.environ.get(_PASSWORD_ENV) or None
+def _password_source(args: argparse.Namespace) -> tuple[str | None, Path | None]:
+    """(password, password file): ``--password``, else ``--password-file``, else
+    ``$STALLFREE_CACHE_PASSWORD`` (kept off the process list), else ``$STALLFREE_CACHE_PASSWORD_FILE``.
+    Raises ValueError when a value and a file are both given as options."""
+    if args.password and args.password_file:
+        raise ValueError("--password and --password-file exclude each other")
+    if args.password or args.password_file:
+        return args.password or None, Path(args.password_file).expanduser() if args.password_file else None
+    env_file = os.environ.get(_PASSWORD_FILE_ENV)
+    return os.environ.get(_PASSWORD_ENV) or None, Path(env_file).expanduser() if env_file else None
+
+
+def _serve_password(args: argparse.Namespace, workdir: Path) -> tuple[str | None, Path | None]:
+    """The server's password and the file clients read it from (created when missing); a fresh
+    random one in ``workdir/password`` unless told otherwise; none with ``--no-password``."""
+    from stallfree.cache.credentials import ensure_secret_file
+
+    password, path = _password_source(args)
+    if args.no_password:
+        if args.password or args.password_file:
+            raise ValueError("--no-password excludes --password and --password-file")
+        return None, None
+    if password:
+        return password, None
+    path = path or workdir / "password"
+    return ensure_secret_file(path, "password")[0], path
 
 
 def run_serve(args: argparse.Namespace) -> int:
+    from stallfree.cache.credentials import CredentialFileError, ensure_secret_file
     from stallfree.cache.server import RedisServer, parse_size
 
-    password = _password(args)
     try:
         capacity = parse_size(args.capacity)
     except ValueError as exc:
         return fail("cache serve", exc, 2)
-    if args.bind not in ("127.0.0.1", "localhost", "::1") and not password:
-        print(
-            f"warning: listening on {args.bind} without a password; anyone who can reach it can read the cache",
-            file=sys.stderr,
-        )
     if (args.tls_cert is None) != (args.tls_key is None):
         return fail("cache serve", "--tls-cert and --tls-key go together", 2)
     server = RedisServer(
@@ -100,13 +142,29 @@ def run_serve(args: argparse.Namespace) -> int:
         bind=args.bind,
         capacity_bytes=capacity,
         policy=args.policy,
-        password=password,
         workdir=args.dir,
         executable=args.redis_server,
         tls_cert_file=args.tls_cert,
         tls_key_file=args.tls_key,
         tls_ca_cert_file=args.tls_ca,
     )
+    secret_file = args.secret_file or os.environ.get(_SECRET_FILE_ENV)
+    try:
+        server.password, password_file = _serve_password(args, server.workdir)
+        if secret_file:
+            secret_file = Path(secret_file).expanduser()
+            ensure_secret_file(secret_file, "secret")
+    except CredentialFileError as exc:
+        server.cleanup()
+        return fail("cache serve", exc)
+    except ValueError as exc:
+        server.cleanup()
+        return fail("cache serve", exc, 2)
+    if args.bind not in ("127.0.0.1", "localhost", "::1") and not server.password:
+        print(
+            f"warning: listening on {args.bind} without a password; anyone who can reach it can read the cache",
+            file=sys.stderr,
+        )
     try:
         server.start()
     except (RuntimeError, OSError) as exc:
@@ -119,6 +177,21 @@ def run_serve(args: argparse.Namespace) -> int:
         file=sys.stderr,
         flush=True,
     )
+    if password_file is not None:
+        print(
+            f"password file: {password_file} (clients: --password-file, ${_PASSWORD_FILE_ENV} "
+            "or ClusterCache(password_file=...))",
+            file=sys.stderr,
+            flush=True,
+        )
+    elif not server.password:
+        print("warning: no password; any local process can read and write this cache", file=sys.stderr)
+    if secret_file:
+        print(
+            f"secret file: {secret_file} (clients: ClusterCache(secret_file=...))",
+            file=sys.stderr,
+            flush=True,
+        )
     try:
         return server.wait()
     except KeyboardInterrupt:
@@ -129,8 +202,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_stats(args: argparse.Namespace) -> int:
     from stallfree.cache.cluster import ClusterCacheError, server_status
+    from stallfree.cache.credentials import read_secret_file
 
-    password = _password(args)
+    try:
+        password, path = _password_source(args)
+        if password is None and path is not None:
+            password = read_secret_file(path, "password")
+    except ValueError as exc:  # CredentialFileError is one
+        return fail("cache stats", exc, 2)
     rows, failed = [], 0
     for url in args.urls:
         try:

@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+import os
+import queue
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from stallfree.cache.base import CacheKey
 from stallfree.cache.cluster import ClusterCache
+from stallfree.cache.credentials import ensure_secret_file
 from stallfree.cache.server import free_port, parse_size
 from stallfree.cli import main
 
@@ -82,3 +89,122 @@ def test_serve_prints_url_applies_config_and_stops(tmp_path, capsys):
 def test_serve_rejects_bad_capacity(capsys):
     assert main(["cache", "serve", "--capacity", "lots"]) == 2
     assert "cannot read size 'lots'" in capsys.readouterr().err
+
+
+class Serve:
+    """``stallfree cache serve ARGS`` as a subprocess; its stderr lines collected on a thread so a
+    missing line fails the test after ``timeout`` instead of hanging it."""
+
+    def __init__(self, *args: str, timeout: float = 60.0) -> None:
+        self.port = free_port()
+        cmd = [sys.executable, "-m", "stallfree", "cache", "serve", "--port", str(self.port), *args]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        self.timeout = timeout
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.proc.stderr:
+            self.lines.put(line)
+
+    def wait_for(self, pattern: str) -> re.Match:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            for line in self.seen:
+                if m := re.search(pattern, line):
+                    return m
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"serve never printed {pattern!r}; stderr: {self.seen}")
+            try:
+                self.seen.append(self.lines.get(timeout=left))
+            except queue.Empty:
+                pass
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def redis_pid(self) -> int:
+        return int(self.wait_for(r"\(pid (\d+)\)").group(1))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+        self.proc.stdout.close()
+
+
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie (an unreaped corpse holds no port or memory)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"
+
+
+def test_serve_makes_a_private_password_by_default_and_clients_find_it(tmp_path, capsys, monkeypatch):
+    import redis
+
+    serve = Serve("--dir", str(tmp_path / "srv"), "--secret-file", str(tmp_path / "keys" / "secret"))
+    try:
+        password_file = Path(serve.wait_for(r"password file: (\S+)").group(1))
+        assert password_file == tmp_path / "srv" / "password"
+        assert password_file.stat().st_mode & 0o777 == 0o600
+        secret_file = Path(serve.wait_for(r"secret file: (\S+)").group(1))
+        assert secret_file.stat().st_mode & 0o777 == 0o600 and len(secret_file.read_text().strip()) >= 32
+        serve.redis_pid()
+        # a local process without the password can neither plant nor read
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=serve.port).set(b"sf/planted", b"x")
+        cache = ClusterCache([serve.url], password_file=password_file, secret_file=secret_file)
+        cache.put_many([(CacheKey("fp", 1, "raw"), b"abc")])
+        assert cache.get_many([CacheKey("fp", 1, "raw")]) == [b"abc"]
+        assert main(["cache", "stats", serve.url, "--password-file", str(password_file), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)[0]["keys"] >= 1
+        monkeypatch.setenv("STALLFREE_CACHE_PASSWORD_FILE", str(password_file))
+        assert main(["cache", "stats", serve.url, "--json"]) == 0
+        capsys.readouterr()
+        monkeypatch.delenv("STALLFREE_CACHE_PASSWORD_FILE")
+        assert main(["cache", "stats", serve.url, "--json"]) == 1
+        assert "authentication failed" in json.loads(capsys.readouterr().out)[0]["error"]
+    finally:
+        serve.stop()
+
+
+def test_password_file_is_created_once_then_shared(tmp_path):
+    path = tmp_path / "shared" / "cache.password"
+    value, created = ensure_secret_file(path)
+    assert created and path.read_text() == value + "\n" and path.stat().st_mode & 0o777 == 0o600
+    assert ensure_secret_file(path) == (value, False)  # a second node reuses it
+
+
+def test_serve_password_options_exclude_each_other(tmp_path, capsys):
+    assert main(["cache", "serve", "--no-password", "--password", "pw", "--dir", str(tmp_path)]) == 2
+    assert "--no-password excludes --password" in capsys.readouterr().err
+    pw = tmp_path / "pw"
+    assert (
+        main(["cache", "serve", "--password", "pw", "--password-file", str(pw), "--dir", str(tmp_path)]) == 2
+    )
+    assert "--password and --password-file exclude each other" in capsys.readouterr().err
+    assert main(["cache", "stats", "redis://127.0.0.1:1", "--password-file", str(pw)]) == 2
+    assert "cannot read password file" in capsys.readouterr().err
+
+
+def test_sigkill_of_serve_takes_its_redis_server_down(tmp_path):
+    serve = Serve("--dir", str(tmp_path / "srv"))
+    pid = serve.redis_pid()
+    try:
+        assert alive(pid)
+        serve.proc.send_signal(signal.SIGKILL)
+        serve.proc.wait(30)
+        deadline = time.monotonic() + 30  # a hang bound, not a timing threshold
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(pid), f"redis-server {pid} outlived its killed 'stallfree cache serve'"
+    finally:
+        if alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        serve.stop()
