@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import replace
@@ -87,7 +88,7 @@ class Engine:
         try:
             with _frozen_gc(not self.in_process and self.plan.start_method == "fork"):
                 for p in self.procs:
-                    p.start()
+                    _start_worker(p)
         except BaseException:
             self.shutdown(graceful=False)
             raise
@@ -159,6 +160,25 @@ class Engine:
                 q.cancel_join_thread()
                 q.close()
         self.storages.clear()
+
+
+def _start_worker(p: Any) -> None:
+    """Start one worker; a worker whose arguments do not pickle (spawn, forkserver) gets torch's
+    own warning first, so scripts see what they see with torch's DataLoader."""
+    from pickle import PicklingError
+
+    try:
+        p.start()
+    except (TypeError, AttributeError, PicklingError):
+        warnings.warn(
+            "Got pickle error when attempting to start a worker Process. "
+            "This might be because the worker Process arguments are not picklable. "
+            "Python 3.14+ changed the multiprocessing start method in non-Mac POSIX platforms "
+            "to 'forkserver', which requires the worker Process arguments to be picklable. "
+            "You can also try multiprocessing.set_start_method('fork').",
+            stacklevel=2,
+        )
+        raise
 
 
 def _alive(p: Any) -> bool:

@@ -130,9 +130,12 @@ class Assembler:
                 if not self.thread.is_alive() and self.out_q.empty():
                     return Failed(LoaderError("the loader's assembler thread stopped unexpectedly"), fatal=True)
                 if timeout and time.monotonic() - start > timeout:
-                    return Failed(
-                        RuntimeError(f"DataLoader timed out after {timeout} seconds ({self._waiting_on()})")
-                    )
+                    # torch's message; what each worker was doing goes into a note (shown with the
+                    # traceback, not part of the message scripts match against)
+                    err = RuntimeError(f"DataLoader timed out after {timeout} seconds")
+                    if hasattr(err, "add_note"):
+                        err.add_note(f"stallfree: {self._waiting_on()}")
+                    return Failed(err)
 
     def taken(self, waited_s: float, occupancy: int) -> None:
         """The consumer took a batch: its credit comes back (the tuner may add or keep some)."""

@@ -110,7 +110,7 @@ def test_webdataset_on_a_tar_cut_inside_a_header_names_the_sample_cut_short(tmp_
     root, _, _ = _cut(tmp_path, "header")
     line = _error_line(*_run(root, "webdataset", 1, workers=0, steps=12))
     assert line == (
-        "stallfree bench: error: no image field (looked for jpg, jpeg, png, webp, img, image; "
+        "stallfree bench: error: no image field (looked for jpg, jpeg, png, webp, bmp, ppm, pgm, tif, tiff, img, image; "
         "it has cls) (sample '00000032')"
     )
 
