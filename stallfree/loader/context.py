@@ -19,5 +19,6 @@ class WorkerContext:
     source: Any = None  # what the read stage reads: the dataset, or a ConcurrentShards over it
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats, made in the worker
     cache_baseline: dict | None = None  # cache counters at the worker's last report
+    epoch: int | None = None  # the epoch the worker last set on an ordered dataset (a mixture)
     init_error: Any = None  # worker_init_fn's failure: the answer to every task, as in torch
     pool: ThreadPoolExecutor | None = field(default=None, repr=False)  # map threads

@@ -50,6 +50,13 @@ def is_sharded(dataset: Any) -> bool:
     )
 
 
+def orders_itself(dataset: Any) -> bool:
+    """A dataset whose positions are already in its epoch's order (a mixture: ``ordered`` and
+    ``set_epoch``): the loader reads them in sequence, split over ranks, and sets the epoch in
+    every process that reads."""
+    return bool(getattr(dataset, "ordered", False)) and callable(getattr(dataset, "set_epoch", None))
+
+
 def _is_remote(dataset: Any) -> bool:
     """A sharded dataset on anything but the local filesystem (the one rule: shards.atomic.is_local)."""
     fs = getattr(dataset, "fs", None)
@@ -163,12 +170,13 @@ class DataLoader(tud.DataLoader[T_co]):
         self._device = self._resolve_device(device)
         ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
         iterable = isinstance(dataset, tud.IterableDataset)
+        self._ordered = orders_itself(dataset)
         self._fast = (
             not iterable
             and sampler is None
             and batch_sampler is None
             and batch_size is not None
-            and (bool(shuffle) or is_sharded(dataset) or ours)
+            and (bool(shuffle) or is_sharded(dataset) or ours or self._ordered)
         )
         # fast: our order and rank split; sampler: the user's (or torch's default) sampler through our
         # workers; iterable: torch's own machinery (the dataset decides what each worker yields)
@@ -177,7 +185,15 @@ class DataLoader(tud.DataLoader[T_co]):
             raise ValueError("cache= and decode= need a map-style dataset (one with __getitem__ and __len__)")
         if decode is not None and hasattr(decode, "decode_batch") and batch_size is None:
             raise ValueError("a decode_batch decoder needs batch_size set (it decodes whole batches)")
-        if order == "auto":
+        if self._ordered:
+            if cache is not None:
+                raise ValueError(
+                    "cache= with a mixture: a position holds another sample each epoch; cache its sources"
+                )
+            if order not in ("auto", "sequential") or shuffle:
+                logger.info("a mixture orders itself (interleaved, seeded per epoch): read in sequence")
+            order = "sequential"  # its positions are already interleaved and shuffled per epoch
+        elif order == "auto":
             order = (
                 ("block" if is_sharded(dataset) and _is_remote(dataset) else "global")
                 if shuffle
@@ -266,15 +282,26 @@ class DataLoader(tud.DataLoader[T_co]):
             mode=self._mode,
             batches=0 if self._fast else resume,
             world_size=self._world.size,
+            dataset=self.dataset.state() if self._ordered and hasattr(self.dataset, "state") else None,
         ).to_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from ``state`` on the next ``iter()`` (any world size / worker count)."""
+    def load_state_dict(self, state: Mapping[str, Any], *, allow_reweight: bool = False) -> None:
+        """Continue from ``state`` on the next ``iter()`` (any world size / worker count).
+
+        A mixture refuses a state saved for other weights unless ``allow_reweight=True``: the
+        explicit choice to go on from the saved position of the *new* order (its earlier positions
+        hold other samples than those consumed), never a silent reshuffle."""
         st = LoaderState.from_dict(state)
         mode = self._mode
         if st.mode != mode:
             raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
-        if self._fast and st.dataset_len != len(self.dataset):
+        reweighted = False
+        if self._ordered and hasattr(self.dataset, "check_state"):
+            if st.dataset is None:
+                raise ValueError("state has no mixture description; it was saved by another dataset")
+            self.dataset.check_state(st.dataset, allow_reweight=allow_reweight)
+            reweighted = allow_reweight
+        if self._fast and st.dataset_len != len(self.dataset) and not reweighted:
             raise ValueError(
                 f"state is for a dataset of {st.dataset_len} samples, this one has {len(self.dataset)}"
             )
@@ -282,6 +309,14 @@ class DataLoader(tud.DataLoader[T_co]):
         self._next_epoch = st.epoch
         self._resume_from = st.consumed if self._fast else st.batches
         self._progress = None
+
+    def _mix_stats(self) -> dict[str, Any] | None:
+        """Samples delivered per source this epoch (all ranks' positions consumed so far)."""
+        counts, p = getattr(self.dataset, "counts", None), self._progress
+        if not self._ordered or counts is None or p is None:
+            return None
+        stop = len(self.dataset) if p.done else self._order_indices().consumed(p)
+        return {"epoch": p.epoch, "positions": [p.start, stop], "delivered": counts(p.start, stop)}
 
     def stats(self) -> dict[str, Any]:
         """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""
@@ -293,6 +328,9 @@ class DataLoader(tud.DataLoader[T_co]):
             num_workers=self.num_workers,
             epoch=self._progress.epoch if self._progress is not None else self._next_epoch,
         )
+        mix = self._mix_stats()
+        if mix is not None:
+            out["mix"] = mix
         if self._tuner is not None:
             out["autotune"] = {
                 "depth": self._tuner.depth,
@@ -426,6 +464,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._next_epoch, self._resume_from = epoch + 1, 0
         source = self._order_indices() if self._fast else SamplerIndices(self)
         ep: EpochIndices = source.epoch(epoch, resume)
+        if self._ordered:
+            self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
         engine, owns = self._engine_for(ep.base_seed)
         rank, seed = self._world.rank, self._seed
 
@@ -441,6 +481,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 stats=self._stats,
                 owns_engine=owns,
                 tuner=self._make_tuner(engine.n),
+                epoch=epoch if self._ordered else None,
             )
         except BaseException:
             if owns:

@@ -106,8 +106,17 @@ def _warm_ahead(source: Any, backlog: deque, warmed: set) -> None:
         warmed.clear()
 
 
+def follow_epoch(ctx: WorkerContext, task: Task) -> None:
+    """A dataset that orders itself per epoch (a mixture) maps positions to samples by epoch:
+    set the task's epoch on it before reading (persistent workers live across epochs)."""
+    if task.epoch is not None and task.epoch != ctx.epoch:
+        ctx.plan.dataset.set_epoch(task.epoch)
+        ctx.epoch = task.epoch
+
+
 def _fetch_task(ctx: WorkerContext, task: Task) -> Fetched:
     """Read one task's raw samples (or, with a stage cache, its cached/decoded samples)."""
+    follow_epoch(ctx, task)
     plan, progress = ctx.plan, ctx.progress
     t0 = time.perf_counter()
     progress[FETCH_SEQ] = task.seq
@@ -210,13 +219,14 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
     ready.put(None)
 
 
-def fetch_streaming(ctx: WorkerContext, seq: int, indices: list[Any], writer: Any) -> list:
+def fetch_streaming(ctx: WorkerContext, task: Task, writer: Any) -> list:
     """Read a task's samples one by one; each good one goes into its row (``writer``) at once."""
     progress = ctx.progress
-    progress[FETCH_SEQ] = seq
+    progress[FETCH_SEQ] = task.seq
+    follow_epoch(ctx, task)
     dataset = source_of(ctx)  # a plain map-style dataset (plan.reads_inline): no batched reads
     out = []
-    for pos, i in enumerate(indices):
+    for pos, i in enumerate(task.indices):
         progress[FETCH_IDX] = i if isinstance(i, int) else -1
         try:
             sample = dataset[i]

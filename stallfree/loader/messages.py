@@ -22,6 +22,7 @@ class Task:
     seq: int
     indices: list[Any]
     decode_seed: int | None = None  # the batch's seed when the workers run the batch decoder
+    epoch: int | None = None  # for a dataset with its own epoch order (a mixture): set in the worker
 
 
 @dataclass(frozen=True)

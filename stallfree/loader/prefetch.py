@@ -83,6 +83,7 @@ class Assembler:
         *,
         decode_seed: Callable[[int], int],
         stats: LoaderStats,
+        epoch: int | None = None,
         owns_engine: bool,
         tuner: DepthTuner | None = None,
     ) -> None:
@@ -90,6 +91,7 @@ class Assembler:
         self.plan = plan
         self.tuner = tuner
         self.decode_seed = decode_seed
+        self.epoch = epoch  # sent with each task for a dataset that orders itself (a mixture)
         self.stats = stats
         self.owns_engine = owns_engine
         engine.gen += 1
@@ -190,7 +192,7 @@ class Assembler:
                 seq, indices = self._dispatched, self._ahead
                 self._sizes[seq] = len(indices)
                 seed = self.decode_seed(seq) if self.plan.worker_decode else None
-                self.engine.send(w, Task(self.gen, seq, indices, seed))
+                self.engine.send(w, Task(self.gen, seq, indices, seed, self.epoch))
                 self.outstanding[w] += 1
                 self._dispatched += 1
                 self._credits -= 1

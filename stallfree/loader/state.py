@@ -23,6 +23,7 @@ class LoaderState:
     mode: str = "fast"  # "fast": our order; "sampler" / "iterable": resumed by skipping batches
     batches: int = 0  # batches this rank received in the epoch (used by the sampler and iterable modes)
     world_size: int = 1
+    dataset: dict[str, Any] | None = None  # what the dataset needs to check a resume (a mixture's state)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -35,6 +36,7 @@ class LoaderState:
             "dataset_len": self.dataset_len,
             "batches": self.batches,
             "world_size": self.world_size,
+            **({"dataset": dict(self.dataset)} if self.dataset is not None else {}),
         }
 
     @classmethod
@@ -56,6 +58,7 @@ class LoaderState:
                 mode=str(d.get("mode", "fast")),
                 batches=int(d.get("batches", 0)),
                 world_size=int(d.get("world_size", 1)),
+                dataset=dict(d["dataset"]) if isinstance(d.get("dataset"), Mapping) else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed loader state: {exc}") from exc

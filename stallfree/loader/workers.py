@@ -173,7 +173,7 @@ def _load(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> _Loaded:
     if items is None:  # an inline task (plan.reads_inline): read here, straight into the rows
         if plan.streams_rows:
             slot, writer = _row_writer(slots, len(task.indices))
-        items = fetch.fetch_streaming(ctx, task.seq, task.indices, writer)
+        items = fetch.fetch_streaming(ctx, task, writer)
         timing["fetch_s"] = time.perf_counter() - t0
     elif not item.mapped and plan.maps_samples:
         if plan.streams_rows:
