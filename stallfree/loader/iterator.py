@@ -62,12 +62,12 @@ class LoaderIterator:
                     current = torch.cuda.current_stream(core.plan.device)
                     current.wait_event(item.event)
                     record_stream(item.batch, current)  # made on our side stream, used on theirs
-                self._progress.on_batch(item.positions)
+                self._progress.on_batch(item.positions, item.seq)
                 core.taken(_elapsed(t0), occupancy)
                 self._stats.after_next(t0, item.samples)
                 return item.batch
             if isinstance(item, Skipped):
-                self._progress.on_batch(item.positions)
+                self._progress.on_batch(item.positions, item.seq)
                 core.taken(0.0, occupancy)
                 continue
             if isinstance(item, End):
@@ -80,7 +80,7 @@ class LoaderIterator:
             if item.fatal:
                 self.close(graceful=False)
             else:  # this batch failed; the epoch goes on with the next one, as torch's does
-                self._progress.on_batch(item.positions)
+                self._progress.on_batch(item.positions, item.seq)
                 core.taken(0.0, occupancy)
             _raise(item.error)
 

@@ -43,6 +43,7 @@ _POLL_S = 0.1
 class Ready:
     batch: Any
     positions: int  # index positions the batch stands for (skipped samples included)
+    seq: int
     samples: int
     event: Any = None  # CUDA event the consumer's stream waits on (device copies)
 
@@ -52,6 +53,7 @@ class Skipped:
     """Every sample of the batch failed under on_error skip/warn: nothing to hand over."""
 
     positions: int
+    seq: int
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Failed:
 
     error: Any  # an exception, or torch's exception wrapper (``.reraise()``)
     positions: int = 0
+    seq: int | None = None
     fatal: bool = False
 
 
@@ -249,7 +252,7 @@ class Assembler:
             with self._lock:
                 self.outstanding[msg.worker] -= 1
             if isinstance(msg, WorkerFailure):
-                item: Item = Failed(msg.error, self._sizes.pop(msg.seq))
+                item: Item = Failed(msg.error, self._sizes.pop(msg.seq), msg.seq)
             else:
                 item = self._assemble_one(msg)
             pending[msg.seq] = item
@@ -286,13 +289,13 @@ class Assembler:
             try:
                 batch, good = self._decode(msg.seq, batch, list(msg.indices) or [-1] * good)
             except BatchDecodeError as exc:  # on_error="raise": this batch raises, the epoch goes on
-                return Failed(exc, positions)
+                return Failed(exc, positions, msg.seq)
         if not good:
-            return Skipped(positions)
+            return Skipped(positions, msg.seq)
         event = None
         if self.plan.device is not None:
             batch, event = self._to_device(batch)
-        return Ready(batch, positions, good, event)
+        return Ready(batch, positions, msg.seq, good, event)
 
     def _adopt(self, msg: BatchReady) -> torch.UntypedStorage:
         key = (msg.worker, msg.slot)
