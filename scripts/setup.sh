@@ -6,12 +6,19 @@ if ! command -v redis-server >/dev/null 2>&1; then
   echo "setup: installing redis-server (apt-get)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
-if [ ! -x .venv/bin/python ]; then
-  python3 -m venv .venv
-fi
-stamp=.venv/.stallfree-setup
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ requirements-dev.txt -nt "$stamp" ]; then
-  echo "setup: installing Python packages into .venv" >&2
-  .venv/bin/pip install -q --disable-pip-version-check -r requirements-dev.txt
-  touch "$stamp"
+# venv_for DIR REQUIREMENTS: a venv in DIR with REQUIREMENTS installed (again only when they changed).
+venv_for() {
+  local dir=$1 reqs=$2 stamp=$1/.stallfree-setup
+  if [ ! -x "$dir/bin/python" ]; then
+    python3 -m venv "$dir"
+  fi
+  if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$reqs" -nt "$stamp" ]; then
+    echo "setup: installing Python packages into $dir" >&2
+    "$dir/bin/pip" install -q --disable-pip-version-check -r "$reqs"
+    touch "$stamp"
+  fi
+}
+venv_for .venv requirements-dev.txt
+if [ "${1:-}" = "--all-torch" ]; then  # the test suite also runs on the second torch version CI tests
+  venv_for .venv-torch2.14 requirements-dev-torch2.14.txt
 fi
