@@ -262,3 +262,41 @@ def test_subpackages_never_import_the_cli():
 def test_layering(source, allowed):
     bad = _violations(import_graph(), source, allowed)
     assert not bad, f"{source} may import only {allowed}:\n" + "\n".join(bad)
+
+
+_TORCH_PRIVATE = ("torch._", "torch.utils.data._", "torch.utils.data.dataloader._")
+_COMPAT = "stallfree.loader._torch_compat"
+# private attributes of torch objects the loader needs (storages, loaders, iterators, worker info)
+_TORCH_PRIVATE_ATTRS = {
+    "_new_shared",
+    "_share_fd_cpu_",
+    "_worker_info",
+    "_generate_state",
+    "_auto_collation",
+    "_index_sampler",
+    "_shutdown_workers",
+    "_timeout",
+    "_utils",
+}
+
+
+def test_torch_internals_are_touched_only_by_the_compat_module():
+    """Private torch modules are imported, and private names of torch.utils.data read, only in
+    stallfree/loader/_torch_compat.py (each use commented there, with a fallback)."""
+    offenders = []
+    for module, path in _modules(ROOT).items():
+        if module == _COMPAT:
+            continue
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Attribute) and node.attr in _TORCH_PRIVATE_ATTRS:
+                names = [f"torch._ (private attribute .{node.attr})"]
+            for name in names:
+                if name.startswith(_TORCH_PRIVATE):
+                    offenders.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {name}")
+    assert offenders == []

@@ -7,7 +7,6 @@ library code otherwise takes a :class:`World` as an argument.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -67,11 +66,10 @@ def world_from_torch(local_size: int | None = None) -> World | None:
     return World(rank=rank, size=size, local_rank=rank % local, local_size=local)
 
 
-def world_from_env(env: Mapping[str, str] | None = None) -> World | None:
-    """EDGE FUNCTION: the world torchrun describes in ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/
-    ``LOCAL_WORLD_SIZE``; None when those are absent. Reads ``os.environ`` only when ``env`` is None.
-    """
-    env = os.environ if env is None else env
+def world_from_env(env: Mapping[str, str]) -> World | None:
+    """The world torchrun describes in ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``LOCAL_WORLD_SIZE``
+    of ``env`` (the CLI passes ``os.environ``: environment variables are read at the CLI edge only);
+    None when those are absent."""
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
     size = int(env["WORLD_SIZE"])
