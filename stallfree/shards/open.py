@@ -22,7 +22,7 @@ from typing import Any
 import fsspec
 
 from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import ShardError
+from stallfree.shards.errors import MissingShardError, ShardError, ShardReadError
 from stallfree.shards.idx import IdxSample
 from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, join
 from stallfree.shards.readers import ArrowShardReader, TarShardReader
@@ -38,12 +38,18 @@ def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: An
     """Open a dataset: a directory with ``manifest.json`` (or the manifest's URL), or tar shards
     without one (directory, glob, brace pattern, single file). ``verify_hashes`` checks each
     shard's sha256 against the manifest when it is first used (reads the whole shard once)."""
-    fs, root, paths = resolve(url, **storage_options)
-    scanned = None
-    if paths is None:
-        manifest = Manifest.load(root, fs=fs)
-    else:
-        manifest, scanned = _manifest_for_files(fs, root, paths)
+    try:
+        fs, root, paths = resolve(url, **storage_options)
+        scanned = None
+        if paths is None:
+            manifest = Manifest.load(root, fs=fs)
+        else:
+            manifest, scanned = _manifest_for_files(fs, root, paths)
+    except PermissionError as exc:
+        raise denied(url, exc, url) from None
+    except MissingShardError:
+        _check_bucket(url, storage_options)
+        raise
         log.warning(
             "%s has no manifest.json: indexed %d shard(s) (%d samples) on the fly. Write one with "
             "`stallfree index %s` (or re-shard with `stallfree shard`) to open it instantly.",
@@ -54,6 +60,31 @@ def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: An
         )
     fs_url = fs.unstrip_protocol(root or "/")
     return ShardedDataset(url, manifest, root, fs_url, storage_options, verify_hashes, scanned, fs=fs)
+
+
+def denied(url: str, exc: BaseException, shard: str) -> ShardReadError:
+    """The error for a refused read: the store answered, and said no (not a missing or bad shard)."""
+    return ShardReadError(
+        f"access denied reading {url}: {exc or type(exc).__name__} (check the credentials, e.g. "
+        "storage_options key/secret or AWS_ACCESS_KEY_ID, and the bucket's policy)",
+        shard=shard,
+    )
+
+
+def _check_bucket(url: str, storage_options: dict[str, Any]) -> None:
+    """On an object store (a filesystem with buckets), a missing bucket says so, rather than the
+    plainer "no dataset at URL" that would send the user looking for a wrong prefix."""
+    try:
+        fs, path = fsspec.core.url_to_fs(url.split("{", 1)[0], **storage_options)
+        split = getattr(fs, "split_path", None)
+        if split is None or is_local(fs):
+            return
+        bucket = split(path)[0]
+        exists = bool(bucket) and fs.exists(bucket)
+    except (OSError, ValueError):
+        return  # the original error stands
+    if not exists:
+        raise MissingShardError(f"bucket {bucket!r} does not exist (opening {url})", shard=url)
 
 
 def _manifest_for_files(
@@ -160,10 +191,13 @@ class ShardedDataset:
     def _open_reader(self, s: int, verify_hash: bool) -> TarShardReader | ArrowShardReader:
         info = self.manifest.shards[s]
         path, fs = self.shard_path(s), self.fs
-        if self.manifest.format == "tar":
-            samples = self._scanned[s] if self._scanned is not None else None
-            return TarShardReader(fs, path, info.path, info, samples, verify_hash)
-        return ArrowShardReader(fs, path, info.path, info, verify_hash)
+        try:
+            if self.manifest.format == "tar":
+                samples = self._scanned[s] if self._scanned is not None else None
+                return TarShardReader(fs, path, info.path, info, samples, verify_hash)
+            return ArrowShardReader(fs, path, info.path, info, verify_hash)
+        except PermissionError as exc:
+            raise denied(fs.unstrip_protocol(path), exc, info.path) from None
 
     def __len__(self) -> int:
         return self._len

@@ -24,7 +24,12 @@ import fsspec
 import numpy as np
 
 from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import CorruptShardError, IndexMismatchError, MissingShardError
+from stallfree.shards.errors import (
+    CorruptShardError,
+    IndexMismatchError,
+    MissingShardError,
+    ShardReadError,
+)
 from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.scan import file_size, record_mismatches, scan_tar, sha256_of
@@ -61,6 +66,12 @@ def _fetch_ranges(
         out = fs.cat_ranges([path] * len(ranges), starts=[r[0] for r in ranges], ends=[r[1] for r in ranges])
     except FileNotFoundError:
         raise MissingShardError("shard not found", shard=shard) from None
+    except PermissionError as exc:  # the store refused: the shard is not known to be damaged
+        raise ShardReadError(
+            f"access denied: {exc or type(exc).__name__} (check the credentials and the bucket's policy)",
+            shard=shard,
+            offset=ranges[0][0],
+        ) from None
     except OSError as exc:
         at = ranges[0][0] if len(ranges) == 1 else None  # several ranges: not known which failed
         raise CorruptShardError(f"ranged read failed: {exc}", shard=shard, offset=at) from exc
