@@ -6,7 +6,8 @@ remotely. Shards are opened lazily on first use and checked cheaply then.
 
 Without a manifest (a directory of tars, a glob, a brace pattern ``data-{000..009}.tar``) the
 index is built on the fly from the tar headers (or ``.idx`` files beside them), with a warning
-that says how to write one.
+that says how to write one. Table files users already have open the same way: a Hugging Face
+``save_to_disk`` directory (Arrow *stream* files) or Parquet files (``data/train-*.parquet``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from stallfree.shards.verify import verify_manifest
 log = logging.getLogger(__name__)
 
 _ITER_CHUNK = 64
+# Table files opened without a manifest: Arrow IPC file or stream (Hugging Face ``save_to_disk``
+# writes the stream format under .arrow), Parquet (Hugging Face's Parquet exports). All read as
+# format "arrow": one row per sample, column types kept.
+TABLE_SUFFIXES = (".arrow", ".parquet")
 
 
 def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: Any) -> ShardedDataset:
@@ -50,6 +55,7 @@ def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: An
     except MissingShardError:
         _check_bucket(url, storage_options)
         raise
+    if paths is not None:
         log.warning(
             "%s has no manifest.json: indexed %d shard(s) (%d samples) on the fly. Write one with "
             "`stallfree index %s` (or re-shard with `stallfree shard`) to open it instantly.",
@@ -93,9 +99,11 @@ def _manifest_for_files(
     tars = [p for p in paths if p.endswith(".tar")]
     if tars and len(tars) == len(paths):
         return manifest_for_tars(fs, root, paths)
-    arrows = [p for p in paths if p.endswith(".arrow")]
+    arrows = [p for p in paths if p.endswith(TABLE_SUFFIXES)]
     if len(arrows) != len(paths):
-        raise ShardError(f"a dataset without a manifest must be all .tar or all .arrow files: {paths[:5]}")
+        raise ShardError(
+            f"a dataset without a manifest must be all .tar or all .arrow / .parquet files: {paths[:5]}"
+        )
     shards, fields = [], {}
     for path in arrows:
         reader = ArrowShardReader(fs, path, relative(root, path))

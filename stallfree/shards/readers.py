@@ -399,8 +399,160 @@ class TarShardReader:
             self._mm = None
 
 
+class _IpcFile:
+    """An Arrow IPC *file*: its footer lists the record batches (random access for free)."""
+
+    thread_safe = True
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+        self.schema = reader.schema
+        self.num_record_batches = reader.num_record_batches
+
+    def get_batch(self, b: int):
+        return self._reader.get_batch(b)
+
+    def batch_rows(self, b: int) -> int:
+        return self._reader.get_batch(b).num_rows
+
+
+# An IPC stream's first message starts with this continuation marker (Arrow >= 0.15 writers)
+STREAM_MARK = b"\xff\xff\xff\xff"
+
+
+class _NotAStream(Exception):
+    """The file does not start like an IPC stream (so it is neither format)."""
+
+
+class _IpcStream:
+    """An Arrow IPC *stream* (what Hugging Face ``datasets.save_to_disk`` writes): no footer, so
+    it is walked once when opened to learn where each record batch's message lies. Locally the
+    batches are then zero-copy views of the memory map; remotely only the offsets are kept and a
+    batch is one ranged read of its message, decoded against the schema."""
+
+    thread_safe = True
+
+    def __init__(self, source: Any, local: bool, fetch: Any, shard: str, walk_open: Any = None) -> None:
+        self._fetch = fetch
+        self._batches: list[Any] | None = [] if local else None
+        self._spans: list[tuple[int, int]] = []
+        self._rows: list[int] = []
+        if walk_open is not None:  # remote: walk through a read-ahead file, not a request per message
+            source.seek(0)
+            if source.read(4) != STREAM_MARK:  # not a stream: no second file opened to find out
+                raise _NotAStream
+            walk = walk_open()
+            try:
+                self._walk(walk, shard)
+            finally:
+                walk.close()
+        else:
+            self._walk(source, shard)
+        self.num_record_batches = len(self._rows)
+        if not local:
+            log.info(
+                "%s is an Arrow stream (no footer): walked it once to index its %d batches",
+                shard,
+                self.num_record_batches,
+            )
+
+    def _walk(self, source: Any, shard: str) -> None:
+        """Read the stream once, noting each batch's ``[start, end)`` bytes and row count."""
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        source.seek(0)
+        reader = ipc.open_stream(source)
+        self.schema = reader.schema
+        if any(pa.types.is_dictionary(f.type) for f in self.schema):
+            raise CorruptShardError(
+                "Arrow stream with dictionary-encoded columns: random access is not supported "
+                "(rewrite it with `stallfree shard ... --format arrow`)",
+                shard=shard,
+            )
+        start = source.tell()
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            end = source.tell()
+            self._spans.append((start, end))
+            self._rows.append(batch.num_rows)
+            if self._batches is not None:
+                self._batches.append(batch)
+            start = end
+
+    def get_batch(self, b: int):
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        if self._batches is not None:
+            return self._batches[b]
+        start, end = self._spans[b]
+        message = ipc.read_message(pa.py_buffer(self._fetch(start, end)))
+        return ipc.read_record_batch(message, self.schema)
+
+    def batch_rows(self, b: int) -> int:
+        return self._rows[b]
+
+
+class _ParquetGroups:
+    """A Parquet file read one row group at a time (the unit Parquet can decode), the last one
+    kept: a row is in its group, and neighbours usually share it. Not row-level random access:
+    each new group costs reading that group."""
+
+    thread_safe = False
+
+    def __init__(self, source: Any) -> None:
+        import pyarrow.parquet as pq
+
+        self._file = pq.ParquetFile(source)
+        self.schema = self._file.schema_arrow
+        self.num_record_batches = self._file.metadata.num_row_groups
+        self._last: tuple[int, Any] | None = None
+
+    def get_batch(self, b: int):
+        if self._last is not None and self._last[0] == b:
+            return self._last[1]
+        import pyarrow as pa
+
+        batches = self._file.read_row_group(b).combine_chunks().to_batches()  # one, or none if empty
+        batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=self.schema)
+        self._last = (b, batch)
+        return batch
+
+    def batch_rows(self, b: int) -> int:
+        return self._file.metadata.row_group(b).num_rows
+
+
+def open_batches(source: Any, path: str, shard: str, local: bool, fetch: Any, walk_open: Any = None) -> Any:
+    """The record batches of a table file, whichever of the layouts users have: Arrow IPC file
+    (ours), Arrow IPC stream (Hugging Face ``save_to_disk``), Parquet (``.parquet``)."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    try:
+        if path.endswith(".parquet"):
+            return _ParquetGroups(source)
+        try:
+            return _IpcFile(ipc.open_file(source))
+        except pa.ArrowInvalid as file_exc:
+            try:
+                return _IpcStream(source, local, fetch, shard, walk_open)
+            except (pa.ArrowInvalid, OSError, _NotAStream):
+                raise file_exc from None
+    except (pa.ArrowInvalid, OSError) as exc:
+        if path.endswith(".parquet"):
+            raise CorruptShardError(f"not a readable Parquet file: {exc}", shard=shard) from None
+        raise CorruptShardError(
+            f"not a readable Arrow IPC file (neither the file nor the stream format): {exc}", shard=shard
+        ) from None
+
+
 class ArrowShardReader:
-    """Random access to one Arrow IPC file: a row is ``get_batch(b)`` then row ``r`` of it."""
+    """Random access to one Arrow table file (IPC file, IPC stream, or Parquet by row group): a
+    row is ``get_batch(b)`` then row ``r`` of it."""
 
     def __init__(
         self,
@@ -434,16 +586,20 @@ class ArrowShardReader:
             raise
 
     def _open_file(self, verify_hash: bool) -> None:
-        """Check size (and sha256 if asked), open the IPC file and count its rows."""
-        import pyarrow as pa
-        import pyarrow.ipc as ipc
-
+        """Check size (and sha256 if asked), open the table (IPC file, IPC stream or Parquet) and
+        count its rows."""
         fs, path, shard, info = self.fs, self.path, self.shard, self.info
         _check_record(fs, path, self.size, info, verify_hash)
-        try:
-            self._reader = ipc.open_file(self._source)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard) from None
+        walk_open = None
+        if not self.local:
+
+            def walk_open():
+                import pyarrow as pa
+
+                f = fs.open(path, "rb", block_size=8 << 20, cache_type="readahead", size=self.size)
+                return pa.PythonFile(f, mode="r")
+
+        self._reader = open_batches(self._source, path, shard, self.local, self._fetch, walk_open)
         self._schema = self._reader.schema
         self.batches = nb = self._reader.num_record_batches
         expected = info.samples if info is not None else None
@@ -454,7 +610,7 @@ class ArrowShardReader:
             starts, total = [], 0
             for b in range(nb):
                 starts.append(total)
-                total += self._batch(b).num_rows
+                total += self._reader.batch_rows(b)
             self._starts = starts
             self.rows = total
         from stallfree.shards.arrow import row_converter
@@ -465,6 +621,9 @@ class ArrowShardReader:
                 f"the file holds {self.rows} rows, the manifest says {expected}", shard=shard
             )
 
+    def _fetch(self, start: int, end: int) -> bytes:
+        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard)[0]
+
     def _batch(self, b: int):
         import pyarrow as pa
 
@@ -472,9 +631,9 @@ class ArrowShardReader:
         if reader is None:
             raise ValueError(f"the reader of {self.shard} is closed")
         try:
-            if self.local:  # memory-mapped reads are thread-safe
+            if self.local and reader.thread_safe:  # memory-mapped reads are
                 return reader.get_batch(b)
-            with self._lock:  # a Python file underneath: one seek+read at a time
+            with self._lock:  # a Python file (or a one-group cache) underneath: one at a time
                 return reader.get_batch(b)
         except (pa.ArrowInvalid, OSError) as exc:
             raise CorruptShardError(f"cannot read record batch {b}: {exc}", shard=self.shard) from None
