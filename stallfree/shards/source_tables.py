@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stallfree.shards.errors import WriteError
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
+from stallfree.shards.tar import check_key
 
 TABLE_SUFFIXES = {
     ".jsonl": "jsonl",
@@ -114,7 +116,7 @@ class TableSource(Source):
             return self._read_jsonl(item)
         fi, chunk, row, row_number = item.ref
         rows = self._chunk_rows(fi, chunk)
-        return self._sample(dict(rows[row]), row_number)
+        return self._sample(dict(rows[row]), row_number, self.paths[fi])
 
     def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
         if self.kind == "jsonl":
@@ -150,7 +152,10 @@ class TableSource(Source):
                 yield got
                 continue
             sub, j = got
-            yield self._sample(sub.slice(j, 1).to_pylist()[0], it.ref[3])
+            try:
+                yield self._sample(sub.slice(j, 1).to_pylist()[0], it.ref[3], self.paths[it.ref[0]])
+            except SourceReadError as exc:
+                yield exc
 
     def _read_jsonl_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
         handles: dict[int, Any] = {}
@@ -164,11 +169,19 @@ class TableSource(Source):
             for f in handles.values():
                 f.close()
 
-    def _sample(self, row: dict[str, Any], row_number: int) -> dict[str, Any]:
+    def _sample(self, row: dict[str, Any], row_number: int, path: str) -> dict[str, Any]:
+        """The row as a sample. A key column value no shard may hold (``../x``, ``/abs``, a dot
+        in its last part, whitespace) is a SourceReadError here, so ``on_error`` applies to it
+        (skip drops the row and lists it) instead of the writer's WriteError ending the run."""
         key = row.pop("__key__", None)
         if key is None:
             key = row.get("key")
-        sample: dict[str, Any] = {"__key__": str(key) if key is not None else f"{row_number:09d}"}
+        key = str(key) if key is not None else f"{row_number:09d}"
+        try:
+            check_key(key)
+        except WriteError as exc:
+            raise SourceReadError(f"row {row_number}: {exc.reason}", path=path, key=key) from None
+        sample: dict[str, Any] = {"__key__": key}
         sample.update((k, v) for k, v in row.items() if v is not None)
         return sample
 
@@ -195,7 +208,7 @@ class TableSource(Source):
             ) from exc
         if not isinstance(row, dict):
             raise SourceReadError(f"line {line_no} is not a JSON object", path=path, offset=offset)
-        return self._sample(row, row_number)
+        return self._sample(row, row_number, path)
 
     def _load_chunk(self, fi: int, chunk: int):
         """One Parquet row group or Arrow record batch, as Arrow data."""
