@@ -97,9 +97,11 @@ class Engine:
         self.task_qs[worker].put(task)
 
     def doing(self, wid: int) -> str:
-        """What worker ``wid`` is busy with, for error messages (reading beats decoding: it is earlier)."""
+        """What worker ``wid`` is busy with, for error messages: the stage on the earlier batch (the
+        fetch thread may already read the next batch while the main thread decodes this one)."""
         p = self.progress[wid]
-        if p[FETCH_IDX] >= 0:
+        loading_earlier = p[MAP_IDX] >= 0 and 0 <= p[MAP_SEQ] < p[FETCH_SEQ]
+        if p[FETCH_IDX] >= 0 and not loading_earlier:
             return f"while reading sample {p[FETCH_IDX]} (batch {p[FETCH_SEQ]})"
         if p[MAP_IDX] >= 0:
             return f"while loading sample {p[MAP_IDX]} (batch {p[MAP_SEQ]})"
