@@ -47,7 +47,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="raise",
         help="unreadable source files: stop (raise, default) or skip and list them",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a dataset already at DST")
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace a dataset already at DST (all or nothing: if this run fails, the old one is untouched)",
+    )
     p.add_argument(
         "--name", default="shard-{index:06d}", help="shard name pattern (default shard-{index:06d})"
     )

@@ -2,7 +2,9 @@
 
 Settings are validated before anything is written (bad sizes, unknown format, a destination that
 cannot be written all raise WriteError up front). Each shard is written under a temp name and
-renamed into place when complete; the manifest is written last, on a clean ``close``.
+renamed into place when complete; the manifest is written last, on a clean ``close``. Writing over
+a dataset replaces it whole: new shards take names it does not use (``generation_stem``), and its
+files are removed only once the new manifest is committed (``Manifest.commit``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,17 @@ from typing import Any
 import fsspec
 
 from stallfree.shards.arrow import ArrowShardWriter
-from stallfree.shards.atomic import CommitOnExit, check_writable
+from stallfree.shards.atomic import CommitOnExit, check_writable, remove_stale_temps
 from stallfree.shards.errors import WriteError
-from stallfree.shards.manifest import FORMAT_VERSION, FORMATS, Manifest, ShardInfo
+from stallfree.shards.idx import idx_path_for
+from stallfree.shards.manifest import (
+    FORMAT_VERSION,
+    FORMATS,
+    Manifest,
+    ShardInfo,
+    files_in_use,
+    generation_stem,
+)
 from stallfree.shards.tar import TarShardWriter, prepare
 
 _UNITS = {
@@ -97,6 +107,9 @@ class ShardWriter(CommitOnExit):
         self.fs, self.root = fsspec.core.url_to_fs(dst, **storage_options)
         self.root = self.root.rstrip("/") or "/"
         check_writable(self.fs, self.root)
+        remove_stale_temps(self.fs, self.root)
+        self._replacing, self._in_use = files_in_use(self.fs, self.root)
+        self._generation = 0
         self.dst = dst
         self.format = format
         self.max_bytes = max_bytes
@@ -120,9 +133,17 @@ class ShardWriter(CommitOnExit):
         return sum(s.samples for s in self.shards) + (self._current.samples if self._current else 0)
 
     def _open_next(self) -> TarShardWriter | ArrowShardWriter:
-        rel = self.name.format(index=self.index) + (".tar" if self.format == "tar" else ".arrow")
+        suffix = ".tar" if self.format == "tar" else ".arrow"
+        while True:  # the first generation whose name the dataset being replaced does not use
+            rel = generation_stem(self.name.format(index=self.index), self._generation) + suffix
+            path = posixpath.join(self.root, rel)
+            files = [posixpath.normpath(path)]
+            if self.format == "tar":
+                files.append(idx_path_for(files[0]))
+            if self._in_use.isdisjoint(files):
+                break
+            self._generation += 1
         self.index += 1
-        path = posixpath.join(self.root, rel)
         if self.format == "tar":
             writer: TarShardWriter | ArrowShardWriter = TarShardWriter(path, fs=self.fs)
         else:
@@ -185,11 +206,12 @@ class ShardWriter(CommitOnExit):
             field_types=self._field_types,
         )
         if self.write_manifest:
-            self.manifest.save(self.root, fs=self.fs)
+            self.manifest.commit(self.fs, self.root, replacing=self._replacing)
         return self.manifest
 
     def abort(self) -> None:
-        """Drop the shard in progress (finished shards stay; no manifest is written)."""
+        """Drop the shard in progress (finished shards stay; no manifest is written, so a dataset
+        that was there is untouched)."""
         self._closed = True
         cur, self._current = self._current, None
         if cur is not None:

@@ -444,3 +444,48 @@ def _alive(pid: int) -> bool:
     from stallfree.shards.atomic import _pid_alive
 
     return _pid_alive(pid)
+
+
+# -- the Python writer, over an existing dataset -------------------------------------------------------
+WRITER_CHILD = r"""
+import sys
+from stallfree.shards.writer import ShardWriter
+root, tag, fail_at = sys.argv[1], sys.argv[2].encode(), int(sys.argv[3])
+with ShardWriter(root, format=sys.argv[4], max_samples=5) as w:
+    for i in range(12):
+        if i == fail_at:
+            raise RuntimeError(f"the loop feeding the writer failed at sample {i}")
+        w.write({"__key__": f"k{i:03d}", "t": tag})
+"""
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_shard_writer_over_a_dataset_is_all_or_nothing(tmp_path: Path, fmt: str) -> None:
+    def write(tag: str, fail_at: int) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-c", WRITER_CHILD, str(tmp_path / "ds"), tag, str(fail_at), fmt],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=TIMEOUT,
+        )
+
+    assert write("v1", -1).returncode == 0
+    before = snapshot(tmp_path / "ds")
+    res = write("v2", 11)  # two new shards finished, the third in progress
+    assert res.returncode == 1 and "failed at sample 11" in res.stderr
+    from stallfree.shards.open import open_dataset
+
+    ds = open_dataset(str(tmp_path / "ds"))
+    assert ds.verify() == [] and {bytes(s["t"]) for s in ds} == {b"v1"}
+    assert {k: v for k, v in snapshot(tmp_path / "ds").items() if ".g1." not in k} == before
+
+    assert write("v2", -1).returncode == 0
+    ds = open_dataset(str(tmp_path / "ds"))
+    assert ds.verify() == [] and [(s["__key__"], bytes(s["t"])) for s in ds] == [
+        (f"k{i:03d}", b"v2") for i in range(12)
+    ]
+    ext = [".tar", ".idx"] if fmt == "tar" else [".arrow"]
+    assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == sorted(
+        ["manifest.json"] + [f"shard-00000{i}.g1{e}" for i in range(3) for e in ext]
+    )
