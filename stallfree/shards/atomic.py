@@ -33,6 +33,12 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    """S3, GCS, Azure blob and the like (their fsspec classes split paths into bucket + key): no
+    directories, no rename; a copy is atomic on the server."""
+    return not is_local(fs) and callable(getattr(fs, "split_path", None))
+
+
 def _host_tag() -> str:
     return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:40] or "_"
 
@@ -163,7 +169,7 @@ class AtomicFile:
                     os.makedirs(parent, exist_ok=True)
                 self._f: IO[bytes] = self._open_local()
             else:
-                if parent:
+                if parent and not is_object_store(fs):
                     with contextlib.suppress(Exception):
                         fs.makedirs(parent, exist_ok=True)
                 self._f = fs.open(self.tmp, "wb")
@@ -390,8 +396,9 @@ def check_writable(fs: fsspec.AbstractFileSystem, directory: str) -> None:
                 pass
             os.unlink(probe)
         else:
-            with contextlib.suppress(Exception):
-                fs.makedirs(directory, exist_ok=True)
+            if not is_object_store(fs):  # s3fs's makedirs creates a missing bucket: a typo would too
+                with contextlib.suppress(Exception):
+                    fs.makedirs(directory, exist_ok=True)
             with fs.open(probe, "wb") as f:
                 f.write(b"")
             fs.rm(probe)

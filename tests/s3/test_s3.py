@@ -136,11 +136,6 @@ def test_missing_bucket_is_named(s3):
     assert "no manifest at no-such-bucket/ds/manifest.json" in r.stdout
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="atomic.py calls fs.makedirs on the destination; s3fs's makedirs creates a missing bucket "
-    "(so a typo in the bucket name creates a bucket); fix belongs to the owner of atomic.py",
-)
 def test_cli_shard_to_missing_bucket_fails_cleanly(s3, tmp_path):
     _source_folder(tmp_path / "src", n=3)
     r = _cli(s3, "shard", str(tmp_path / "src"), "s3://absent-bucket-shard/out", "--no-progress")
