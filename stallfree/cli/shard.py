@@ -28,7 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "examples:\n"
             "  stallfree shard ./imagenet/train ./in1k-train --format tar --max-bytes 256MB --workers 8\n"
             "  stallfree shard 'tokens/*.parquet' s3://bucket/tokens --format arrow --max-samples 100000\n"
-            "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json"
+            "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json\n"
+            "  stallfree shard 'text/*.jsonl' ./tokens --tokenizer tokenizer.json --token-layout megatron"
         ),
     )
     p.add_argument("src", help="source: directory, file, or glob pattern (local)")
@@ -63,6 +64,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="fsspec storage option for DST (value parsed as JSON when it can be), repeatable",
     )
+    t = p.add_argument_group("token shards (language-model data)")
+    t.add_argument(
+        "--tokenizer",
+        metavar="TOKENIZER_JSON",
+        default=None,
+        help="tokenize the text of JSONL/Parquet SRC with this Hugging Face tokenizer.json into token files",
+    )
+    t.add_argument("--text-field", default="text", help="the text column or JSON key (default text)")
+    t.add_argument(
+        "--token-layout",
+        choices=("megatron", "arrow"),
+        default="megatron",
+        help="megatron: NAME.bin + NAME.idx; arrow: Arrow shards with an input_ids column (default megatron)",
+    )
+    t.add_argument("--token-name", default="tokens", help="file name stem of the token files (default tokens)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=run_shard)
@@ -89,6 +105,56 @@ def _mb(n: int) -> str:
     return f"{n / 1e6:,.1f} MB"
 
 
+def _text_files(src: str) -> list[str]:
+    """The JSONL/Parquet files SRC names: a file, a directory of them, or a glob pattern."""
+    import glob
+    import os
+
+    if os.path.isdir(src):
+        files = [os.path.join(src, f) for f in sorted(os.listdir(src))]
+        files = [f for f in files if f.endswith((".jsonl", ".parquet"))]
+    elif glob.has_magic(src):
+        files = sorted(glob.glob(src))
+    else:
+        files = [src] if os.path.exists(src) else []
+    if not files:
+        raise ValueError(f"no .jsonl or .parquet text files at {src}")
+    return files
+
+
+def run_tokenize(args: argparse.Namespace, options: dict[str, Any]) -> int:
+    """``stallfree shard SRC DST --tokenizer T``: text documents to token files (+ tokens.json)."""
+    from tqdm import tqdm
+
+    from stallfree.shards.errors import ShardError
+    from stallfree.tokens.tokenize import tokenize_files
+
+    tqdm.monitor_interval = 0
+    try:
+        files = _text_files(args.src)
+        with tqdm(unit=" docs", desc="tokenizing", file=sys.stderr, disable=args.no_progress) as bar:
+            info = tokenize_files(
+                files,
+                args.dst,
+                args.tokenizer,
+                layout=args.token_layout,
+                text_field=args.text_field,
+                name=args.token_name,
+                progress=lambda docs, _tokens: bar.update(docs - bar.n),
+                **options,
+            )
+    except (ShardError, ValueError, OSError, KeyError) as exc:
+        return fail("shard", exc)
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        print(
+            f"wrote {info.get('documents', 0):,} documents, {info.get('tokens', 0):,} tokens "
+            f"({args.token_layout}) to {args.dst}"
+        )
+    return 0
+
+
 def run_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -108,6 +174,8 @@ def run_shard(args: argparse.Namespace) -> int:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
     except ValueError as exc:
         return fail("shard", exc, 2)
+    if args.tokenizer is not None:
+        return run_tokenize(args, options)
 
     tqdm.monitor_interval = 0  # no monitor thread: worker processes are forked after the bar starts
     bar: list[Any] = []
