@@ -114,10 +114,6 @@ class Engine:
     def pid(self, wid: int) -> int | None:
         return getattr(self.procs[wid], "pid", None)
 
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs if getattr(p, "pid", None) is not None]
-
     def dead(self, wid: int) -> tuple[bool, int | None]:
         p = self.procs[wid]
         if self.in_process:
