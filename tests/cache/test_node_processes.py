@@ -43,8 +43,10 @@ def _worker(cache: NodeCache, rank: int, conn) -> None:
             if got is not None:
                 seen.add(i)
                 bad += not same(got, value(i))
-    # keep reading until every other process has finished writing
-    for _ in range(2000):
+    # keep reading until every other process has finished writing; a deadline, not a count of
+    # reads, so a writer descheduled on a loaded machine still gets its time
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         got = cache.get_many(keys)
         for i, g in enumerate(got):
             if g is not None:
