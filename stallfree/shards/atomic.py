@@ -1,8 +1,10 @@
 """Write a file under a temporary name and rename it into place, so a crash or an exception never
 leaves a half-written file under its final name. Hashes (sha256) and counts bytes as they go.
 
-Local paths use plain ``open``/``os.replace`` (atomic on POSIX); other fsspec filesystems write the
-temp object and ``mv`` it (object stores: the final object appears whole or not at all).
+Local paths use plain ``open``/``os.replace`` (atomic on POSIX). Object stores write the temp object,
+copy it to the final name on the server (the final object appears whole or not at all), then delete
+the temp best-effort: once the copy is in place the write has succeeded, and a temp that could not
+be deleted is only a hidden leftover for ``remove_stale_temps``. Other fsspec filesystems ``mv``.
 """
 
 from __future__ import annotations
@@ -196,18 +198,41 @@ class AtomicFile:
         return self._sha.hexdigest()
 
     def commit(self) -> None:
-        """Close and rename into place; on failure the temp file is removed and WriteError raised."""
+        """Close and rename (object stores: copy) into place; on failure the temp file is removed and
+        WriteError raised."""
         if self._done:
             return
         try:
             self._f.close()
             if is_local(self.fs):
                 os.replace(self.tmp, self.path)
+            elif is_object_store(self.fs):
+                self.fs.cp_file(self.tmp, self.path)  # server-side copy: whole or not at all
             else:
                 self.fs.mv(self.tmp, self.path)
         except Exception as exc:  # noqa: BLE001
             raise self._failed(f"cannot finish {self.path}", exc) from exc
         self._done = True
+        if is_object_store(self.fs):
+            self._drop_temp_after_copy()
+
+    def _drop_temp_after_copy(self) -> None:
+        """Remove the temp object once its copy is in place. Best effort: the final object is whole
+        and committed, so a failed delete leaves only a hidden stale temp (``remove_stale_temps``
+        of a later run removes it), not a failed write."""
+        try:
+            self.fs.rm_file(self.tmp)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - clutter, not a reason to fail a committed write
+            log.warning(
+                "%s is committed, but its temporary object %s could not be removed (%s: %s); "
+                "a later write to this prefix removes it",
+                self.path,
+                self.tmp,
+                type(exc).__name__,
+                exc,
+            )
 
     def _failed(self, what: str, exc: BaseException, offset: int | None = None) -> WriteError:
         """Drop the temp file and return the error to raise (``what: ExcType: message``)."""

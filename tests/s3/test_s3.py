@@ -157,25 +157,11 @@ def test_missing_prefix_and_missing_object(s3, bucket):
         ds[6]
 
 
-_TEMP_DELETE_XFAIL = pytest.mark.xfail(
-    strict=True,
-    reason="atomic.py commits with fs.mv (copy, then delete the temp): when only the delete fails, "
-    "the final object exists but the writer reports failure, so parallel.py does not remove it",
-)
-
-
 @pytest.mark.parametrize(
     "fault",
     [
         pytest.param({"after": 0, "method": "PUT"}, id="first-upload"),
         pytest.param({"after": 3, "method": "PUT"}, id="fourth-put"),
-        pytest.param({"after": 1, "method": "POST", "query": "delete"}, id="idx-temp-delete"),
-        pytest.param(
-            {"after": 2, "method": "POST", "query": "delete"}, id="tar-temp-delete", marks=_TEMP_DELETE_XFAIL
-        ),
-        pytest.param(
-            {"after": 4, "method": "POST", "query": "delete"}, id="tar2-temp-delete", marks=_TEMP_DELETE_XFAIL
-        ),
     ],
 )
 def test_failed_cli_shard_run_leaves_no_final_object(s3, bucket, tmp_path, fault):
@@ -196,6 +182,61 @@ def test_failed_cli_shard_run_leaves_no_final_object(s3, bucket, tmp_path, fault
     assert "Traceback" not in r.stderr and "error" in r.stderr
     written = [p.rsplit("/", 1)[-1] for p in s3.filesystem().find(f"{bucket}/out")]
     assert [n for n in written if not n.startswith(".")] == [], (refused, written)
+
+
+# The commit copies the temp object to its final name, then deletes the temp (a DELETE request):
+# 4 shards of 3 samples, each its .idx then its .tar, then the manifest -> DELETEs 0..8.
+@pytest.mark.parametrize(
+    ("nth_delete", "stale"),
+    [
+        pytest.param(0, "shard-000000.idx", id="idx-temp-delete"),
+        pytest.param(1, "shard-000000.tar", id="tar-temp-delete"),
+        pytest.param(3, "shard-000001.tar", id="tar2-temp-delete"),
+        pytest.param(8, "manifest.json", id="manifest-temp-delete"),
+    ],
+)
+def test_refused_temp_delete_still_commits(s3, bucket, tmp_path, nth_delete, stale):
+    """Only the delete of a temp object (after its copy to the final name) is refused: the run
+    succeeds with every final object and the manifest right, the leftover temp is named in a
+    warning, and the next run into the prefix removes it."""
+    expected = _source_folder(tmp_path / "src", n=12)
+    url = f"s3://{bucket}/out"
+    args = ("shard", str(tmp_path / "src"), url, "--max-samples", "3", "--no-progress", "--json")
+    try:
+        s3.refuse(after=nth_delete, method="DELETE")
+        r = _cli(s3, *args)
+    finally:
+        s3.refuse(after=-1, count=0)
+    refused = [q for q in s3.requests() if q.refused]
+    assert [q.method for q in refused] == ["DELETE"]
+    assert r.returncode == 0, (refused, r.stdout, r.stderr)
+    assert json.loads(r.stdout)["shards"] == 4
+
+    fs = s3.filesystem()
+    names = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/out"))
+    temps = [n for n in names if n.startswith(".")]
+    assert len(temps) == 1 and temps[0].startswith(f".{stale}.tmp-"), names
+    assert refused[0].path == f"/{bucket}/out/{temps[0]}"
+    finals = [f"shard-00000{i}.{e}" for i in range(4) for e in ("idx", "tar")]
+    assert [n for n in names if not n.startswith(".")] == ["manifest.json", *finals]
+    assert "could not be removed" in r.stderr and f"{bucket}/out/{temps[0]}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+    manifest = json.loads(fs.cat_file(f"{bucket}/out/manifest.json"))
+    assert [(s["path"], s["samples"]) for s in manifest["shards"]] == [
+        (f"shard-00000{i}.tar", 3) for i in range(4)
+    ]
+    ds = open_dataset(url, **s3.storage_options)
+    got = {ds[i]["__key__"]: {k: v for k, v in ds[i].items() if k != "__key__"} for i in range(len(ds))}
+    assert got == expected
+    r = _cli(s3, "verify", url, "--no-progress", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["ok"], r.stdout
+
+    # a later run into the prefix (the writer's process is gone): the stale temp is removed
+    r = _cli(s3, *args, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    fs.invalidate_cache()
+    assert [p for p in fs.find(f"{bucket}/out") if p.rsplit("/", 1)[-1].startswith(".")] == []
 
 
 def test_denied_access_is_a_read_error(s3, bucket):
