@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from typing import Any
@@ -20,6 +21,24 @@ def parse_key_value(text: str, what: str = "option") -> tuple[str, Any]:
         return key, json.loads(value)
     except ValueError:
         return key, value
+
+
+def add_storage_option(parser: argparse.ArgumentParser, what: str) -> None:
+    """``-o/--storage-option KEY=VALUE`` (repeatable), the same flag on every subcommand that opens
+    a URL: fsspec options for ``what`` (e.g. s3fs's ``endpoint_url``, ``anon=true``)."""
+    parser.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"fsspec storage option for {what} (value parsed as JSON when it can be), repeatable",
+    )
+
+
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``-o`` pairs as a dict; ValueError naming the malformed one."""
+    return dict(parse_key_value(pair, "storage option") for pair in args.storage_option)
 
 
 def fail(command: str, message: object, code: int = 1) -> int:

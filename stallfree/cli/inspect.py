@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from stallfree.cli._common import fail
+from stallfree.cli._common import add_storage_option, fail, storage_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -19,11 +19,15 @@ def register(sub: argparse._SubParsersAction) -> None:
             "WebDataset tars without a manifest are indexed on the fly."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  stallfree inspect ./in1k-train\n  stallfree inspect s3://bucket/in1k-train --json",
+        epilog=(
+            "example:\n  stallfree inspect ./in1k-train\n  stallfree inspect s3://bucket/in1k-train --json\n"
+            "  stallfree inspect s3://bucket/in1k-train -o endpoint_url=http://127.0.0.1:9000 -o anon=true"
+        ),
     )
     p.add_argument("dataset", help="dataset directory (or its manifest.json): local path or fsspec URL")
     p.add_argument("--shards", type=int, default=5, help="list the first N shards (default 5)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    add_storage_option(p, "DATASET")
     p.set_defaults(func=run_inspect)
 
     v = sub.add_parser(
@@ -41,6 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--decode", action="store_true", help="also decode every image field with PIL")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
     v.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
+    add_storage_option(v, "DATASET")
     v.set_defaults(func=run_verify)
 
 
@@ -61,7 +66,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     from stallfree.shards.open import open_dataset
 
     try:
-        ds = open_dataset(args.dataset)  # plain tars without a manifest are indexed on the fly
+        options = storage_options(args)
+    except ValueError as exc:
+        return fail("inspect", exc, 2)
+    try:
+        ds = open_dataset(args.dataset, **options)  # plain tars without a manifest: indexed on the fly
         manifest = ds.manifest
         first = ds[0] if len(ds) else {}
     except (ShardError, OSError, ValueError) as exc:
@@ -116,15 +125,19 @@ def run_verify(args: argparse.Namespace) -> int:
     from stallfree.shards.verify import total_bytes, verify_dataset
 
     try:
+        options = storage_options(args)
+    except ValueError as exc:
+        return fail("verify", exc, 2)
+    try:
         with tqdm(
-            total=total_bytes(args.dataset),
+            total=total_bytes(args.dataset, **options),
             unit="B",
             unit_scale=True,
             desc="verifying",
             file=sys.stderr,
             disable=args.no_progress,
         ) as bar:
-            report = verify_dataset(args.dataset, decode=args.decode, progress=bar.update)
+            report = verify_dataset(args.dataset, decode=args.decode, progress=bar.update, **options)
     except (ShardError, OSError, ValueError) as exc:
         return fail("verify", exc)
     if args.json:

@@ -87,6 +87,9 @@ def sha256_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) ->
 # -- patterns -------------------------------------------------------------------------------
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
+# files a dataset without a manifest is made of: WebDataset tars, Arrow IPC (file or stream, e.g.
+# Hugging Face ``save_to_disk``), Parquet (e.g. a Hugging Face Parquet export)
+SHARD_SUFFIXES = (".tar", ".arrow", ".parquet")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -108,7 +111,8 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
-    """URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a manifest."""
+    """URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a manifest; a
+    directory without one yields its ``SHARD_SUFFIXES`` files (not its subdirectories')."""
     if "{" in url:
         return resolve_files(expand_braces(url), **storage_options)
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
@@ -119,15 +123,17 @@ def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem
         return fs, _common_root(paths), paths
     if path.endswith(".json"):
         return fs, posixpath.dirname(path), None
-    if path.endswith((".tar", ".arrow")):
+    if path.endswith(SHARD_SUFFIXES):
         return fs, posixpath.dirname(path), [path]
     if fs.exists(posixpath.join(path, MANIFEST_NAME)):  # before isdir: http has no directories
         return fs, path.rstrip("/"), None
     if not fs.isdir(path):
         raise MissingShardError(f"no dataset at {url}", shard=url)
-    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith((".tar", ".arrow")))
+    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(SHARD_SUFFIXES))
     if not names:
-        raise MissingShardError(f"{url} has no manifest.json and no .tar or .arrow files", shard=url)
+        raise MissingShardError(
+            f"{url} has no manifest.json and no .tar, .arrow or .parquet files", shard=url
+        )
     return fs, path.rstrip("/"), names
 
 

@@ -35,7 +35,7 @@ from stallfree.shards.errors import (
 from stallfree.shards.fields import is_image_field
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
-from stallfree.shards.scan import file_size, record_mismatches
+from stallfree.shards.scan import SHARD_SUFFIXES, file_size, record_mismatches
 from stallfree.shards.tar import BLOCK
 from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, walk_tar
 
@@ -292,6 +292,41 @@ def _add_capped(report: VerifyReport, errors: list[ShardError], what: str, shard
         report.errors.append(type(errors[0])(f"... and {len(errors) - MAX_LISTED} more {what}", shard=shard))
 
 
+def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], str]:
+    """The record batches of a table shard, front to back, in whichever layout ``open_dataset``
+    reads (``readers.open_batches``): Arrow IPC file (ours), Arrow IPC *stream* (Hugging Face
+    ``save_to_disk`` and ``datasets``' cache files, no footer), Parquet (``.parquet``). Returns
+    them with the layout's name for messages; CorruptShardError naming the shard if it is none."""
+    import pyarrow as pa
+
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            return pq.ParquetFile(f).iter_batches(), "Parquet file"
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptShardError(f"not a readable Parquet file: {exc}", shard=shard) from None
+    try:
+        reader = pa.ipc.open_file(f)
+    except pa.ArrowInvalid as file_exc:
+        f.seek(0)
+        try:
+            stream = pa.ipc.open_stream(f)
+        except (pa.ArrowInvalid, OSError):
+            raise CorruptShardError(
+                f"not a readable Arrow IPC file (neither the file nor the stream format): {file_exc}",
+                shard=shard,
+            ) from None
+        if any(pa.types.is_dictionary(t.type) for t in stream.schema):  # what the reader refuses
+            raise CorruptShardError(
+                "Arrow stream with dictionary-encoded columns: random access is not supported "
+                "(rewrite it with `stallfree shard ... --format arrow`)",
+                shard=shard,
+            ) from None
+        return iter(stream), "Arrow IPC stream"
+    return (reader.get_batch(b) for b in range(reader.num_record_batches)), "Arrow IPC file"
+
+
 def verify_arrow_shard(
     fs: fsspec.AbstractFileSystem,
     path: str,
@@ -302,8 +337,9 @@ def verify_arrow_shard(
     decode: bool = False,
     progress: ProgressFn | None = None,
 ) -> list[KeyAt]:
-    """Check one Arrow shard, adding problems to ``report``; returns its rows' keys (as the dataset
-    yields them: ``stem/row`` where the file has no ``__key__`` column) for the cross-shard check."""
+    """Check one table shard (Arrow IPC file or stream, or Parquet: ``_table_batches``), adding
+    problems to ``report``; returns its rows' keys (as the dataset yields them: ``stem/row`` where
+    the file has no ``__key__`` column) for the cross-shard check."""
     import pyarrow as pa
 
     shard = info.path
@@ -315,13 +351,14 @@ def verify_arrow_shard(
     errors.extend(record_mismatches(info, reader.pos, reader.sha.hexdigest() if hashes else None))
     stem = posixpath.splitext(shard)[0]
     found: list[KeyAt] = []  # as the dataset yields them; rows with a null key have none
+    layout = "Parquet file" if path.endswith(".parquet") else "Arrow IPC file"
+    b = -1
     try:
         with fs.open(path, mode="rb") as f:
-            ipc = pa.ipc.open_file(f)
+            batches, layout = _table_batches(f, path, shard)
             rows = 0
             seen: set[str] = set()
-            for b in range(ipc.num_record_batches):
-                batch = ipc.get_batch(b)
+            for b, batch in enumerate(batches):
                 try:
                     batch.validate(full=True)
                 except Exception as exc:  # noqa: BLE001 - pyarrow's validation errors vary by version
@@ -349,8 +386,12 @@ def verify_arrow_shard(
                                     if problem:
                                         errors.append(problem)
                 rows += batch.num_rows
+    except CorruptShardError as exc:
+        errors.append(exc)
+        return found
     except (pa.ArrowException, OSError, ValueError) as exc:
-        errors.append(CorruptShardError(f"not a readable Arrow IPC file: {exc}", shard=shard))
+        what = f"{layout} unreadable after record batch {b}" if b >= 0 else f"not a readable {layout}"
+        errors.append(CorruptShardError(f"{what}: {exc}", shard=shard))
         return found
     report.samples += rows
     if rows != info.samples:
@@ -455,11 +496,11 @@ def verify_dataset(
     naming shard files rather than a dataset raises MissingShardError (there is nothing to
     verify them against)."""
     fs, path = fsspec.core.url_to_fs(url, **storage_options)
-    if path.endswith((".tar", ".arrow")) or "{" in url or any(c in path for c in "*?["):
+    if path.endswith(SHARD_SUFFIXES) or "{" in url or any(c in path for c in "*?["):
         parent = posixpath.dirname(path)
         hint = (
             f"pass its dataset directory {fs.unstrip_protocol(parent)}"
-            if path.endswith((".tar", ".arrow")) and fs.exists(posixpath.join(parent, MANIFEST_NAME))
+            if path.endswith(SHARD_SUFFIXES) and fs.exists(posixpath.join(parent, MANIFEST_NAME))
             else f"write a manifest for plain tars with `stallfree index {url}`"
         )
         raise MissingShardError(
