@@ -21,6 +21,7 @@ _EXPORTS = {
     "ClusterCache": "stallfree.cache.cluster",
     "TieredCache": "stallfree.cache.tiered",
     "ImageDecode": "stallfree.gpu_decode.select",
+    "normalize": "stallfree.gpu_decode.normalize",
     "mix": "stallfree.mix",
     "TokenDataset": "stallfree.tokens.packing",
 }

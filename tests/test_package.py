@@ -47,3 +47,14 @@ def test_importing_the_package_does_not_import_torch():
     code = "import sys, stallfree, stallfree.cache, stallfree.shards, stallfree.gpu_decode; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def test_the_region_jpeg_decoder_is_built_in_the_dev_environment():
+    """scripts/setup.sh installs gcc and libjpeg-turbo's headers, so the optional C extension must
+    have been built here; without it the turbo tests would skip and the default decode path would
+    quietly be PIL's."""
+    from stallfree.gpu_decode import cpu
+
+    assert cpu.turbo_available(), (
+        "stallfree.gpu_decode._turbo missing: reinstall with libjpeg62-turbo-dev present"
+    )

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import torch
 
-_NP = {torch.float32: np.float32, torch.float16: np.float16}
+_NP = {torch.float32: np.float32, torch.float16: np.float16, torch.uint8: np.uint8}
 
 
 class BufferPool:

@@ -1,13 +1,15 @@
 """DALI-free decoder: decode, crop, resize, flip and normalise each image in a thread pool.
 
-Speed comes from decoding less, not from more threads: a JPEG is decoded at the smallest DCT
-scale (1/1, 1/2, 1/4, 1/8) that still covers the crop box at the output size, and the crop and
-the resize are one resampling call. JPEG goes through PIL with ``Image.draft`` (default), or
-through simplejpeg (``jpeg_library="simplejpeg"``: libjpeg-turbo straight into a numpy array, DCT
-scaling via ``min_width``/``min_height``; measured no faster, so not the default); CMYK JPEGs,
-PNGs and other formats always through PIL. Both libraries, and numpy's normalisation, release the
-GIL, so a thread pool scales across cores; each image is normalised straight into its slot of a
-(reused, see buffers.py) batch tensor by the thread that decoded it.
+Speed comes from decoding less, not from more threads. JPEGs go through our own libjpeg-turbo
+extension (``_turbo.c``, ``jpeg_library="turbo"``, the default where it was built): it decodes only
+the rows and iMCU columns the crop box's filter touches, at the smallest DCT scale (1/1, 1/2, 1/4,
+1/8) that still covers the box at the output size, and resamples straight into the CHW output,
+uint8 or normalised float32, in one call with the GIL released. Without the extension (no
+compiler or libjpeg headers at install time), JPEGs go through PIL with ``Image.draft`` (the same
+DCT scaling, whole image), or simplejpeg when asked; CMYK JPEGs, PNGs and other formats always
+through PIL. All of them release the GIL, so a thread pool scales across cores; each image is
+written straight into its row of a (reused, see buffers.py) batch tensor by the thread that
+decoded it.
 
 Interpolation is PIL's antialiased bilinear; DALI uses its own antialiased linear filter (and no
 DCT scaling), so outputs differ slightly — measured in tests/gpu_decode/test_agreement.py.
@@ -34,6 +36,18 @@ try:  # optional: ``pip install stallfree[fast]``
 except ImportError:  # pragma: no cover - depends on the environment
     simplejpeg = None
 
+try:  # built by setup.py where libjpeg-turbo's headers are present
+    from . import _turbo
+except ImportError:  # pragma: no cover - depends on the build
+    _turbo = None
+
+JPEG_LIBRARIES = ("auto", "turbo", "simplejpeg", "pil")
+
+
+def turbo_available() -> bool:
+    """Whether the region-of-interest JPEG extension was built into this install."""
+    return _turbo is not None
+
 
 class CpuDecoder:
     """Decodes a batch of encoded images into a normalised ``[N, 3, size, size]`` tensor on the CPU."""
@@ -49,17 +63,28 @@ class CpuDecoder:
         jpeg_library: str = "auto",
         reuse_buffers: int = 4,
     ) -> None:
-        if jpeg_library not in ("auto", "simplejpeg", "pil"):
-            raise ValueError(f"jpeg_library must be 'auto', 'simplejpeg' or 'pil', got {jpeg_library!r}")
+        if jpeg_library not in JPEG_LIBRARIES:
+            raise ValueError(f"jpeg_library must be one of {', '.join(JPEG_LIBRARIES)}, got {jpeg_library!r}")
         if jpeg_library == "simplejpeg" and simplejpeg is None:
             raise ImportError("jpeg_library='simplejpeg' needs simplejpeg: pip install stallfree[fast]")
+        if jpeg_library == "turbo" and _turbo is None:
+            raise ImportError(
+                "jpeg_library='turbo' needs stallfree's C extension, built at install time with a C "
+                "compiler and libjpeg-turbo's headers (Debian: apt-get install gcc libjpeg62-turbo-dev)"
+            )
+        if dtype not in (torch.float32, torch.float16, torch.uint8):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype}")
         self.size = size
         self.dtype = dtype
         self.num_threads = max(1, num_threads)
-        # "auto" is PIL: simplejpeg measured no faster end to end (decode + crop-resize, 1 thread,
-        # CPU time: 1.27 vs 1.16 ms/image at ImageNet sizes, 3.46 vs 3.59 at 2048 px; issue 5 notes
-        # in benchmarks/RESULTS.md), so it stays an explicit choice.
-        self.jpeg_library = "pil" if jpeg_library == "auto" else jpeg_library
+        # "auto": the region decoder where built (benchmarks/RESULTS.md, "Decode + augment"), else
+        # PIL: simplejpeg measured no faster end to end than PIL with draft (1.27 vs 1.16 ms/image
+        # at ImageNet sizes), so it stays an explicit choice.
+        if jpeg_library == "auto":
+            jpeg_library = "turbo" if _turbo is not None else "pil"
+        self.jpeg_library = jpeg_library
+        self._mean = [float(m) for m in mean]
+        self._inv_std = [1.0 / float(v) for v in std]
         self._mean_np = np.asarray(mean, np.float32).reshape(3, 1, 1)
         self._inv_std_np = (1.0 / np.asarray(std, np.float32)).reshape(3, 1, 1)
         self._pool: ThreadPoolExecutor | None = None
@@ -96,7 +121,8 @@ class CpuDecoder:
         boxes: Sequence[Box],
         alloc: Callable[..., torch.Tensor | None] | None = None,
     ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
-        """(normalised batch, [(position, error)]); failed positions hold zeros.
+        """(batch, [(position, error)]); failed positions hold zeros. The batch is normalised
+        (x - mean) / std in float dtypes, the decoded pixels as they are in uint8.
 
         ``alloc(shape, dtype)`` gives the output tensor (a loader worker's shared slot); when it
         also has ``put_row(dst, src)``, each image is normalised into a small per-thread buffer and
@@ -110,18 +136,16 @@ class CpuDecoder:
         failures: list[tuple[int, BaseException]] = []
 
         def one(i: int) -> None:
+            # put_row: into this thread's reused scratch (stays in cache), then into the slot
+            dst = out[i] if put_row is None else self._scratch(out.shape[1:], out.dtype)
             try:
-                arr = self.decode_one(datas[i], infos[i], boxes[i])
+                self.decode_into(dst, datas[i], infos[i], boxes[i])
             except Exception as exc:  # every decoder error becomes a per-sample failure
                 failures.append((i, exc))
                 out[i].zero_()
                 return
-            if put_row is None:
-                self.normalise_into(out[i], arr)
-                return
-            scratch = self._scratch(out.shape[1:], out.dtype)  # this thread's, reused: stays in cache
-            self.normalise_into(scratch, arr)
-            put_row(out[i], scratch)
+            if put_row is not None:
+                put_row(out[i], dst)
 
         if n > 1 and self.num_threads > 1:
             list(self._thread_pool().map(one, range(n)))
@@ -130,20 +154,45 @@ class CpuDecoder:
                 one(i)
         return out, sorted(failures, key=lambda f: f[0])
 
-    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        buf = getattr(self._local, "scratch", None)
+    def _scratch(self, shape: tuple[int, ...], dtype: torch.dtype, name: str = "scratch") -> torch.Tensor:
+        buf = getattr(self._local, name, None)
         if buf is None or tuple(buf.shape) != tuple(shape) or buf.dtype != dtype:
-            buf = self._local.scratch = torch.empty(shape, dtype=dtype)
+            buf = torch.empty(shape, dtype=dtype)
+            setattr(self._local, name, buf)
         return buf
+
+    def decode_into(self, dst: torch.Tensor, data: bytes, info: ImageInfo, box: Box) -> None:
+        """One image into ``dst`` (``[3, size, size]``, contiguous, this decoder's dtype)."""
+        if self.jpeg_library == "turbo" and info.format == "jpeg":
+            if dst.dtype == torch.float16:  # the extension writes uint8 or float32: uint8, then here
+                pixels = self._scratch(dst.shape, torch.uint8, "pixels")
+                if self._turbo_into(pixels, data, box):
+                    self.normalise_into(dst, pixels.numpy().transpose(1, 2, 0))
+                    return
+            elif self._turbo_into(dst, data, box):
+                return
+        self.normalise_into(dst, self.decode_one(data, info, box))
+
+    def _turbo_into(self, dst: torch.Tensor, data: bytes, box: Box) -> bool:
+        """Decode through the extension; False when it leaves this image to PIL (CMYK)."""
+        ok, _denom, _warnings, message = _turbo.decode_into(
+            data, box.x, box.y, box.w, box.h, self.size, box.flip, dst.numpy(), self._mean, self._inv_std
+        )
+        if ok is False:
+            raise BadImageError(message)
+        return ok is True
 
     def normalise_into(self, dst: torch.Tensor, arr: np.ndarray) -> None:
         """uint8 HWC -> (x - mean) / std, CHW, written into ``dst``, in the worker thread while the
-        image is still in cache. numpy rather than torch: torch's intra-op threads, started from
-        every pool thread at once, oversubscribe the cores (measured 0.05 -> 4.8 ms per image on a
-        busy 2-core machine); numpy's loops run in the calling thread with the GIL released."""
+        image is still in cache (uint8 ``dst``: the pixels as they are). numpy rather than torch:
+        torch's intra-op threads, started from every pool thread at once, oversubscribe the cores
+        (measured 0.05 -> 4.8 ms per image on a busy 2-core machine); numpy's loops run in the
+        calling thread with the GIL released."""
         src = arr[..., :3].transpose(2, 0, 1)
         out = dst.numpy()
-        if out.dtype == np.float32:
+        if out.dtype == np.uint8:
+            np.copyto(out, src)
+        elif out.dtype == np.float32:
             np.subtract(src, self._mean_np, out=out)
             np.multiply(out, self._inv_std_np, out=out)
         else:

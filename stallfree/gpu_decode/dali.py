@@ -68,8 +68,8 @@ class DaliDecoder:
     ) -> None:
         if not dali_available():
             raise ImportError(INSTALL_HINT)
-        if dtype not in (torch.float32, torch.float16):
-            raise ValueError(f"dtype must be torch.float32 or torch.float16, got {dtype}")
+        if dtype not in (torch.float32, torch.float16, torch.uint8):
+            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype}")
         if not 0.0 <= hw_decoder_load <= 1.0:
             raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
         self.size = size
@@ -106,7 +106,9 @@ class DaliDecoder:
         from nvidia.dali import fn, pipeline_def, types
 
         gpu = self.device_id is not None
-        dali_dtype = types.FLOAT16 if self.dtype == torch.float16 else types.FLOAT
+        dali_dtype = {torch.float16: types.FLOAT16, torch.uint8: types.UINT8}.get(self.dtype, types.FLOAT)
+        # uint8: the pixels as decoded (crop_mirror_normalize then only mirrors and transposes)
+        mean, std = ([0.0] * 3, [1.0] * 3) if self.dtype == torch.uint8 else (self.mean, self.std)
 
         @pipeline_def
         def graph():
@@ -128,7 +130,7 @@ class DaliDecoder:
             )
             img = fn.resize(img, size=(self.size, self.size), interp_type=types.INTERP_LINEAR, antialias=True)
             return fn.crop_mirror_normalize(
-                img, mirror=mirror, dtype=dali_dtype, output_layout="CHW", mean=self.mean, std=self.std
+                img, mirror=mirror, dtype=dali_dtype, output_layout="CHW", mean=mean, std=std
             )
 
         pipe = graph(

@@ -14,6 +14,7 @@ from .conftest import samples_from
 
 BACKENDS = [
     pytest.param({"backend": "dali"}, id="dali-cpu"),
+    pytest.param({"backend": "cpu", "jpeg_library": "turbo"}, id="cpu-turbo"),
     pytest.param({"backend": "cpu", "jpeg_library": "pil"}, id="cpu-pil"),
     pytest.param({"backend": "cpu", "jpeg_library": "simplejpeg"}, id="cpu-simplejpeg"),
 ]
@@ -157,7 +158,13 @@ def test_forcing_dali_without_dali_says_how_to_install(monkeypatch):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"backend": "tpu"}, {"dtype": "int8"}, {"std": (1.0, 0.0, 1.0)}, {"size": 0}, {"jpeg_library": "turbo"}],
+    [
+        {"backend": "tpu"},
+        {"dtype": "int8"},
+        {"std": (1.0, 0.0, 1.0)},
+        {"size": 0},
+        {"jpeg_library": "libjpeg"},
+    ],
 )
 def test_bad_arguments(kwargs):
     with pytest.raises(ValueError):
