@@ -24,22 +24,33 @@ from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
 from .cpu import CpuDecoder
 from .dali import INSTALL_HINT, DaliDecoder, dali_available
 from .header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
+from .normalize import normalize
 
 _DTYPES = {
     "float32": torch.float32,
     "float16": torch.float16,
+    "uint8": torch.uint8,
     torch.float32: torch.float32,
     torch.float16: torch.float16,
+    torch.uint8: torch.uint8,
 }
 
 
 class ImageDecode:
     """Decode + augment a batch of raw samples into ``{"image", "label", "__key__"}``.
 
-    ``image``: ``[N, 3, size, size]`` normalised ``dtype`` tensor (on the GPU for the DALI mixed
-    backend); ``label``: int64 ``[N]`` from ``label_field`` (-1 where a sample has none), on the
+    ``image``: ``[N, 3, size, size]`` tensor (on the GPU for the DALI mixed backend): normalised
+    ``(x - mean) / std`` for float dtypes; for ``dtype="uint8"`` the crop-resized pixels as they are,
+    to normalise yourself (``stallfree.normalize(batch["image"])``, e.g. on the GPU in the training
+    step); ``label``: int64 ``[N]`` from ``label_field`` (-1 where a sample has none), on the
     same device; ``__key__``: the sample keys. ``train`` picks random-resized-crop + flip (random
     per ``seed`` passed by the loader and per sample key) or resize + centre crop.
+
+    ``transfer="uint8"`` with a float ``dtype``: the CPU backend's workers write uint8 pixels, a
+    quarter of the bytes through shared memory and over PCIe, and the loader normalises them into
+    ``dtype`` where it is cheapest: on the GPU right after the copy, on the copy stream, when the
+    loader has ``device=``; otherwise in the main process before the batch is handed over. Values
+    equal ``transfer=None``'s (bit for bit on the CPU, float rounding on the GPU).
 
     ``device``: the GPU to decode on (default: torch's current device, which each rank sets with
     ``torch.cuda.set_device(local_rank)``); ``"cpu"`` keeps everything on the CPU. ``num_threads``:
@@ -59,6 +70,7 @@ class ImageDecode:
         backend: str = "auto",
         *,
         dtype: str | torch.dtype = "float32",
+        transfer: str | torch.dtype | None = None,
         mean: Sequence[float] = IMAGENET_MEAN,
         std: Sequence[float] = IMAGENET_STD,
         scale: tuple[float, float] = (0.08, 1.0),
@@ -81,13 +93,16 @@ class ImageDecode:
         if backend not in ("auto", "dali", "cpu"):
             raise ValueError(f"backend must be 'auto', 'dali' or 'cpu', got {backend!r}")
         if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be 'float32' or 'float16', got {dtype!r}")
+            raise ValueError(f"dtype must be 'float32', 'float16' or 'uint8', got {dtype!r}")
+        if transfer is not None and _DTYPES.get(transfer) != torch.uint8:
+            raise ValueError(f"transfer must be None or 'uint8', got {transfer!r}")
         if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
             raise ValueError("mean and std need 3 values each, std > 0 (0-255 pixel scale)")
         self.preset = Preset(
             train=train, size=size, scale=scale, ratio=ratio, flip_p=flip_p, resize_size=resize_size
         )
         self.dtype = _DTYPES[dtype]
+        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(v) for v in std)
         self.image_field = image_field
         self.label_field = label_field
         self.max_pixels = max_pixels
@@ -98,7 +113,7 @@ class ImageDecode:
         common = {
             "mean": mean,
             "std": std,
-            "dtype": self.dtype,
+            "dtype": self.dtype,  # the CPU backend's: set to the transfer dtype below
             "num_threads": threads,
             "reuse_buffers": reuse_buffers,
         }
@@ -109,9 +124,23 @@ class ImageDecode:
             )
             self.device = self._decoder.device
         else:
+            if transfer is not None:  # only the worker-run backend has a transfer to shrink
+                common["dtype"] = _DTYPES[transfer]
             self._decoder = CpuDecoder(size, jpeg_library=jpeg_library, **common)
             self.device = torch.device("cpu")
         self._stats = {"batches": 0, "images": 0, "failures": 0, "decode_s": 0.0}
+
+    @property
+    def needs_finish(self) -> bool:
+        """Whether decoded batches still need ``finish`` (uint8 transfer into a float dtype)."""
+        return self._decoder.dtype != self.dtype
+
+    def finish(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """Normalise a transferred uint8 batch into ``dtype``, where it now is (the loader calls
+        this after its device copy, on the copy stream)."""
+        if not self.needs_finish or batch["image"].dtype != torch.uint8:
+            return batch
+        return dict(batch, image=normalize(batch["image"], self.mean, self.std, self.dtype))
 
     @property
     def runs_in_workers(self) -> bool:
@@ -169,7 +198,7 @@ class ImageDecode:
             raise BatchDecodeError(sorted(failures, key=lambda f: f[0]))
         if not good:
             images = torch.empty(
-                (0, 3, self.preset.size, self.preset.size), dtype=self.dtype, device=self.device
+                (0, 3, self.preset.size, self.preset.size), dtype=self._decoder.dtype, device=self.device
             )
         label_t = torch.tensor(labels, dtype=torch.int64)
         if self.device.type != "cpu":

@@ -435,6 +435,7 @@ class DataLoader(tud.DataLoader[T_co]):
             device=self._device,
             decode_batch=self._decode if hasattr(self._decode, "decode_batch") and not in_workers else None,
             worker_decode=in_workers,
+            finish=self._decode.finish if getattr(self._decode, "needs_finish", False) else None,
             on_error=self._on_error,
             budget=failure_budget(self._max_failures, samples) if self._on_error != "raise" else None,
             timeout=self.timeout or 0,

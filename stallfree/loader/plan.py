@@ -91,6 +91,7 @@ class MainPlan:
     device: torch.device | None
     decode_batch: Any  # a batch decoder run here (None: none, or it runs in the workers)
     worker_decode: bool  # the workers run the batch decoder: tasks carry the batch's seed
+    finish: Any  # batch -> batch after the device copy, on its stream (uint8 -> float); None: none
     on_error: str
     budget: int | None  # failures allowed this epoch (None: no limit / on_error="raise")
     timeout: float  # torch's ``timeout``: the longest wait for one batch (0: none)

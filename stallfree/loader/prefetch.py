@@ -133,7 +133,9 @@ class Assembler:
                 return self.out_q.get(timeout=_POLL_S)
             except queue.Empty:
                 if not self.thread.is_alive() and self.out_q.empty():
-                    return Failed(LoaderError("the loader's assembler thread stopped unexpectedly"), fatal=True)
+                    return Failed(
+                        LoaderError("the loader's assembler thread stopped unexpectedly"), fatal=True
+                    )
                 if timeout and time.monotonic() - start > timeout:
                     # torch's message; what each worker was doing goes into a note (shown with the
                     # traceback, not part of the message scripts match against)
@@ -295,6 +297,8 @@ class Assembler:
         event = None
         if self.plan.device is not None:
             batch, event = self._to_device(batch)
+        elif self.plan.finish is not None:
+            batch = self._finish(batch)
         return Ready(batch, positions, msg.seq, good, event)
 
     def _adopt(self, msg: BatchReady) -> torch.UntypedStorage:
@@ -309,11 +313,14 @@ class Assembler:
             self.stats.failures += 1
             self.stats.failed.append((f.index, f.key, f.reason))
             if self.plan.on_error == "warn":
-                logger.warning("skipping sample %s (key %r): %s failed: %s", f.index, f.key, f.stage, f.reason)
+                logger.warning(
+                    "skipping sample %s (key %r): %s failed: %s", f.index, f.key, f.stage, f.reason
+                )
         budget = self.plan.budget
         if budget is not None and len(self._failures) > budget:
             raise FailureBudgetExceeded(
-                f"{len(self._failures)} samples failed, more than max_failures allows ({budget})", self._failures
+                f"{len(self._failures)} samples failed, more than max_failures allows ({budget})",
+                self._failures,
             )
 
     def _decode(self, seq: int, samples: list[Any], indices: list[Any]) -> tuple[Any, int]:
@@ -328,7 +335,10 @@ class Assembler:
                 self.plan.on_error,
             )
             self._count_failures(
-                [FailedSample(f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}") for f in outcome.failures]
+                [
+                    FailedSample(f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}")
+                    for f in outcome.failures
+                ]
             )
             out = outcome.batch
             if out is not None and self.plan.pin_memory:
@@ -343,12 +353,23 @@ class Assembler:
         if self.stream is not None:
             with torch.cuda.stream(self.stream):
                 batch = _to_device(batch, device, non_blocking=True)
+                if self.plan.finish is not None:  # on the copy stream: ordered after the copy
+                    batch = self.plan.finish(batch)
                 event = torch.cuda.Event()
                 event.record(self.stream)
         else:
             batch = _to_device(batch, device, non_blocking=False)
+            if self.plan.finish is not None:
+                batch = self.plan.finish(batch)
         self.stats.add_stages({"device_s": time.perf_counter() - t0})
         return batch, event
+
+    def _finish(self, batch: Any) -> Any:
+        """The decoder's last step where there is no device copy (uint8 -> float, on the CPU)."""
+        t0 = time.perf_counter()
+        batch = self.plan.finish(batch)
+        self.stats.add_stages({"finish_s": time.perf_counter() - t0})
+        return batch
 
     def _check_workers(self, last_seen: list[float]) -> None:
         eng, outstanding = self.engine, self.outstanding

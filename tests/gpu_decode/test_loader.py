@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stallfree.gpu_decode.normalize import normalize
 from stallfree.gpu_decode.select import ImageDecode
 from stallfree.shards.errors import BatchDecodeError
 from stallfree.shards.open import open_dataset
@@ -146,3 +147,54 @@ def test_workers_decode_through_the_mapping_when_no_slot_file(shards, monkeypatc
     keys, _, imgs = _epoch(main)
     keys_w, _, imgs_w = _epoch(in_workers)
     assert keys_w == keys and all(torch.equal(imgs[k], imgs_w[k]) for k in keys)
+
+
+def _images_by_key(loader) -> dict[str, torch.Tensor]:
+    out = {}
+    for batch in loader:
+        for k, img in zip(batch["__key__"], batch["image"], strict=True):
+            out[k] = img.cpu().clone()
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_uint8_transfer_delivers_the_float_batches_bit_for_bit(shards, num_workers):
+    """transfer="uint8": workers write uint8 rows, the main process normalises; the consumer
+    sees exactly what the float32 decode gives, and the uint8 dtype gives those pixels raw."""
+    got = {}
+    for name, kwargs in {"float": {}, "transfer": {"transfer": "uint8"}, "uint8": {"dtype": "uint8"}}.items():
+        dec = ImageDecode(train=True, size=32, backend="cpu", num_threads=1, **kwargs)
+        loader = dataloader.DataLoader(
+            open_dataset(str(shards / "good")),
+            batch_size=6,
+            shuffle=True,
+            seed=3,
+            num_workers=num_workers,
+            decode=dec,
+        )
+        got[name] = _images_by_key(loader)
+    assert sorted(got["float"]) == sorted(got["transfer"]) == sorted(got["uint8"]) and len(got["float"]) == N
+    for key, img in got["float"].items():
+        assert got["transfer"][key].dtype == torch.float32 and torch.equal(got["transfer"][key], img)
+        assert got["uint8"][key].dtype == torch.uint8
+        assert torch.equal(normalize(got["uint8"][key]), img)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (normalisation on the copy stream)")
+def test_uint8_transfer_normalises_on_the_device_like_the_cpu(shards):
+    got = {}
+    for name, kwargs in {"cpu": ({}, None), "cuda": ({"transfer": "uint8"}, "cuda")}.items():
+        dec = ImageDecode(train=True, size=32, backend="cpu", num_threads=1, device="cpu", **kwargs[0])
+        loader = dataloader.DataLoader(
+            open_dataset(str(shards / "good")),
+            batch_size=6,
+            shuffle=True,
+            seed=3,
+            num_workers=2,
+            decode=dec,
+            device=kwargs[1],
+            pin_memory=kwargs[1] is not None,
+        )
+        got[name] = _images_by_key(loader)
+    for key, img in got["cpu"].items():
+        assert torch.allclose(got["cuda"][key], img, rtol=0, atol=1e-6)
