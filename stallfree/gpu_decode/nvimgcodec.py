@@ -27,6 +27,7 @@ same code path be exercised on a machine without a GPU.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import threading
@@ -55,6 +56,20 @@ def nvimgcodec_available() -> bool:
         return importlib.util.find_spec("nvidia.nvimgcodec") is not None
     except (ImportError, ValueError):  # "nvidia" itself missing or broken
         return False
+
+
+@functools.cache
+def nvimgcodec_importable() -> bool:
+    """Whether nvImageCodec imports (its native library loads), asked only when ``auto`` would pick
+    it: on a GPU machine without DALI, where it is then imported anyway."""
+    if not nvimgcodec_available():
+        return False
+    try:
+        _module()
+    except (ImportError, OSError) as exc:
+        log.warning("nvImageCodec is installed but does not import: %s", exc)
+        return False
+    return True
 
 
 def _module() -> Any:

@@ -2,7 +2,9 @@
 
 Backend choice (``backend="auto"``):
 1. DALI with ``device="mixed"`` on the rank's GPU, when CUDA and DALI are both present;
-2. otherwise the DALI-free CPU decoder. DALI's CPU operators are used only when asked for
+2. nvImageCodec (region decode, hardware JPEG decoder where present) on the rank's GPU, when CUDA
+   is present, DALI is not, and nvImageCodec imports;
+3. otherwise the DALI-free CPU decoder. DALI's CPU operators are used only when asked for
    (``backend="dali"`` without a GPU): on the 2-core reference machine our CPU decoder used less
    CPU per image than DALI's CPU pipeline in every run, train and eval presets (figures and
    command in benchmarks/RESULTS.md, "Decode + augment"), so the slower path is not auto-picked.
@@ -25,6 +27,8 @@ from .cpu import CpuDecoder
 from .dali import INSTALL_HINT, DaliDecoder, dali_available
 from .header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
 from .normalize import normalize
+from .nvimgcodec import INSTALL_HINT as NVIMGCODEC_HINT
+from .nvimgcodec import NvImageCodecDecoder, nvimgcodec_available, nvimgcodec_importable
 
 _DTYPES = {
     "float32": torch.float32,
@@ -90,8 +94,8 @@ class ImageDecode:
             isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
         ):
             raise ValueError(f"max_pixels must be a positive int or None, got {max_pixels!r}")
-        if backend not in ("auto", "dali", "cpu"):
-            raise ValueError(f"backend must be 'auto', 'dali' or 'cpu', got {backend!r}")
+        if backend not in ("auto", "dali", "nvimgcodec", "cpu"):
+            raise ValueError(f"backend must be 'auto', 'dali', 'nvimgcodec' or 'cpu', got {backend!r}")
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'float32', 'float16' or 'uint8', got {dtype!r}")
         if transfer is not None and _DTYPES.get(transfer) != torch.uint8:
@@ -119,8 +123,14 @@ class ImageDecode:
         }
         if self.backend == "dali":
             dali_gpu = gpu_id if torch.cuda.is_available() else None
-            self._decoder: DaliDecoder | CpuDecoder = DaliDecoder(
+            self._decoder: DaliDecoder | NvImageCodecDecoder | CpuDecoder = DaliDecoder(
                 size, device_id=dali_gpu, hw_decoder_load=hw_decoder_load, **common
+            )
+            self.device = self._decoder.device
+        elif self.backend == "nvimgcodec":
+            nv_gpu = gpu_id if torch.cuda.is_available() else None
+            self._decoder = NvImageCodecDecoder(
+                size, device_id=nv_gpu, hw_decoder_load=hw_decoder_load, **common
             )
             self.device = self._decoder.device
         else:
@@ -186,7 +196,7 @@ class ImageDecode:
             boxes.append(self.preset.box(info.width, info.height, seed, key))
             good.append(i)
         if good:
-            if isinstance(self._decoder, DaliDecoder):
+            if isinstance(self._decoder, (DaliDecoder, NvImageCodecDecoder)):
                 images, bad = self._decoder.decode(datas, boxes)
             else:
                 images, bad = self._decoder.decode(datas, infos, boxes, alloc=alloc)
@@ -219,6 +229,12 @@ class ImageDecode:
         )
         if isinstance(self._decoder, DaliDecoder):
             s.update(dali_rebuilds=self._decoder.rebuilds, hw_decoder_load=self._decoder.hw_decoder_load)
+        elif isinstance(self._decoder, NvImageCodecDecoder):
+            s.update(
+                nvimgcodec_backends=self._decoder.backends,
+                nvimgcodec_batch_retries=self._decoder.batch_retries,
+                hw_decoder_load=self._decoder.hw_decoder_load,
+            )
         else:
             s["jpeg_library"] = self._decoder.jpeg_library
         return s
@@ -267,8 +283,17 @@ def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
         if not has_dali:
             raise ImportError(INSTALL_HINT)
         return "dali", "forced by backend='dali'" + ("" if has_cuda else " (no CUDA: DALI CPU operators)")
+    if backend == "nvimgcodec":
+        if not nvimgcodec_available():
+            raise ImportError(NVIMGCODEC_HINT)
+        why = "" if has_cuda else " (no CUDA: nvImageCodec CPU decoders)"
+        return "nvimgcodec", f"forced by backend='nvimgcodec'{why}"
     if has_dali and has_cuda:
         return "dali", f"auto: CUDA device {gpu_id} and DALI present -> DALI mixed (GPU) decode"
+    if has_cuda and not has_dali and nvimgcodec_importable():
+        return "nvimgcodec", (
+            f"auto: CUDA device {gpu_id}, DALI not installed, nvImageCodec present -> nvImageCodec GPU decode"
+        )
     if not has_dali:
         return "cpu", "auto: DALI not installed -> CPU decoder (pip install stallfree[dali] for DALI)"
     why = "device is the CPU" if torch.cuda.is_available() else "no CUDA"
