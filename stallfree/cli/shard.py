@@ -29,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "  stallfree shard ./imagenet/train ./in1k-train --format tar --max-bytes 256MB --workers 8\n"
             "  stallfree shard 'tokens/*.parquet' s3://bucket/tokens --format arrow --max-samples 100000\n"
             "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json\n"
+            "  stallfree shard ./imagenet/train ./in1k-320 --max-side 320 --quality 90 --workers 8\n"
             "  stallfree shard 'text/*.jsonl' ./tokens --tokenizer tokenizer.json --token-layout megatron"
         ),
     )
@@ -55,6 +56,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--name", default="shard-{index:06d}", help="shard name pattern (default shard-{index:06d})"
+    )
+    p.add_argument(
+        "--max-side",
+        type=int,
+        default=None,
+        metavar="N",
+        help="re-encode images whose long side is over N px to a long side of N (aspect kept); "
+        "smaller images keep their bytes; recorded in the manifest",
+    )
+    p.add_argument(
+        "--quality",
+        type=int,
+        default=None,
+        metavar="Q",
+        help="JPEG/WebP quality for images --max-side re-encodes, 1-100 (default 90)",
     )
     p.add_argument(
         "-o",
@@ -172,6 +188,7 @@ def run_shard(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-samples must be positive, got {args.max_samples}")
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        transform = _downscale(args)
     except ValueError as exc:
         return fail("shard", exc, 2)
     if args.tokenizer is not None:
@@ -213,6 +230,7 @@ def run_shard(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             progress=progress,
             on_plan=on_plan,
+            transform=transform,
             **options,
         )
     except (ShardError, ValueError, OSError) as exc:
@@ -230,6 +248,11 @@ def run_shard(args: argparse.Namespace) -> int:
         f"to {args.dst} in {info['seconds']:.2f}s ({info['mb_per_s'] or 0:,.1f} MB/s)"
     )
     print(f"manifest: {info['manifest']}")
+    if transform is not None:
+        t = info["transform"]
+        print(
+            f"resized {t['resized']:,} image(s) to a long side of {t['max_side']} px (quality {t['quality']})"
+        )
     if summary.skipped:
         print(f"skipped {len(summary.skipped)} unreadable source item(s) (listed in the manifest):")
         for s in summary.skipped[:20]:
@@ -239,6 +262,23 @@ def run_shard(args: argparse.Namespace) -> int:
     else:
         print("skipped: none")
     return 0
+
+
+def _downscale(args: argparse.Namespace) -> Any:
+    """The ``--max-side`` transform, or None; ValueError for flags that do not go together."""
+    if args.max_side is None:
+        if args.quality is not None:
+            raise ValueError("--quality applies only with --max-side")
+        return None
+    if args.tokenizer is not None:
+        raise ValueError("--max-side applies to image shards, not with --tokenizer")
+    if args.max_side < 1:
+        raise ValueError(f"--max-side must be a positive number of pixels, got {args.max_side}")
+    if args.quality is not None and not 1 <= args.quality <= 100:
+        raise ValueError(f"--quality must be from 1 to 100, got {args.quality}")
+    from stallfree.gpu_decode.downscale import DEFAULT_QUALITY, Downscale
+
+    return Downscale(args.max_side, DEFAULT_QUALITY if args.quality is None else args.quality)
 
 
 def run_index(args: argparse.Namespace) -> int:

@@ -67,7 +67,9 @@ class Manifest:
 
     ``field_types`` (Arrow only) maps field -> Arrow type string; ``classes`` is the label names
     (index = ``cls`` value) when the source had classes; ``skipped`` lists source items left out
-    (``{"source": ..., "error": ...}``); ``extra`` keeps unknown top-level keys on round trips.
+    (``{"source": ..., "error": ...}``); ``transform`` says how samples were rewritten while
+    sharding (``{"max_side": N, "quality": Q, "resample": ..., "resized": count}`` for
+    ``stallfree shard --max-side``); ``extra`` keeps unknown top-level keys on round trips.
     """
 
     version: int
@@ -77,6 +79,7 @@ class Manifest:
     classes: list[str] | None = None
     skipped: list[dict[str, Any]] = field(default_factory=list)
     field_types: dict[str, str] | None = None
+    transform: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -124,6 +127,8 @@ class Manifest:
         )
         if self.field_types is not None:
             obj["field_types"] = dict(self.field_types)
+        if self.transform is not None:
+            obj["transform"] = dict(self.transform)
         return obj
 
     def dumps(self) -> str:
@@ -161,7 +166,9 @@ class Manifest:
         field_types = obj.get("field_types")
         if field_types is not None and not isinstance(field_types, dict):
             raise ManifestError(f"{where}: 'field_types' must be an object")
-        known = {"version", "format", "fields", "shards", "classes", "skipped", "field_types"}
+        transform = obj.get("transform")
+        _check_transform(transform, where)
+        known = {"version", "format", "fields", "shards", "classes", "skipped", "field_types", "transform"}
         return cls(
             version=version,
             format=fmt,
@@ -170,6 +177,7 @@ class Manifest:
             classes=list(classes) if classes is not None else None,
             skipped=list(skipped),
             field_types=dict(field_types) if field_types is not None else None,
+            transform=dict(transform) if transform is not None else None,
             extra={k: v for k, v in obj.items() if k not in known},
         )
 
@@ -227,6 +235,26 @@ class Manifest:
         if replacing is not None:
             remove_replaced(fs, root, replacing, self)
         return path
+
+
+def _check_transform(transform: Any, where: str) -> None:
+    """``transform`` is null or an object whose size settings are integers in range."""
+    if transform is None:
+        return
+    if not isinstance(transform, dict):
+        raise ManifestError(f"{where}: 'transform' must be an object or null")
+    for name, low, high in (("max_side", 1, None), ("quality", 1, 100), ("resized", 0, None)):
+        if name not in transform:
+            continue
+        value = transform[name]
+        if (
+            not isinstance(value, int)
+            or isinstance(value, bool)
+            or value < low
+            or (high is not None and value > high)
+        ):
+            bound = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise ManifestError(f"{where}: transform {name} must be an integer {bound}: {value!r}")
 
 
 def _manifest_path(

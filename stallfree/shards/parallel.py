@@ -27,12 +27,12 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 
 from stallfree.shards.atomic import OverlappedHashFile, check_writable, remove_stale_temps
-from stallfree.shards.errors import WriteError
+from stallfree.shards.errors import SampleDecodeError, WriteError
 from stallfree.shards.idx import idx_path_for
 from stallfree.shards.manifest import (
     FORMAT_VERSION,
@@ -54,6 +54,18 @@ ARROW_FIELD_OVERHEAD = 96
 DEFAULT_NAME = "shard-{index:06d}"
 _OVERLAP_HASH = True  # hash tar shards on a helper thread (benchmarks/bench_shard.py compares both)
 ProgressFn = Callable[[int, int], None]  # (samples, bytes) just written
+
+
+class SampleTransform(Protocol):
+    """A deterministic, picklable rewrite of each sample before it is written (``stallfree shard
+    --max-side``: ``gpu_decode/downscale.py``). ``apply`` returns the sample to write and how many
+    of its fields it changed, or raises ``SampleDecodeError`` (the run's ``on_error`` applies);
+    ``record(changed)`` is the manifest's ``transform`` entry. Shards are planned from the
+    original sizes, so a shrinking transform leaves them under ``max_bytes``."""
+
+    def apply(self, sample: dict[str, Any]) -> tuple[dict[str, Any], int]: ...
+
+    def record(self, changed: int) -> dict[str, Any]: ...
 
 
 def item_cost(item: Item, fmt: str) -> int:
@@ -112,6 +124,7 @@ class ShardResult:
     fields: list[str]
     field_types: dict[str, str] | None
     skipped: list[dict[str, str]] = field(default_factory=list)
+    transformed: int = 0  # fields the transform changed
 
 
 @dataclass
@@ -141,6 +154,7 @@ class ShardSummary:
             "mb_per_s": round(self.bytes / 1e6 / self.seconds, 1) if self.seconds > 0 else None,
             "skipped": self.skipped,
             "manifest": self.manifest_path,
+            **({"transform": self.manifest.transform} if self.manifest.transform is not None else {}),
         }
 
 
@@ -183,16 +197,24 @@ def write_shard(
     on_error: str = "raise",
     schema: Any = None,
     progress: ProgressFn | None = None,
+    transform: SampleTransform | None = None,
 ) -> ShardResult:
-    """Write one shard from ``items``; unreadable items raise or are skipped per ``on_error``.
-    A shard whose items were all skipped is not written (``info`` None)."""
+    """Write one shard from ``items``; unreadable items (and samples ``transform`` rejects) raise
+    or are skipped per ``on_error``. A shard whose items were all skipped is not written."""
     writer = _writer_for(fmt, path, fs, schema)
     skipped: list[dict[str, str]] = []
+    transformed = 0
     try:
         # Read inline, one sample at a time: a read-ahead thread (tried) cost more than it saved
         # here (a third thread competing with the hash thread for 2 cores, a queue hop per sample,
         # more sample memory in flight to fault in); the kernel already reads ahead within a file.
         for item, sample in zip(items, source.read_many(items), strict=True):
+            if transform is not None and not isinstance(sample, SourceReadError):
+                try:
+                    sample, changed = transform.apply(sample)
+                    transformed += changed
+                except SampleDecodeError as exc:  # named in the reason: a skip lists the reason
+                    sample = SourceReadError(str(exc), path=item.name)
             if isinstance(sample, SourceReadError):
                 if on_error == "raise":
                     raise sample
@@ -204,7 +226,7 @@ def write_shard(
                 progress(1, n)
         if writer.samples == 0:
             writer.abort()
-            return ShardResult(index, None, [], None, skipped)
+            return ShardResult(index, None, [], None, skipped, transformed)
         info = writer.close()
     except BaseException:
         writer.abort()
@@ -213,7 +235,7 @@ def write_shard(
                 fs.rm_file(idx_path_for(path))
         raise
     types = {f.name: str(f.type) for f in writer.schema if f.name != "__key__"} if fmt == "arrow" else None
-    return ShardResult(index, info, writer.fields, types, skipped)
+    return ShardResult(index, info, writer.fields, types, skipped, transformed)
 
 
 # -- worker processes -----------------------------------------------------------------------------
@@ -238,7 +260,13 @@ def _init_worker(source: Source, fs_url: str, storage_options: dict, progress_q:
 
 
 def _worker_shard(
-    items: list[Item], index: int, path: str, fmt: str, on_error: str, schema: Any
+    items: list[Item],
+    index: int,
+    path: str,
+    fmt: str,
+    on_error: str,
+    schema: Any,
+    transform: SampleTransform | None = None,
 ) -> ShardResult:
     q = _WORKER["q"]
     pending = [0, 0, time.monotonic()]
@@ -262,6 +290,7 @@ def _worker_shard(
             on_error=on_error,
             schema=schema,
             progress=report,
+            transform=transform,
         )
     finally:
         if pending[0] or pending[1]:
@@ -290,10 +319,12 @@ def shard_dataset(
     overwrite: bool = False,
     progress: ProgressFn | None = None,
     on_plan: Callable[[int, int, int], None] | None = None,
+    transform: SampleTransform | None = None,
     **storage_options: Any,
 ) -> ShardSummary:
     """Shard ``source`` into ``dst`` (any fsspec URL). ``on_plan(samples, shards, bytes)`` is
-    called once the plan is made; ``progress(samples, bytes)`` as samples are written."""
+    called once the plan is made; ``progress(samples, bytes)`` as samples are written;
+    ``transform`` rewrites each sample before it is written (recorded in the manifest)."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
     if workers < 1:
@@ -350,11 +381,22 @@ def shard_dataset(
                         on_error=on_error,
                         schema=schema,
                         progress=progress,
+                        transform=transform,
                     )
                 )
         else:
             _run_pool(
-                source, jobs, format, on_error, schema, workers, dst, storage_options, progress, results
+                source,
+                jobs,
+                format,
+                on_error,
+                schema,
+                workers,
+                dst,
+                storage_options,
+                progress,
+                results,
+                transform,
             )
     except BaseException:
         _remove_written(fs, results, root, in_use)
@@ -378,6 +420,7 @@ def shard_dataset(
         classes=source.classes,
         skipped=skipped,
         field_types=field_types if format == "arrow" else None,
+        transform=transform.record(sum(r.transformed for r in results)) if transform is not None else None,
     )
     try:
         written = manifest.commit(fs, root, replacing=old)
@@ -398,6 +441,7 @@ def _run_pool(
     storage_options: dict,
     progress: ProgressFn | None,
     results: list[ShardResult],
+    transform: SampleTransform | None = None,
 ) -> None:
     """Run the jobs on worker processes, appending to ``results`` as shards finish (so that on
     failure the caller knows which finished shards to remove)."""
@@ -410,7 +454,7 @@ def _run_pool(
         initargs=(source, dst, storage_options, progress_q, os.getpid()),
     ) as pool:
         futures: set[Future] = {
-            pool.submit(_worker_shard, shard_items, i, path, fmt, on_error, schema)
+            pool.submit(_worker_shard, shard_items, i, path, fmt, on_error, schema, transform)
             for shard_items, i, path in jobs
         }
         try:
