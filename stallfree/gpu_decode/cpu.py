@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     simplejpeg = None
 
 try:  # built by setup.py where libjpeg-turbo's headers are present
-    from . import _turbo
+    import stallfree.gpu_decode._turbo as _turbo
 except ImportError:  # pragma: no cover - depends on the build
     _turbo = None
 
