@@ -1,6 +1,6 @@
 """A real S3 API server on loopback for tests and benchmarks: moto's server (``moto[server]``) in its
 own process, wrapped in a small WSGI layer that records every request it receives (method, path,
-query, ``Range`` header), so a test can count the GETs a read made *at the server*.
+query, ``Range`` header, response bytes), so a test can count the GETs a read made *at the server*.
 
 Why a wrapper and not moto's own API: moto's server has no request log. The wrapper runs in the
 server process, in front of moto's dispatcher; it answers ``/_stallfree/requests`` (GET: the log as
@@ -52,6 +52,7 @@ class S3Request:
     query: str
     range: str | None
     refused: bool = False
+    bytes: int = 0  # response body bytes the server sent (counted as they are sent)
 
     @property
     def is_ranged_get(self) -> bool:
@@ -92,6 +93,7 @@ class _Recorder:
             "path": path,
             "query": environ.get("QUERY_STRING", ""),
             "range": environ.get("HTTP_RANGE"),
+            "bytes": 0,
         }
         with self.lock:  # recorded before moto answers: a client holding its response sees it counted
             f = self.fault
@@ -105,8 +107,22 @@ class _Recorder:
             start_response(
                 "403 Forbidden", [("Content-Type", "application/xml"), ("Content-Length", str(len(_REFUSAL)))]
             )
+            entry["bytes"] = len(_REFUSAL)
             return [_REFUSAL]
-        return self.app(environ, start_response)
+        return _counted(self.app(environ, start_response), entry)
+
+
+def _counted(body: Any, entry: dict[str, Any]) -> Iterator[bytes]:
+    """The response body, its bytes added to ``entry`` as each piece goes out (before it is
+    written: a client holding the bytes sees them counted); the app's iterable is closed after."""
+    try:
+        for piece in body:
+            entry["bytes"] += len(piece)
+            yield piece
+    finally:
+        close = getattr(body, "close", None)
+        if close is not None:
+            close()
 
 
 def _serve(port_file: Path) -> None:

@@ -278,3 +278,15 @@ def test_denied_sample_read_after_open(s3, bucket):
             ds[1]
     finally:
         s3.enforce_auth(after=None)
+
+
+def test_request_log_counts_response_bytes(s3, bucket):
+    """The server's log has each response's body bytes (what a benchmark bills per sample)."""
+    fs = s3.filesystem()
+    fs.pipe(f"{bucket}/obj", bytes(range(256)) * 40)
+    s3.reset()
+    assert fs.cat_file(f"{bucket}/obj", start=100, end=1100) == (bytes(range(256)) * 40)[100:1100]
+    assert len(fs.cat_file(f"{bucket}/obj")) == 10240
+    got = [(r.method, r.range, r.bytes) for r in s3.requests()]
+    # s3fs asks the size (HEAD: no body) before a whole-object read
+    assert got == [("GET", "bytes=100-1099", 1000), ("HEAD", None, 0), ("GET", None, 10240)]
