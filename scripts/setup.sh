@@ -18,9 +18,11 @@ venv_for() {
     python3 -m venv "$dir"
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$reqs" -nt "$stamp" ] \
-    || [ setup.py -nt "$stamp" ] || [ stallfree/gpu_decode/_turbo.c -nt "$stamp" ]; then
+    || [ setup.py -nt "$stamp" ] || [ stallfree/gpu_decode/_turbo.c -nt "$stamp" ] \
+    || [ examples/requirements.txt -nt "$stamp" ]; then
     echo "setup: installing Python packages into $dir" >&2
-    "$dir/bin/pip" install -q --disable-pip-version-check -r "$reqs"
+    # examples/requirements.txt (Lightning): tests/examples runs the examples on every torch CI tests
+    "$dir/bin/pip" install -q --disable-pip-version-check -r "$reqs" -r examples/requirements.txt
     touch "$stamp"
   fi
 }
