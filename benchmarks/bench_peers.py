@@ -48,6 +48,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -391,8 +392,43 @@ def check_batch(runner: Runner, images: torch.Tensor, labels: torch.Tensor, args
         assert -1.5 < float(values.mean()) < 1.5, f"{where}: mean {float(values.mean()):.2f}"
 
 
+def _child_pids() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def wait_for_exit(keep: set[int], what: str, timeout: float = 60.0) -> None:
+    """Wait until every descendant not in ``keep`` has exited and been reaped, so a runner's
+    workers neither linger into the next runner's figures nor land there as reaped CPU time."""
+    import multiprocessing
+
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    while True:
+        multiprocessing.active_children()  # reaps finished multiprocessing children
+        left = []
+        for c in psutil.Process().children(recursive=True):
+            if c.pid in keep:
+                continue
+            try:
+                if c.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(c.pid, os.WNOHANG)
+            except (psutil.Error, ChildProcessError):
+                continue
+            left.append(c.pid)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            print(f"WARNING: {what}: processes {left} still alive {timeout:.0f}s after the loader closed")
+            return
+        time.sleep(0.05)
+
+
 def measure(runner: Runner, args: argparse.Namespace, data: peers_data.PeersData) -> dict[str, Any]:
     gc.collect()
+    keep = _child_pids()  # helpers that outlive runners (multiprocessing's resource tracker)
     pss0 = tree_pss()
     sampler = PeakPss()
     t0 = time.perf_counter()
@@ -415,6 +451,7 @@ def measure(runner: Runner, args: argparse.Namespace, data: peers_data.PeersData
     finally:
         it.close()
         gc.collect()
+        wait_for_exit(keep, runner.name)
     peak = sampler.stop()
     return {
         "img_s": n / (t2 - t1),
@@ -457,7 +494,10 @@ def summarise(rounds: list[dict[str, dict[str, Any]]], runners: list[Runner]) ->
             break
         best = max(p[key] for p in peers) if higher else min(p[key] for p in peers)
         for row in rows:
-            row[f"x_{key}"] = row[key] / best if higher else best / row[key]
+            if higher:
+                row[f"x_{key}"] = row[key] / best if best else float("inf")
+            else:
+                row[f"x_{key}"] = best / row[key] if row[key] else float("inf")
     return rows
 
 
@@ -544,11 +584,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(
             f"--dali-tuned: unknown keys {sorted(set(args.dali_tuned) - allowed)}; known {sorted(allowed)}"
         )
+    args.smoke_tmp = None
     if args.smoke:
         args.images, args.classes, args.batch, args.batches, args.warmup, args.rounds = 96, 4, 16, 2, 1, 1
     if args.dir is None:
         if args.smoke:
-            args.dir = tempfile.mkdtemp(prefix="bench-peers-smoke-")
+            args.dir = args.smoke_tmp = tempfile.mkdtemp(prefix="bench-peers-smoke-")
         else:
             args.dir = str(Path(__file__).parent / "out" / f"peers-data-{args.images}")
     return args
@@ -556,6 +597,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    try:
+        return run(args)
+    finally:
+        if args.smoke_tmp:  # a smoke run's own temporary data set
+            shutil.rmtree(args.smoke_tmp, ignore_errors=True)
+
+
+def run(args: argparse.Namespace) -> int:
     runners = list(RUNNERS)
     if args.only:
         names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -620,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
             "data": data.stats,
             "cores": cpus,
-            "settings": {k: v for k, v in vars(args).items() if k != "json"},
+            "settings": {k: v for k, v in vars(args).items() if k not in ("json", "smoke_tmp")},
             "versions": versions,
             "base_pss_mib": base_pss,
             "rounds": rounds,

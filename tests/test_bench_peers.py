@@ -108,5 +108,6 @@ def test_smoke_run_of_every_importable_runner(tmp_path):
         fallback = name.startswith("ours") and bool(report["notes"])  # no uint8 ImageDecode yet
         want = "float32" if name == "ours-float32" or fallback else "uint8"
         assert row["output"] == f"{want} (16, 3, 224, 224)", (name, row["output"])
-        assert row["rounds"] == 1 and row["img_s"] > 0 and row["cpu_ms_img"] > 0
+        # two prefetched batches can take less than a clock tick of CPU: only the sign is sure
+        assert row["rounds"] == 1 and row["img_s"] > 0 and row["cpu_ms_img"] >= 0
     assert report["data"]["images"] == 96

@@ -244,27 +244,33 @@ def jpeg_subsampling(data: bytes) -> str:
     return {0: "4:4:4", 1: "4:2:2", 2: "4:2:0"}.get(kind, "other")
 
 
+def _facts(data: bytes) -> tuple[int, int, int, str]:
+    with Image.open(io.BytesIO(data)) as img:
+        width, height = img.size
+    return width, height, len(data), jpeg_subsampling(data)
+
+
 def jpeg_set_stats(files: Sequence[bytes]) -> dict[str, Any]:
     """Mean width, height and size (KB = 1000 bytes) and chroma-subsampling shares of a JPEG set."""
-    widths, heights, chroma = [], [], Counter()
-    for data in files:
-        with Image.open(io.BytesIO(data)) as img:
-            widths.append(img.width)
-            heights.append(img.height)
-        chroma[jpeg_subsampling(data)] += 1
-    n = max(1, len(files))
+    return _stats([_facts(d) for d in files])
+
+
+def _stats(facts: Sequence[tuple[int, int, int, str]]) -> dict[str, Any]:
+    n = max(1, len(facts))
+    sizes = [f[2] for f in facts]
+    chroma = Counter(f[3] for f in facts)
     return {
-        "images": len(files),
-        "mean_width": sum(widths) / n,
-        "mean_height": sum(heights) / n,
-        "mean_kb": sum(len(d) for d in files) / n / 1000,
-        "min_kb": min((len(d) for d in files), default=0) / 1000,
-        "max_kb": max((len(d) for d in files), default=0) / 1000,
+        "images": len(facts),
+        "mean_width": sum(f[0] for f in facts) / n,
+        "mean_height": sum(f[1] for f in facts) / n,
+        "mean_kb": sum(sizes) / n / 1000,
+        "min_kb": min(sizes, default=0) / 1000,
+        "max_kb": max(sizes, default=0) / 1000,
         "subsampling": {k: v / n for k, v in sorted(chroma.items())},
     }
 
 
-def _imagenet_like_file(job: tuple[str, int, int, int, float, float]) -> bytes:
+def _imagenet_like_file(job: tuple[str, int, int, int, float, float]) -> tuple[int, int, int, str]:
     """Write image ``i`` of a folder (its own random stream, so any worker count gives the same files)."""
     root, i, classes, seed, mean_kb, share_444 = job
     rng = np.random.default_rng([seed, i])
@@ -272,7 +278,7 @@ def _imagenet_like_file(job: tuple[str, int, int, int, float, float]) -> bytes:
     d = Path(root) / f"class_{i % classes:03d}"
     d.mkdir(parents=True, exist_ok=True)
     (d / f"img_{i:06d}.jpg").write_bytes(data)
-    return data
+    return _facts(data)
 
 
 _PHOTO_CACHE: list[np.ndarray] = []
@@ -299,10 +305,10 @@ def make_imagenet_like_folder(
     ``workers`` (processes) write them. Returns ``jpeg_set_stats`` of what was written."""
     jobs = [(str(root), i, classes, seed, mean_kb, share_444) for i in range(images)]
     if workers <= 1:
-        written = [_imagenet_like_file(j) for j in jobs]
+        facts = [_imagenet_like_file(j) for j in jobs]
     else:
         import multiprocessing
 
         with multiprocessing.get_context("spawn").Pool(workers) as pool:
-            written = pool.map(_imagenet_like_file, jobs, chunksize=16)
-    return jpeg_set_stats(written)
+            facts = pool.map(_imagenet_like_file, jobs, chunksize=16)
+    return _stats(facts)
