@@ -8,7 +8,8 @@
              ``StreamingDataLoader(batch_size=16, num_workers=2)`` on chunks LitData's own
              ``optimize`` wrote from the same tokens
 
-Times exclude interpreter start and imports. The Megatron ``.bin`` and the raw ``.bin`` are the same bytes (a hard link), so every contender
+Times exclude interpreter start and imports. The training loop reads one token per 4 KiB page of
+each batch's inputs (a device copy touches every page: zero-copy batches must not look free). The Megatron ``.bin`` and the raw ``.bin`` are the same bytes (a hard link), so every contender
 reads the same page-cached tokens. Each measurement runs in a fresh subprocess: ``--batches``
 batches are timed after the first one (startup is reported as time to the first batch). Rounds
 interleave the contenders, order reversed every other round; the best round counts (shared,
@@ -195,6 +196,7 @@ def _consume(it, batches: int, t0: float, inputs) -> dict:
     shape = tuple(inputs(first).shape)
     for _ in range(batches):
         x = inputs(next(it))
+        int(x[:, ::512].sum())  # the step reads every 4 KiB page of its inputs, as a device copy would
     t2 = time.perf_counter()
     if batches:
         assert tuple(x.shape) == shape == (BATCH, SEQ), shape

@@ -4,6 +4,16 @@ Sharded datasets are read ahead on a fetch thread (it knows the worker's tasks i
 shards are opened before their turn); a plain map-style Dataset is read inline, sample by sample,
 each going straight into its batch row. The progress slots say which batch and sample each stage
 is on, so a dead or hung worker can be named precisely.
+
+Batched fetches. torch's ``__getitems__`` hook is honoured as torch's fetcher does: with automatic
+batching it is called once per batch and its list of samples goes to the collate function. A
+dataset that also offers a collated ``get_batch(indices)`` (next to ``get_many``: the stallfree
+batched-read protocol, so an unrelated ``get_batch`` of a torch Dataset is never called) is asked
+for each batch once where the default collate is the only stage after the read (``batch_reader``):
+its ``(B, ...)`` tensors then go into the slot with one write each instead of one per row per
+field (``TokenDataset``: 64 row writes per batch before). It must return what
+``default_collate(get_many(indices))`` returns; if it raises, the batch is read again per sample,
+so ``on_error`` sees the same failures either way.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ class Fetched:
     items: list[Any] | None
     timing: dict[str, float]
     mapped: bool
+    batch: Any = None  # the collated batch from ``get_batch`` (then ``items`` is empty)
 
 
 def map_with_stage_cache(ctx: WorkerContext, indices: list[int], raw_fetch) -> tuple[list[Any], dict]:
@@ -114,10 +125,54 @@ def follow_epoch(ctx: WorkerContext, task: Task) -> None:
         ctx.epoch = task.epoch
 
 
-def _fetch_task(ctx: WorkerContext, task: Task) -> Fetched:
-    """Read one task's raw samples (or, with a stage cache, its cached/decoded samples)."""
+def batch_reader(ctx: WorkerContext) -> Any:
+    """The source's ``get_batch`` where calling it is exactly the per-sample path: the default
+    collate straight after the read (no collate_fn, per-sample decode, batch decoder, cache, raw
+    hand-over) under automatic batching, on a source that speaks the batched-read protocol
+    (``get_many`` and ``get_batch``). None otherwise."""
+    plan = ctx.plan
+    if (
+        not plan.auto_collation
+        or plan.collate_fn is not None
+        or plan.map_fn is not None
+        or plan.batch_decode is not None
+        or plan.cache is not None
+        or plan.send_raw
+    ):
+        return None
+    source = source_of(ctx)
+    get_batch = getattr(source, "get_batch", None)
+    return get_batch if callable(get_batch) and callable(getattr(source, "get_many", None)) else None
+
+
+def _fetch_collated(ctx: WorkerContext, task: Task, get_batch: Any) -> Fetched | None:
+    """The task's batch from ``get_batch`` in one call; None if it raised (read per sample then)."""
+    progress = ctx.progress
+    t0 = time.perf_counter()
+    progress[FETCH_SEQ] = task.seq
+    progress[FETCH_IDX] = task.indices[0] if task.indices and isinstance(task.indices[0], int) else -1
+    try:
+        batch = get_batch([pipeline.as_index(i) for i in task.indices])
+    except Exception:  # noqa: BLE001 - the per-sample read finds (and names) the bad sample
+        logger.debug(
+            "get_batch of %d samples failed; reading them one by one", len(task.indices), exc_info=True
+        )
+        return None
+    if progress[FETCH_SEQ] == task.seq:
+        progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
+    return Fetched(task, [], {"fetch_s": time.perf_counter() - t0}, False, batch)
+
+
+def fetch_task(ctx: WorkerContext, task: Task) -> Fetched:
+    """Read one task's raw samples (or, with a stage cache, its cached/decoded samples; or, on the
+    batched path, its collated batch)."""
     follow_epoch(ctx, task)
     plan, progress = ctx.plan, ctx.progress
+    get_batch = batch_reader(ctx) if task.indices else None
+    if get_batch is not None:
+        fetched = _fetch_collated(ctx, task, get_batch)
+        if fetched is not None:
+            return fetched
     t0 = time.perf_counter()
     progress[FETCH_SEQ] = task.seq
 
@@ -125,7 +180,15 @@ def _fetch_task(ctx: WorkerContext, task: Task) -> Fetched:
         progress[FETCH_IDX] = i if isinstance(i, int) else -1
 
     def read(idx: list[int]) -> list[Any]:
-        return pipeline.fetch(source_of(ctx), idx, plan.cache, on_sample, ctx.read_stats)
+        source = source_of(ctx)
+        if plan.cache is None and getitems_of(ctx, source) is None and hasattr(source, "__getitems__"):
+            # without automatic batching torch reads dataset[index], never __getitems__
+            out = []
+            for i in idx:
+                on_sample(i)
+                out.append(_read_one(source, pipeline.as_index(i)))
+            return out
+        return pipeline.fetch(source, idx, plan.cache, on_sample, ctx.read_stats)
 
     if plan.stage_cached:
         items, timing = map_with_stage_cache(ctx, task.indices, read)
@@ -197,7 +260,7 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
                 if done:
                     break
                 continue
-            ready.put(_fetch_task(ctx, backlog.popleft()))
+            ready.put(fetch_task(ctx, backlog.popleft()))
         ready.put(None)
         return
     pending: deque[Future] = deque()
@@ -213,25 +276,65 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
                 if task is None:
                     done = True
                 elif task is not _NONE:
-                    pending.append(pool.submit(_fetch_task, ctx, task))
+                    pending.append(pool.submit(fetch_task, ctx, task))
                 continue
             wait([pending[0]], timeout=0.5)
     ready.put(None)
 
 
+def getitems_of(ctx: WorkerContext, dataset: Any) -> Any:
+    """The dataset's ``__getitems__`` where torch's fetcher would call it: automatic batching on
+    and the attribute set (torch tests its truth, so ``__getitems__ = None`` turns it off)."""
+    getitems = getattr(dataset, "__getitems__", None)
+    return getitems if ctx.plan.auto_collation and getitems else None
+
+
+def _fetch_getitems(ctx: WorkerContext, task: Task, getitems: Any) -> list:
+    """A task's samples from one ``__getitems__`` call, as torch's fetcher reads them. If it
+    raises, under ``on_error="raise"`` the batch fails with that error (as in torch: it is named
+    by the batch's first index); under skip/warn the samples are read one by one instead, so only
+    the bad ones are dropped."""
+    indices = [pipeline.as_index(i) for i in task.indices]
+    try:
+        out = list(getitems(indices))
+        if len(out) != len(indices):
+            raise RuntimeError(f"__getitems__ returned {len(out)} samples for {len(indices)} indices")
+        return out
+    except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
+        if ctx.plan.on_error == "raise":
+            failure = pipeline.SampleFailure(indices[0], str(indices[0]), "fetch", exc)
+            return [failure] * len(indices)  # the first is the one reported
+        logger.debug(
+            "__getitems__ of %d samples failed; reading them one by one", len(indices), exc_info=True
+        )
+    return [_read_one(source_of(ctx), i) for i in indices]
+
+
+def _read_one(dataset: Any, i: Any) -> Any:
+    try:
+        return dataset[i]
+    except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
+        return pipeline.SampleFailure(i, str(i), "fetch", exc)
+
+
 def fetch_streaming(ctx: WorkerContext, task: Task, writer: Any) -> list:
-    """Read a task's samples one by one; each good one goes into its row (``writer``) at once."""
+    """Read a task's samples one by one; each good one goes into its row (``writer``) at once.
+    A dataset with ``__getitems__`` is read with one call per batch instead (torch's rule), and
+    its samples, all alive at once anyway, are collated together."""
     progress = ctx.progress
     progress[FETCH_SEQ] = task.seq
     follow_epoch(ctx, task)
     dataset = source_of(ctx)  # a plain map-style dataset (plan.reads_inline): no batched reads
+    getitems = getitems_of(ctx, dataset) if task.indices else None
+    if getitems is not None:
+        progress[FETCH_IDX] = task.indices[0] if isinstance(task.indices[0], int) else -1
+        out = _fetch_getitems(ctx, task, getitems)
+        progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
+        return out
     out = []
     for pos, i in enumerate(task.indices):
         progress[FETCH_IDX] = i if isinstance(i, int) else -1
-        try:
-            sample = dataset[i]
-        except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
-            sample = pipeline.SampleFailure(i, str(i), "fetch", exc)
+        sample = _read_one(dataset, i)
         if writer is not None and not isinstance(sample, pipeline.SampleFailure):
             sample = writer.put(pos, sample)
         out.append(sample)

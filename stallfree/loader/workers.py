@@ -109,6 +109,10 @@ def worker_main(
     reader = None
     if plan.reads_inline:
         tasks: Iterator[Fetched] = (Fetched(t, None, {}, False) for t in fetch.tasks_of(ctx, task_q))
+    elif plan.fetch_threads <= 1 and fetch.batch_reader(ctx) is not None:
+        # collated batches (get_batch): read and write are one short step, so a fetch thread
+        # ahead would add a thread hand-over per batch and win no overlap
+        tasks = (fetch.fetch_task(ctx, t) for t in fetch.tasks_of(ctx, task_q))
     else:
         reader = threading.Thread(
             target=fetch.reader_loop, args=(ctx, task_q, ready, stop), daemon=True, name=f"fetch-{wid}"
@@ -122,8 +126,8 @@ def worker_main(
             msg = _process(ctx, slots, item)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
             result_q.put(msg)
-            if isinstance(msg, BatchReady) and msg.slot is not None:  # the main process's until it returns
-                shm.release_pages(slots.storages[msg.slot])
+            if isinstance(msg, BatchReady) and msg.slot is not None and not _unmapped(item, slots, msg.slot):
+                shm.release_pages(slots.storages[msg.slot])  # the main process's until it returns
     except KeyboardInterrupt:
         return
     finally:
@@ -136,6 +140,23 @@ def worker_main(
         if ctx.source is not None:
             ctx.source.close()
             ctx.source = None
+
+
+def _unmapped(item: Fetched, slots: slots_mod.Slots, slot: int) -> bool:
+    """Whether this worker wrote the batch without mapping its slot: a collated batch of CPU
+    arrays written through the slot's file. Then there are no pages to let go of, and the
+    ``madvise`` would only cost a system call (and TLB work) per batch."""
+    if item.batch is None or slots.file(slot) is None:
+        return False
+    cpu = [True]
+
+    def leaf(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.device.type != "cpu":
+            cpu[0] = False
+        return t
+
+    shm.map_leaves(item.batch, (torch.Tensor, np.ndarray), leaf)
+    return cpu[0]
 
 
 def _first(indices: list[Any]) -> int:
@@ -159,7 +180,9 @@ class _Loaded:
 def _row_writer(slots: slots_mod.Slots, n: int) -> tuple[int, rows.RowWriter]:
     """A slot for the next batch and the writer that puts its samples' rows into it."""
     slot = slots.acquire()
-    return slot, rows.RowWriter(n, functools.partial(slots.reserve, slot), functools.partial(slots.file, slot))
+    return slot, rows.RowWriter(
+        n, functools.partial(slots.reserve, slot), functools.partial(slots.file, slot)
+    )
 
 
 def _load(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> _Loaded:
@@ -225,7 +248,9 @@ def _into_slot(
     return slot, new_storage, desc
 
 
-def _failure(ctx: WorkerContext, task: Task, index: Any, key: str | None, exc: BaseException) -> WorkerFailure:
+def _failure(
+    ctx: WorkerContext, task: Task, index: Any, key: str | None, exc: BaseException
+) -> WorkerFailure:
     # ours travel as themselves (type and failures kept); in-process, the user's exception itself is
     # raised, as by torch's single-process iterator; from a process, torch's wrapper carries it
     own = isinstance(exc, BatchDecodeError) or ctx.plan.in_process
@@ -233,8 +258,38 @@ def _failure(ctx: WorkerContext, task: Task, index: Any, key: str | None, exc: B
     return WorkerFailure(task.gen, task.seq, ctx.wid, index, key, error)
 
 
+def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> BatchReady | WorkerFailure:
+    """A task whose batch came collated from ``get_batch`` (fetch.py): each of its tensors goes
+    into the slot with one write (in-process, the batch itself is the result)."""
+    task, timing = item.task, dict(item.timing)
+    t1 = time.perf_counter()
+    slot, new_storage, payload = None, None, item.batch
+    if ctx.plan.use_shm:
+        try:
+            slot, new_storage, payload = _into_slot(ctx, slots, _Loaded([], timing), [], None, item.batch)
+        except Exception as exc:  # noqa: BLE001 - named by the batch's first sample, as collate errors are
+            return _failure(ctx, task, task.indices[0], None, exc)
+    timing["map_s"] = 0.0
+    timing["collate_s"] = time.perf_counter() - t1
+    return BatchReady(
+        gen=task.gen,
+        seq=task.seq,
+        worker=ctx.wid,
+        slot=slot,
+        payload=payload,
+        good=len(task.indices),
+        new_storage=new_storage,
+        failures=(),
+        timing=timing,
+        cache_stats=None,  # no cache on this path (fetch.batch_reader)
+        dropped_slots=tuple(slots.take_dropped()) if ctx.plan.use_shm else (),
+    )
+
+
 def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> BatchReady | WorkerFailure:
     """One task: load its samples, run a worker-side batch decoder, collate into a slot."""
+    if item.batch is not None:
+        return _collated(ctx, slots, item)
     plan, task = ctx.plan, item.task
     loaded = _load(ctx, slots, item)
     timing = loaded.timing
@@ -245,7 +300,9 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
     if plan.batch_decode is not None and good and not (bad and raising):
         slot = loaded.slot = slots.acquire()  # the decoder's output goes into this slot
         alloc = slots_mod.SlotAlloc(slots, slot)
-        decode = functools.partial(plan.batch_decode.decode_batch, seed=int(task.decode_seed or 0), alloc=alloc)
+        decode = functools.partial(
+            plan.batch_decode.decode_batch, seed=int(task.decode_seed or 0), alloc=alloc
+        )
         try:
             outcome = pipeline.decode_dropping_failures(decode, good, good_idx, plan.on_error)
         except BatchDecodeError as exc:  # on_error="raise": raised as the main process would raise it
@@ -267,7 +324,9 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
     if bad and raising:
         f = bad[0]
         return _failure(ctx, task, f.index, f.key, f.cause)
-    failures = tuple(FailedSample(f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}") for f in bad)
+    failures = tuple(
+        FailedSample(f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}") for f in bad
+    )
     cache_stats = _cache_delta(ctx)
     slot, new_storage, payload = None, None, good
     if not plan.send_raw and good:

@@ -139,16 +139,16 @@ class TokenDataset:
     def get_batch(self, indices: Sequence[int]) -> dict[str, torch.Tensor]:
         """The collated batch for ``indices`` (what ``default_collate(get_many(indices))`` gives),
         as four ``(len, seq_len)`` tensors: a loader can write each into its slot in one copy."""
-        return {
-            k: torch.from_numpy(np.ascontiguousarray(v))
-            for k, v in self.windows(self._check(indices)).items()
-        }
+        return {k: torch.from_numpy(v) for k, v in self.windows(self._check(indices)).items()}
 
     def windows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """``(len(idx), seq_len)`` int64 arrays ``input_ids``, ``labels``, ``position_ids``, ``doc_ids``.
+        """``(len(idx), seq_len)`` contiguous int64 arrays ``input_ids``, ``labels``,
+        ``position_ids``, ``doc_ids``.
 
         A window is cut into segments, one per document it touches (``searchsorted`` twice per
-        window); per-token ids are ``np.repeat`` of per-segment values over the whole block."""
+        window); per-token ids are ``np.repeat`` of per-segment values over the whole block, laid
+        out ``seq_len`` wide (only inputs carry ids: a document starting at the last label is an
+        empty segment there), so nothing is sliced and copied again afterwards."""
         L, sep, starts = self.seq_len, self._sep, self.doc_starts
         width, rows = L + 1, len(idx)
         a = idx * L
@@ -158,15 +158,14 @@ class TokenDataset:
         row = np.repeat(np.arange(rows), nseg)
         first = np.cumsum(nseg) - nseg  # each row's first segment
         seg_doc = np.arange(len(row)) - np.repeat(first, nseg) + np.repeat(d0, nseg)
-        col = np.maximum(starts[seg_doc] - a[row], 0)
-        flat_start = row * width + col
-        seg_len = np.diff(np.append(flat_start, rows * width))
-        doc_ids = np.repeat(seg_doc, seg_len).reshape(rows, width)
+        col = np.maximum(starts[seg_doc] - a[row], 0)  # 0..L
+        flat_start = row * L + col
+        seg_len = np.diff(flat_start, append=rows * L)
+        doc_ids = np.repeat(seg_doc, seg_len).reshape(rows, L)
         base = flat_start
         if self.positions == "document":
             base = flat_start - (a[row] + col - starts[seg_doc])  # a first segment starts mid-document
-        position = (np.arange(rows * width) - np.repeat(base, seg_len)).reshape(rows, width)
-        tokens = np.empty((rows, width), np.int64)
+        position = (np.arange(rows * L) - np.repeat(base, seg_len)).reshape(rows, L)
         read = self.source.read
         lo = a - d0 * sep  # flat index of the first non-eos token at or after the window's start
         if sep:
@@ -176,18 +175,16 @@ class TokenDataset:
             is_eos = np.zeros(rows * width, bool)
             is_eos[row[hit] * width + at[hit]] = True
             count = width - np.bincount(row[hit], minlength=rows)
-            tokens.fill(self.eos)
+            tokens = np.full((rows, width), self.eos, np.int64)
             chunks = [read(int(s), int(s + c)) for s, c in zip(lo, count, strict=True)]
             tokens.reshape(-1)[~is_eos] = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+            inputs, labels = np.ascontiguousarray(tokens[:, :L]), np.ascontiguousarray(tokens[:, 1:])
         else:
-            for r in range(rows):
-                tokens[r] = read(int(lo[r]), int(lo[r]) + width)
-        return {
-            "input_ids": tokens[:, :L],
-            "labels": tokens[:, 1:],
-            "position_ids": position[:, :L],
-            "doc_ids": doc_ids[:, :L],
-        }
+            inputs, labels = np.empty((rows, L), np.int64), np.empty((rows, L), np.int64)
+            for r, s in enumerate(lo.tolist()):
+                t = read(s, s + width)
+                inputs[r], labels[r] = t[:L], t[1:]
+        return {"input_ids": inputs, "labels": labels, "position_ids": position, "doc_ids": doc_ids}
 
     def __repr__(self) -> str:
         return (
