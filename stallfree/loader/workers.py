@@ -19,6 +19,7 @@ import functools
 import logging
 import queue
 import random
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -72,6 +73,11 @@ def _start(ctx: WorkerContext) -> None:
         if not faulthandler.is_enabled():  # a crash in native code (a decoder) leaves a Python stack
             with contextlib.suppress(Exception):
                 faulthandler.enable()
+        # A forked worker inherits the training process's Python SIGTERM handler (Lightning's
+        # only logs), and the loader's shutdown then waits a second before it kills the worker.
+        # Workers end on SIGTERM; a worker_init_fn may still install its own handler.
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         torch.set_num_threads(1)
         seed = _seed_worker(plan, ctx.wid)
         compat.set_worker_info(ctx.wid, plan.num_workers, seed, plan.dataset)

@@ -174,3 +174,23 @@ def test_a_plain_dataset_is_read_inline_one_sample_alive_at_a_time(shuffle):
     assert sorted(torch.cat([b["i"] for b in batches]).tolist()) == list(range(48))
     assert all(torch.equal(b["x"][:, 0], b["i"].float()) for b in batches)
     assert max(b["alive"].max().item() for b in batches) <= 1
+
+
+class _SigtermHandler(torch.utils.data.Dataset):
+    """Each sample says what a worker does on SIGTERM (0: the default, i.e. it ends)."""
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int) -> int:
+        return 0 if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL else 1
+
+
+def test_workers_do_not_inherit_the_training_process_sigterm_handler():
+    """Lightning installs a SIGTERM handler that only logs; forked workers must still end on SIGTERM."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        batches = list(DataLoader(_SigtermHandler(), batch_size=2, num_workers=2, multiprocessing_context="fork"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert [b.tolist() for b in batches] == [[0, 0], [0, 0]]
