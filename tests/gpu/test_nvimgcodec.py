@@ -70,7 +70,7 @@ def world(monkeypatch):
         (True, True, False, "dali", ["DALI present"]),
         (True, False, True, "nvimgcodec", ["CUDA device 0", "DALI not installed", "nvImageCodec present"]),
         (True, False, False, "cpu", ["DALI not installed"]),
-        (False, False, True, "cpu", ["DALI not installed"]),
+        (False, False, True, "cpu", ["no CUDA", "CPU decoder"]),
         (False, True, True, "cpu", ["no CUDA"]),
     ],
 )
@@ -85,10 +85,8 @@ def test_auto_picks_nvimgcodec_only_with_cuda_and_without_dali(world, cuda, dali
 
 def test_auto_on_a_cpu_device_never_picks_nvimgcodec(world):
     world(cuda=True, dali=False, codec=True)
-    assert select._choose("auto", None) == (
-        "cpu",
-        "auto: DALI not installed -> CPU decoder (pip install stallfree[dali] for DALI)",
-    )
+    chosen, reason = select._choose("auto", None)
+    assert chosen == "cpu" and reason.startswith("auto: device is the CPU -> CPU decoder"), reason
 
 
 def test_forced_nvimgcodec(world):
