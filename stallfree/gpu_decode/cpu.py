@@ -30,6 +30,7 @@ from PIL import Image
 from .augment import Box
 from .buffers import BufferPool
 from .header import BadImageError, ImageInfo
+from .normalize import check_output
 
 try:  # optional: ``pip install stallfree[fast]``
     import simplejpeg
@@ -72,8 +73,7 @@ class CpuDecoder:
                 "jpeg_library='turbo' needs stallfree's C extension, built at install time with a C "
                 "compiler and libjpeg-turbo's headers (Debian: apt-get install gcc libjpeg62-turbo-dev)"
             )
-        if dtype not in (torch.float32, torch.float16, torch.uint8):
-            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype}")
+        check_output(dtype, mean, std)
         self.size = size
         self.dtype = dtype
         self.num_threads = max(1, num_threads)

@@ -31,6 +31,7 @@ import torch
 
 from .augment import Box
 from .buffers import BufferPool
+from .normalize import check_output
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,7 @@ class DaliDecoder:
     ) -> None:
         if not dali_available():
             raise ImportError(INSTALL_HINT)
-        if dtype not in (torch.float32, torch.float16, torch.uint8):
-            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype}")
-        if not 0.0 <= hw_decoder_load <= 1.0:
-            raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
+        check_output(dtype, mean, std, hw_decoder_load)
         self.size = size
         self.mean = [float(m) for m in mean]
         self.std = [float(s) for s in std]

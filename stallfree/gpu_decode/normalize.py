@@ -17,6 +17,20 @@ from .augment import IMAGENET_MEAN, IMAGENET_STD
 
 _constants: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+OUTPUT_DTYPES = (torch.float32, torch.float16, torch.uint8)  # what every decode backend writes
+
+
+def check_output(
+    dtype: torch.dtype, mean: Sequence[float], std: Sequence[float], hw_decoder_load: float = 0.0
+) -> None:
+    """The argument checks every decode backend makes: one place, one wording."""
+    if dtype not in OUTPUT_DTYPES:
+        raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype}")
+    if len(mean) != 3 or len(std) != 3 or any(float(s) <= 0 for s in std):
+        raise ValueError("mean and std need 3 values each, std > 0 (0-255 pixel scale)")
+    if not 0.0 <= hw_decoder_load <= 1.0:
+        raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
+
 
 def normalize(
     images: torch.Tensor,
@@ -44,8 +58,7 @@ def _tensors(
     key = (tuple(float(m) for m in mean), tuple(float(s) for s in std), str(device))
     found = _constants.get(key)
     if found is None:
-        if len(key[0]) != 3 or len(key[1]) != 3 or any(s <= 0 for s in key[1]):
-            raise ValueError("mean and std need 3 values each, std > 0 (0-255 pixel scale)")
+        check_output(torch.float32, key[0], key[1])
         mean_t = torch.tensor(key[0], dtype=torch.float32).view(3, 1, 1)
         inv_std_t = torch.tensor([1.0 / s for s in key[1]], dtype=torch.float32).view(3, 1, 1)
         found = _constants[key] = (mean_t.to(device), inv_std_t.to(device))

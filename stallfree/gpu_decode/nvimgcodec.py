@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from .augment import Box
 from .buffers import BufferPool
+from .normalize import check_output
 
 log = logging.getLogger(__name__)
 
@@ -97,12 +98,7 @@ class NvImageCodecDecoder:
     ) -> None:
         if not nvimgcodec_available():
             raise ImportError(INSTALL_HINT)
-        if dtype not in (torch.float32, torch.float16, torch.uint8):
-            raise ValueError(f"dtype must be torch.float32, torch.float16 or torch.uint8, got {dtype}")
-        if not 0.0 <= hw_decoder_load <= 1.0:
-            raise ValueError(f"hw_decoder_load must be in [0, 1], got {hw_decoder_load}")
-        if len(mean) != 3 or len(std) != 3 or any(float(s) <= 0 for s in std):
-            raise ValueError("mean and std need 3 values each, std > 0 (0-255 pixel scale)")
+        check_output(dtype, mean, std, hw_decoder_load)
         self.size = size
         self.mean = [float(m) for m in mean]
         self.std = [float(s) for s in std]
