@@ -236,6 +236,12 @@ static int run(Job *job) {
         return 0;
     }
     const double W = cinfo.image_width, H = cinfo.image_height;
+    if (job->box_x + job->box_w > W || job->box_y + job->box_h > H) {
+        snprintf(job->message, sizeof job->message, "crop box %gx%g at (%g, %g) is outside the %gx%g image",
+                 job->box_w, job->box_h, job->box_x, job->box_y, W, H);
+        jpeg_destroy_decompress(&cinfo);
+        return 0;
+    }
     /* The smallest DCT scale that still leaves the box at least S pixels on both sides. */
     int denom = 1;
     for (int d = 8; d >= 2; d /= 2) {

@@ -101,6 +101,13 @@ def test_corrupt_data_is_an_error_message_not_a_crash(bad_images, name):
     assert ok is False and message.startswith("corrupt JPEG (")
 
 
+def test_a_box_outside_the_image_is_refused(rgb_jpegs):
+    w, h = Image.open(io.BytesIO(rgb_jpegs[0])).size
+    for box in [(w - 10, 0, 11, 10), (0, h, 5, 5), (0, 0, w + 1, h)]:
+        ok, _denom, message, _out = _turbo(rgb_jpegs[0], box, 16, False)
+        assert ok is False and "outside the" in message, box
+
+
 def test_arguments_are_checked():
     out = np.empty((3, 8, 8), np.uint8)
     with pytest.raises(ValueError, match="need 192"):
@@ -115,7 +122,8 @@ def test_float_output_is_the_normalised_uint8_output_bit_for_bit(rgb_jpegs):
     mean = [float(m) for m in IMAGENET_MEAN]
     inv_std = [1.0 / float(s) for s in IMAGENET_STD]
     for data in rgb_jpegs[:4]:
-        box = (10, 20, 200, 150)
+        w, h = Image.open(io.BytesIO(data)).size
+        box = (10, 20, w * 2 // 3, h // 2)
         u8 = _turbo(data, box, 56, True)[3]
         f32 = np.empty((3, 56, 56), np.float32)
         ok, *_ = cpu._turbo.decode_into(data, *box, 56, True, f32, mean, inv_std)
