@@ -36,6 +36,7 @@
 /* 14-bit taps fit int16, so two taps multiply-add in one SSE2 instruction (pmaddwd). */
 #define PRECISION_BITS 14
 #define MAX_REGION_PIXELS (1u << 28)
+#define MAX_OUTPUT_SIDE 8192 /* scratch grows with size x region width */
 
 typedef struct {
     struct jpeg_error_mgr pub;
@@ -374,8 +375,8 @@ static PyObject *decode_into(PyObject *self, PyObject *args, PyObject *kwargs) {
     Job job;
     memset(&job, 0, sizeof job);
     PyObject *result = NULL;
-    if (size < 1 || w <= 0 || h <= 0 || x < 0 || y < 0) {
-        PyErr_SetString(PyExc_ValueError, "size, w and h must be positive, x and y >= 0");
+    if (size < 1 || size > MAX_OUTPUT_SIDE || w <= 0 || h <= 0 || x < 0 || y < 0) {
+        PyErr_Format(PyExc_ValueError, "size must be in [1, %d], w and h positive, x and y >= 0", MAX_OUTPUT_SIDE);
         goto done;
     }
     const size_t pixels = (size_t)3 * size * size;

@@ -114,6 +114,8 @@ def test_arguments_are_checked():
         cpu._turbo.decode_into(b"x", 0, 0, 4, 4, 8, False, np.empty(10, np.uint8))
     with pytest.raises(ValueError, match="positive"):
         cpu._turbo.decode_into(b"x", 0, 0, 0, 4, 8, False, out)
+    with pytest.raises(ValueError, match=r"size must be in \[1, 8192\]"):
+        cpu._turbo.decode_into(b"x", 0, 0, 4, 4, 9000, False, out)
     with pytest.raises(TypeError):
         cpu._turbo.decode_into(b"x", 0, 0, 4, 4, 8, False, b"read-only buffer of 192 bytes" * 7)
 
