@@ -208,3 +208,14 @@ def test_concurrent_calls_from_two_threads(backend, rgb_jpegs):
     with ThreadPoolExecutor(2) as pool:
         got = dict(enumerate(pool.map(lambda s: dec.decode_batch(samples, seed=s)["image"], range(4))))
     assert all(torch.equal(got[s], expected[s]) for s in range(4))
+
+
+def test_uint8_output_normalises_to_the_float_output(backend, rgb_jpegs):
+    """Every backend's dtype="uint8" is its float output before normalisation."""
+    from stallfree.gpu_decode.normalize import normalize
+
+    samples = samples_from(rgb_jpegs[:6])
+    u8 = _decoder(backend, dtype="uint8", size=40).decode_batch(samples, seed=5)["image"]
+    f32 = _decoder(backend, size=40).decode_batch(samples, seed=5)["image"]
+    assert u8.dtype == torch.uint8 and u8.shape == f32.shape
+    assert torch.allclose(normalize(u8), f32, rtol=0, atol=1e-5)
