@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from stallfree.cli._common import fail, parse_key_value
+from stallfree.cli._common import add_storage_option, fail, storage_options
 
 SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
 
@@ -72,14 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="Q",
         help="JPEG/WebP quality for images --max-side re-encodes, 1-100 (default 90)",
     )
-    p.add_argument(
-        "-o",
-        "--storage-option",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="fsspec storage option for DST (value parsed as JSON when it can be), repeatable",
-    )
+    add_storage_option(p, "DST")
     t = p.add_argument_group("token shards (language-model data)")
     t.add_argument(
         "--tokenizer",
@@ -181,7 +174,7 @@ def run_shard(args: argparse.Namespace) -> int:
 
     try:
         max_bytes = parse_size(args.max_bytes)
-        options = dict(parse_key_value(pair, "storage option") for pair in args.storage_option)
+        options = storage_options(args)
         if max_bytes <= 0:
             raise ValueError(f"--max-bytes must be positive, got {args.max_bytes}")
         if args.max_samples is not None and args.max_samples <= 0:
