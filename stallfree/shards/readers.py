@@ -451,18 +451,12 @@ class _IpcStream:
 
     def _walk(self, source: Any, shard: str) -> None:
         """Read the stream once, noting each batch's ``[start, end)`` bytes and row count."""
-        import pyarrow as pa
         import pyarrow.ipc as ipc
 
         source.seek(0)
         reader = ipc.open_stream(source)
         self.schema = reader.schema
-        if any(pa.types.is_dictionary(f.type) for f in self.schema):
-            raise CorruptShardError(
-                "Arrow stream with dictionary-encoded columns: random access is not supported "
-                "(rewrite it with `stallfree shard ... --format arrow`)",
-                shard=shard,
-            )
+        check_stream_schema(self.schema, shard)
         start = source.tell()
         while True:
             try:
@@ -536,11 +530,29 @@ def open_batches(source: Any, path: str, shard: str, local: bool, fetch: Any, wa
             except (pa.ArrowInvalid, OSError, _NotAStream):
                 raise file_exc from None
     except (pa.ArrowInvalid, OSError) as exc:
-        if path.endswith(".parquet"):
-            raise CorruptShardError(f"not a readable Parquet file: {exc}", shard=shard) from None
+        raise unreadable_table(path, shard, exc) from None
+
+
+def unreadable_table(path: str, shard: str, exc: BaseException) -> CorruptShardError:
+    """The error for a table file that is none of the layouts ``open_batches`` reads."""
+    if path.endswith(".parquet"):
+        return CorruptShardError(f"not a readable Parquet file: {exc}", shard=shard)
+    return CorruptShardError(
+        f"not a readable Arrow IPC file (neither the file nor the stream format): {exc}", shard=shard
+    )
+
+
+def check_stream_schema(schema: Any, shard: str) -> None:
+    """Refuse an Arrow stream with dictionary-encoded columns: its batches cannot be read one at
+    a time out of order (each depends on the dictionary batches before it)."""
+    import pyarrow as pa
+
+    if any(pa.types.is_dictionary(f.type) for f in schema):
         raise CorruptShardError(
-            f"not a readable Arrow IPC file (neither the file nor the stream format): {exc}", shard=shard
-        ) from None
+            "Arrow stream with dictionary-encoded columns: random access is not supported "
+            "(rewrite it with `stallfree shard ... --format arrow`)",
+            shard=shard,
+        )
 
 
 class ArrowShardReader:

@@ -35,6 +35,7 @@ from stallfree.shards.errors import (
 from stallfree.shards.fields import is_image_field
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
+from stallfree.shards.readers import check_stream_schema, unreadable_table
 from stallfree.shards.scan import SHARD_SUFFIXES, file_size, record_mismatches
 from stallfree.shards.tar import BLOCK
 from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, walk_tar
@@ -296,7 +297,9 @@ def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], 
     """The record batches of a table shard, front to back, in whichever layout ``open_dataset``
     reads (``readers.open_batches``): Arrow IPC file (ours), Arrow IPC *stream* (Hugging Face
     ``save_to_disk`` and ``datasets``' cache files, no footer), Parquet (``.parquet``). Returns
-    them with the layout's name for messages; CorruptShardError naming the shard if it is none."""
+    them with the layout's name for messages; CorruptShardError naming the shard if it is none.
+    Streamed front to back here (the readers' ``open_batches`` keeps a stream's batches for
+    random access); the checks and messages are the readers' own."""
     import pyarrow as pa
 
     if path.endswith(".parquet"):
@@ -305,7 +308,7 @@ def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], 
         try:
             return pq.ParquetFile(f).iter_batches(), "Parquet file"
         except (pa.ArrowException, OSError) as exc:
-            raise CorruptShardError(f"not a readable Parquet file: {exc}", shard=shard) from None
+            raise unreadable_table(path, shard, exc) from None
     try:
         reader = pa.ipc.open_file(f)
     except pa.ArrowInvalid as file_exc:
@@ -313,16 +316,8 @@ def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], 
         try:
             stream = pa.ipc.open_stream(f)
         except (pa.ArrowInvalid, OSError):
-            raise CorruptShardError(
-                f"not a readable Arrow IPC file (neither the file nor the stream format): {file_exc}",
-                shard=shard,
-            ) from None
-        if any(pa.types.is_dictionary(t.type) for t in stream.schema):  # what the reader refuses
-            raise CorruptShardError(
-                "Arrow stream with dictionary-encoded columns: random access is not supported "
-                "(rewrite it with `stallfree shard ... --format arrow`)",
-                shard=shard,
-            ) from None
+            raise unreadable_table(path, shard, file_exc) from None
+        check_stream_schema(stream.schema, shard)  # what the reader refuses
         return iter(stream), "Arrow IPC stream"
     return (reader.get_batch(b) for b in range(reader.num_record_batches)), "Arrow IPC file"
 
