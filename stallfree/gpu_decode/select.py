@@ -29,7 +29,7 @@ from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
 from .cpu import CpuDecoder, turbo_available
 from .dali import INSTALL_HINT, DaliDecoder, dali_available
 from .header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
-from .normalize import normalize
+from .normalize import check_output, normalize
 from .nvimgcodec import INSTALL_HINT as NVIMGCODEC_HINT
 from .nvimgcodec import NvImageCodecDecoder, nvimgcodec_available, nvimgcodec_importable
 
@@ -103,8 +103,7 @@ class ImageDecode:
             raise ValueError(f"dtype must be 'float32', 'float16' or 'uint8', got {dtype!r}")
         if transfer is not None and _DTYPES.get(transfer) != torch.uint8:
             raise ValueError(f"transfer must be None or 'uint8', got {transfer!r}")
-        if len(mean) != 3 or len(std) != 3 or any(s <= 0 for s in std):
-            raise ValueError("mean and std need 3 values each, std > 0 (0-255 pixel scale)")
+        check_output(_DTYPES[dtype], mean, std)
         self.preset = Preset(
             train=train, size=size, scale=scale, ratio=ratio, flip_p=flip_p, resize_size=resize_size
         )

@@ -53,9 +53,7 @@ def flatten_stats(
             name = f"{prefix}{key}"
             if isinstance(value, Mapping):
                 walk(value, name + sep)
-            elif isinstance(value, bool):
-                out[name] = int(value)
-            elif isinstance(value, numbers.Integral):
+            elif isinstance(value, numbers.Integral):  # bools too: 0/1
                 out[name] = int(value)
             elif isinstance(value, numbers.Real):
                 if math.isfinite(value):
