@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from .augment import Box
 from .buffers import BufferPool
-from .normalize import check_output
+from .normalize import check_output, normalize
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,6 @@ class NvImageCodecDecoder:
         self.buffers = BufferPool(reuse_buffers)
         self._decoder: Any = None
         self._params: Any = None
-        self._constants: tuple[torch.Tensor, torch.Tensor] | None = None
         self._lock = threading.Lock()
 
     @property
@@ -129,7 +128,7 @@ class NvImageCodecDecoder:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_decoder"] = state["_params"] = state["_constants"] = None
+        state["_decoder"] = state["_params"] = None
         del state["_lock"]
         return state
 
@@ -159,9 +158,6 @@ class NvImageCodecDecoder:
         self._params = nv.DecodeParams(
             apply_exif_orientation=False, color_spec=nv.ColorSpec.SRGB, sample_format=nv.SampleFormat.I_RGB
         )
-        mean = torch.tensor(self.mean, dtype=torch.float32).view(1, 3, 1, 1)
-        inv_std = torch.tensor([1.0 / s for s in self.std], dtype=torch.float32).view(1, 3, 1, 1)
-        self._constants = (mean.to(self.device), inv_std.to(self.device))
         return self._decoder
 
     def decode(
@@ -209,13 +205,9 @@ class NvImageCodecDecoder:
             chw = hwc.permute(2, 0, 1).unsqueeze(0).float()
             resized = F.interpolate(chw, size=(s, s), mode="bilinear", align_corners=False, antialias=True)[0]
             pixels[i] = resized.flip(-1) if boxes[i].flip else resized
-        pixels.round_().clamp_(0.0, 255.0)
-        if self.dtype == torch.uint8:
-            out = pixels.to(torch.uint8)
-        else:
-            mean, inv_std = self._constants
-            out = pixels.sub_(mean).mul_(inv_std)
-            out = out if self.dtype == torch.float32 else out.to(self.dtype)
+        out = pixels.round_().clamp_(0.0, 255.0).to(torch.uint8)
+        if self.dtype != torch.uint8:  # the CPU decoder's arithmetic, on this device
+            out = normalize(out, self.mean, self.std, self.dtype)
         if failures:
             out[[i for i, _ in failures]] = 0
         if stream is not None:
