@@ -220,14 +220,22 @@ class ClusterCache(BaseCache):
         if not self.configure_servers:
             return
         try:
-            node.client.config_set("maxmemory-policy", self.policy.redis_maxmemory_policy)
-            if self.policy.evicts and self.capacity_bytes:
-                if int(node.client.config_get("maxmemory").get(b"maxmemory", b"0") or 0) == 0:
-                    base = int(node.client.info("memory").get("used_memory", 0))
-                    node.client.config_set("maxmemory", base + self.capacity_bytes)
-        except redis.ResponseError as exc:
+            # INFO first: a server from ``stallfree cache serve`` is already set up for its policy
+            # and refuses CONFIG to cache clients (its ACL), so ask only for what differs
+            memory = node.client.info("memory")
+            wanted = self.policy.redis_maxmemory_policy
+            if str(memory.get("maxmemory_policy", "")) != wanted:
+                node.client.config_set("maxmemory-policy", wanted)
+            if self.policy.evicts and self.capacity_bytes and int(memory.get("maxmemory", 0) or 0) == 0:
+                node.client.config_set("maxmemory", int(memory.get("used_memory", 0)) + self.capacity_bytes)
+        except redis.ResponseError as exc:  # NOPERM from a restricted server among them
             log.warning(
-                "cache server %s: cannot apply policy settings (%s); using it as configured", node.url, exc
+                "cache server %s: cannot apply the %s policy's settings (%s); using it as configured "
+                "(start it with `stallfree cache serve --policy %s`)",
+                node.url,
+                self.policy.name,
+                exc,
+                self.policy.name,
             )
 
     def _failed_node(self, node: _Server, exc: BaseException) -> None:

@@ -2,8 +2,15 @@
 
 The configuration is written to a private (0600) file, so a password never appears on a command
 line: loopback only unless told otherwise, no persistence (a cache is rebuilt from storage),
-``maxmemory`` from the capacity and the eviction policy from the cache policy. On Linux the
-server is tied to the process that started it (``PR_SET_PDEATHSIG``): when that process dies,
+``maxmemory`` from the capacity and the eviction policy from the cache policy.
+
+Clients get only the data commands the cache needs (``DATA_COMMANDS``), through Redis ACLs: the
+``default`` user, which every client authenticates as with the cache password, cannot FLUSHALL,
+CONFIG SET (lift ``maxmemory``), DEBUG, MODULE LOAD, SHUTDOWN or change ACLs, so a leaked cache
+password costs cached samples, not the server. Administration goes through a separate user
+(``ADMIN_USER``) whose random password is written to ``workdir/admin.password`` (0600).
+
+On Linux the server is tied to the process that started it (``PR_SET_PDEATHSIG``): when that process dies,
 even by SIGKILL, the kernel kills the server too, so no orphan keeps the port and the memory.
 """
 
@@ -13,6 +20,7 @@ import ctypes
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -27,6 +35,17 @@ from pathlib import Path
 from stallfree.cache.policy import Policy, get_policy
 
 log = logging.getLogger(__name__)
+
+# What ClusterCache and ``stallfree cache stats`` send, and nothing else: connection set-up
+# (redis-py may send HELLO; its CLIENT SETINFO, unknown before Redis 7.2, is refused and ignored), the data path (GET/MGET/SET/EXISTS and the admission
+# and drop Lua scripts, whose redis.call()s are checked against the same list), and read-only INFO
+# and DBSIZE for stats. Keep it in step with cache/redis_ops.py and cache/cluster.py.
+DATA_COMMANDS = (
+    "ping", "auth", "hello", "client|setname", "quit", "reset", "select",
+    "get", "mget", "set", "exists", "strlen", "del", "decrby", "incrby",
+    "eval", "evalsha", "script|load", "script|exists", "info", "dbsize",
+)  # fmt: skip
+ADMIN_USER = "stallfree-admin"
 
 _UNITS = {
     "": 1,
@@ -86,8 +105,11 @@ class RedisServer:
         tls_cert_file: str | os.PathLike | None = None,
         tls_key_file: str | os.PathLike | None = None,
         tls_ca_cert_file: str | os.PathLike | None = None,
+        restricted: bool = True,
     ) -> None:
         self.bind = bind
+        self.restricted = restricted  # clients may run DATA_COMMANDS only (see the module docstring)
+        self.admin_password: str | None = None
         self.port = port or free_port(self.host)
         self.capacity_bytes = capacity_bytes
         self.policy = get_policy(policy)
@@ -149,15 +171,37 @@ class RedisServer:
             "maxmemory-samples 10",
             "lazyfree-lazy-eviction yes",
         ]
-        if self.password:
-            lines.append(f'requirepass "{_quote(self.password)}"')
+        if not self.restricted:
+            if self.password:
+                lines.append(f'requirepass "{_quote(self.password)}"')
+            return "\n".join(lines) + "\n"
+        auth = f'">{_quote(self.password)}"' if self.password else "nopass"
+        allowed = " ".join(f"+{c}" for c in DATA_COMMANDS)
+        lines += [
+            f"user default reset on {auth} ~* resetchannels -@all {allowed}",
+            f'user {ADMIN_USER} reset on ">{_quote(self.admin_password or "")}" ~* &* +@all',
+        ]
         return "\n".join(lines) + "\n"
+
+    @property
+    def admin_password_file(self) -> Path:
+        return self.workdir / "admin.password"
+
+    def _write_admin_password(self) -> None:
+        """A fresh random admin password in ``admin_password_file`` (0600), unless one is set."""
+        if self.admin_password is None:
+            self.admin_password = secrets.token_urlsafe(24)
+        fd = os.open(self.admin_password_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.admin_password + "\n")
 
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         """Start the server and wait until it answers PING; raises ``RuntimeError`` with its log."""
         if self.process is not None and self.process.poll() is None:
             return self
         self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.restricted:
+            self._write_admin_password()
         conf = self.workdir / "redis.conf"
         fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:

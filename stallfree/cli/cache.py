@@ -129,7 +129,7 @@ def _serve_password(args: argparse.Namespace, workdir: Path) -> tuple[str | None
 
 def run_serve(args: argparse.Namespace) -> int:
     from stallfree.cache.credentials import CredentialFileError, ensure_secret_file
-    from stallfree.cache.server import RedisServer, parse_size
+    from stallfree.cache.server import ADMIN_USER, RedisServer, parse_size
 
     try:
         capacity = parse_size(args.capacity)
@@ -186,6 +186,12 @@ def run_serve(args: argparse.Namespace) -> int:
         )
     elif not server.password:
         print("warning: no password; any local process can read and write this cache", file=sys.stderr)
+    print(
+        f"clients may run data commands only (no FLUSHALL, CONFIG, DEBUG, MODULE); admin user "
+        f"{ADMIN_USER}, password in {server.admin_password_file}",
+        file=sys.stderr,
+        flush=True,
+    )
     if secret_file:
         print(
             f"secret file: {secret_file} (clients: ClusterCache(secret_file=...))",

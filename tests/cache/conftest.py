@@ -125,6 +125,8 @@ def redis_servers_lazy(request):
     """Like ``redis_servers`` but only started (fresh) when a test asks for them."""
 
     def start(n: int):
-        return request.getfixturevalue("redis_servers")(n)
+        # unrestricted (plain requirepass) servers: the conformance suite lets the client apply
+        # each tier's policy, as it does on a Redis a user runs themselves
+        return request.getfixturevalue("redis_servers")(n, restricted=False)
 
     return start

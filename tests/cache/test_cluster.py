@@ -191,7 +191,7 @@ def test_rendezvous_hashing_one_owner_and_minimal_movement():
 
 
 def test_lru_policy_is_applied_to_the_servers(redis_servers):
-    servers = redis_servers(2)
+    servers = redis_servers(2, restricted=False)  # a Redis without our ACL: the client configures it
     cache = ClusterCache([s.url for s in servers], capacity_bytes=1 << 20, policy="lru")
     cache.put_many([(CacheKey("fp", 1, "raw"), b"x")])
     for status in cache.stats()["servers"].values():
