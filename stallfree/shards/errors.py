@@ -65,6 +65,44 @@ class ShardReadError(ShardError):
     """A shard could not be read (an I/O error, permissions): not known to be damaged."""
 
 
+class RemoteReadError(ShardReadError):
+    """A remote read did not deliver what was asked, after the retries ``shards.remote`` allows:
+    a short or over-long body, a server error, an endpoint that refused or did not answer.
+
+    Besides the base fields it keeps ``url`` (what was read, with the endpoint where the
+    filesystem has one), the asked ``start``/``end`` (None for a whole-file read or a probe) and
+    ``got`` (the bytes returned; None when the read failed outright), so a caller can tell a
+    shrunk object from a dead server without parsing the message.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        shard: str | None = None,
+        key: str | None = None,
+        offset: int | None = None,
+        url: str | None = None,
+        start: int | None = None,
+        end: int | None = None,
+        got: int | None = None,
+    ) -> None:
+        self.url, self.start, self.end, self.got = url, start, end, got
+        super().__init__(message, shard=shard, key=key, offset=offset)
+
+    def __reduce__(self):
+        return (
+            _rebuild_remote,
+            (self.reason, self.shard, self.key, self.offset, self.url, self.start, self.end, self.got),
+        )
+
+
+def _rebuild_remote(reason, shard, key, offset, url, start, end, got):
+    return RemoteReadError(
+        reason, shard=shard, key=key, offset=offset, url=url, start=start, end=end, got=got
+    )
+
+
 class ManifestError(ShardError):
     """``manifest.json`` is missing fields, malformed, or of an unknown format version."""
 
@@ -75,6 +113,33 @@ class DuplicateKeyError(ShardError):
 
 class WriteError(ShardError):
     """The destination cannot be written (permissions, missing bucket, disk full)."""
+
+
+class DatasetExistsError(WriteError):
+    """The destination already holds a dataset and replacing it was not asked for.
+
+    How to ask depends on the caller: Python passes ``overwrite=True``, the command line says
+    ``--overwrite``. ``str(exc)`` names the Python argument; ``advice(option)`` gives the same
+    message naming another spelling, so the CLI can say ``--overwrite`` and neither caller reads
+    the other's vocabulary."""
+
+    PYTHON_OPTION = "overwrite=True"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        shard: str | None = None,
+        key: str | None = None,
+        offset: int | None = None,
+    ) -> None:
+        super().__init__(message, shard=shard, key=key, offset=offset)
+        self.args = (self.advice(self.PYTHON_OPTION),)
+
+    def advice(self, option: str) -> str:
+        """The message, ending in how to replace the dataset with ``option``."""
+        where = f" ({self.where})" if self.where else ""
+        return f"{self.reason}{where}; pass {option} to replace it"
 
 
 class SampleDecodeError(ShardError):

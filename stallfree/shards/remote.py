@@ -1,0 +1,429 @@
+"""The one primitive for remote reads: ``read_range`` / ``read_ranges`` / ``read_file``.
+
+Why one: a ranged read over HTTP or S3 can return fewer bytes than asked and say nothing (an
+object re-uploaded shorter during a run; a server, proxy or cache that truncates bodies but sends a
+matching ``Content-Length``), and fsspec hands those bytes back as if they were the range. Each
+reader used to call ``cat_file`` on its own and most never compared the length, so a short body
+became a sample (issue 18: 1,632 of 2,000 samples wrong, no error). Every remote read in
+``shards/`` (tar ranges, ``.idx``, manifest, Arrow batches, the tar walker) and in ``tokens/`` goes
+through here, so the check, the retries and the error wording exist once.
+
+What a read does: ask once; a short body, a transport failure (connection refused or reset, a
+timeout, a 5xx) is asked again up to ``RetryPolicy.attempts`` times in all with exponential
+backoff; then ``RemoteReadError`` naming the URL (and endpoint), shard, sample key where known,
+asked range and returned length. Not retried, because asking again cannot help: a missing file
+(``MissingShardError``), a refusal (``ShardReadError``, access denied), a body *longer* than asked
+(the server ignores ``Range``; the bytes at the asked offset are not known).
+
+Bounded time: ``with_timeouts`` fills in connect/read timeouts (``Timeouts``) for s3fs and
+fsspec's HTTP client where the user gave none, so an endpoint that does not answer fails a read in
+at most ``attempts * (s3fs retries) * (connect_s + read_s)`` plus the backoff, and one that refuses
+connections in about a second. Imports nothing of ours but ``errors``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import fsspec
+
+from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardError, ShardReadError
+
+log = logging.getLogger(__name__)
+
+# Exceptions from these packages are transport failures (the request did not complete), whatever
+# their class: botocore's EndpointConnectionError and ReadTimeoutError are not OSErrors, aiohttp's
+# ClientResponseError (a 5xx) is not either. Matched by module so shards/ imports neither.
+_TRANSPORT_MODULES = ("aiohttp", "botocore", "aiobotocore", "urllib3", "requests", "http.client", "fsspec")
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    """How often a failed or short read is asked again: ``attempts`` in all (1: never again),
+    waiting ``backoff_s``, then twice that, ... at most ``max_backoff_s`` between attempts."""
+
+    attempts: int = 3
+    backoff_s: float = 0.1
+    max_backoff_s: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError(f"RetryPolicy.attempts must be at least 1, got {self.attempts}")
+        if self.backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError(
+                f"RetryPolicy backoff must not be negative, got {self.backoff_s} / {self.max_backoff_s}"
+            )
+
+    def delays(self) -> Iterator[float]:
+        """The waits before the 2nd, 3rd, ... attempt (``attempts - 1`` of them)."""
+        for n in range(self.attempts - 1):
+            yield min(self.max_backoff_s, self.backoff_s * (2**n))
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """Connect and read timeouts given to the storage client when the user gave none. s3fs's own
+    defaults (5 s / 15 s); aiohttp's default for fsspec's HTTP client is a 300 s total, which
+    let a server that accepts and never answers hold a read for five minutes."""
+
+    connect_s: float = 5.0
+    read_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.connect_s <= 0 or self.read_s <= 0:
+            raise ValueError(f"timeouts must be positive, got connect {self.connect_s}, read {self.read_s}")
+
+
+DEFAULT_POLICY = RetryPolicy()
+DEFAULT_TIMEOUTS = Timeouts()
+
+
+# -- reads ----------------------------------------------------------------------------------
+
+
+def read_range(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int,
+    end: int,
+    *,
+    shard: str,
+    key: str | None = None,
+    policy: RetryPolicy = DEFAULT_POLICY,
+) -> bytes:
+    """Bytes ``[start, end)`` of ``path``: exactly ``end - start`` of them, or an error (see the
+    module docstring). ``shard`` and ``key`` only name the read in errors."""
+    if start < 0 or end < start:
+        raise ValueError(f"bad range [{start}, {end}) for {path}")
+    if start == end:
+        return b""
+    return _retrying(fs, path, start, end, shard, key, policy, None)
+
+
+def read_ranges(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    ranges: Sequence[tuple[int, int]],
+    *,
+    shard: str,
+    keys: Sequence[str | None] | None = None,
+    policy: RetryPolicy = DEFAULT_POLICY,
+) -> list[bytes]:
+    """Several ranges of one file, concurrently where the filesystem can (``cat_ranges``); each
+    checked like ``read_range``, and only the failed or short ones asked again. ``keys[i]`` names
+    range ``i``'s first sample in errors."""
+    if keys is not None and len(keys) != len(ranges):
+        raise ValueError(f"{len(keys)} keys for {len(ranges)} ranges")
+    names = list(keys) if keys is not None else [None] * len(ranges)
+    if len(ranges) == 1:
+        return [read_range(fs, path, *ranges[0], shard=shard, key=names[0], policy=policy)]
+    try:
+        first: list[Any] = fs.cat_ranges(
+            [path] * len(ranges),
+            starts=[r[0] for r in ranges],
+            ends=[r[1] for r in ranges],
+            on_error="return",
+        )
+    except Exception as exc:  # one failure for all: each range then goes its own way
+        first = [exc] * len(ranges)
+    out = []
+    for (start, end), got, key in zip(ranges, first, names, strict=True):
+        if isinstance(got, bytes) and len(got) == end - start:
+            out.append(got)
+        else:
+            out.append(_retrying(fs, path, start, end, shard, key, policy, got))
+    return out
+
+
+def read_file(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    *,
+    shard: str,
+    size: int | None = None,
+    policy: RetryPolicy = DEFAULT_POLICY,
+) -> bytes:
+    """A whole (small) file: ``.idx``, manifest, a token index. With ``size`` it is a checked
+    ``read_range(0, size)``; without, failures are retried but the length cannot be checked (the
+    caller's parser is then the check), which saves the ``HEAD`` a size would cost."""
+    if size is not None:
+        return read_range(fs, path, 0, size, shard=shard, policy=policy)
+    return _retrying(fs, path, None, None, shard, None, policy, None)
+
+
+def exists(
+    fs: fsspec.AbstractFileSystem, path: str, *, shard: str, policy: RetryPolicy = DEFAULT_POLICY
+) -> bool:
+    """Whether ``path`` exists, telling "not there" from "could not ask": fsspec's HTTP
+    ``exists`` answers False for a 500 or a refused connection (and ``open_dataset`` then said
+    "no dataset at URL"); here those are retried and then a ``RemoteReadError`` naming the
+    status or the endpoint."""
+    last: BaseException | None = None
+    for delay in [*policy.delays(), None]:
+        try:
+            fs.info(path)
+            return True
+        except FileNotFoundError as exc:
+            cause = _transport_cause(exc)
+            if cause is None:
+                return False
+            last = cause
+        except PermissionError:
+            raise
+        except Exception as exc:
+            if not is_transport_error(exc):
+                raise
+            last = exc
+        if delay is not None:
+            time.sleep(delay)
+    raise _failed(fs, path, None, None, shard, None, policy, last, None, "looking up") from None
+
+
+def _retrying(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int | None,
+    end: int | None,
+    shard: str,
+    key: str | None,
+    policy: RetryPolicy,
+    first: Any,
+) -> bytes:
+    """The attempt loop; ``first`` is the outcome of an attempt already made (bytes or an
+    exception), or None."""
+    want = None if start is None or end is None else end - start
+    delays = policy.delays()
+    outcome = first
+    short: int | None = None
+    last: BaseException | None = None
+    for attempt in range(policy.attempts):
+        if outcome is None:
+            try:
+                # keywords: s3fs's cat_file takes ``version_id`` second
+                outcome = fs.cat_file(path, start=start, end=end) if want is not None else fs.cat_file(path)
+            except Exception as exc:
+                outcome = exc
+        if isinstance(outcome, bytes | bytearray | memoryview):
+            got = len(outcome)
+            if want is None or got == want:
+                return bytes(outcome) if not isinstance(outcome, bytes) else outcome
+            if got > want:  # the server ignored Range: which bytes are ours is not known
+                raise RemoteReadError(
+                    f"{describe(fs, path)} returned {got} bytes for bytes {start}..{end} ({want} bytes): "
+                    "the server does not honour HTTP Range requests (serve it from one that does)",
+                    shard=shard,
+                    key=key,
+                    offset=start,
+                    url=describe(fs, path),
+                    start=start,
+                    end=end,
+                    got=got,
+                )
+            short, last = got, None
+            log.debug(
+                "short read of %s [%s, %s): %d of %d bytes (try %d)", path, start, end, got, want, attempt + 1
+            )
+        else:
+            exc = outcome
+            short = None
+            _raise_final(fs, path, start, shard, key, exc)
+            last = exc
+            log.debug("read of %s [%s, %s) failed (attempt %d): %r", path, start, end, attempt + 1, exc)
+        outcome = None
+        delay = next(delays, None)
+        if delay is not None:
+            time.sleep(delay)
+    raise _failed(fs, path, start, end, shard, key, policy, last, short) from None
+
+
+def _raise_final(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int | None,
+    shard: str,
+    key: str | None,
+    exc: BaseException,
+) -> None:
+    """Raise the error for a failure that asking again cannot mend; return for a transient one."""
+    if isinstance(exc, FileNotFoundError):
+        if _transport_cause(exc) is None:
+            raise MissingShardError(f"not found: {describe(fs, path)}", shard=shard, key=key) from None
+        return
+    if isinstance(exc, PermissionError):  # the store answered, and said no: not damaged
+        raise ShardReadError(
+            f"access denied reading {describe(fs, path)}: {exc or type(exc).__name__} "
+            "(check the credentials and the bucket's policy)",
+            shard=shard,
+            key=key,
+            offset=start,
+        ) from None
+    if isinstance(exc, ShardError):
+        raise exc
+    if not is_transport_error(exc):
+        raise exc  # a bug or a bad argument: not ours to reword
+
+
+def _failed(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int | None,
+    end: int | None,
+    shard: str,
+    key: str | None,
+    policy: RetryPolicy,
+    last: BaseException | None,
+    short: int | None,
+    what: str = "reading",
+) -> RemoteReadError:
+    url = describe(fs, path)
+    tries = f"{policy.attempts} attempt{'s' if policy.attempts > 1 else ''}"
+    if short is not None and start is not None and end is not None:
+        message = f"short read from {url}: asked for bytes {start}..{end} ({end - start} bytes), got {short} ({tries})"
+    elif start is not None and end is not None:
+        message = f"reading bytes {start}..{end} of {url} failed ({tries}): {explain(last)}"
+    else:
+        message = f"{what} {url} failed ({tries}): {explain(last)}"
+    return RemoteReadError(
+        message,
+        shard=shard,
+        key=key,
+        offset=start,
+        url=url,
+        start=start,
+        end=end,
+        got=short,
+    )
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def is_transport_error(exc: BaseException) -> bool:
+    """The request did not complete (connection, timeout, server error): asking again may work."""
+    if isinstance(exc, OSError | TimeoutError):
+        return True
+    for cls in type(exc).__mro__:
+        module = cls.__module__
+        if module in _TRANSPORT_MODULES or module.split(".", 1)[0] in _TRANSPORT_MODULES:
+            return True
+    return False
+
+
+def _transport_cause(exc: BaseException) -> BaseException | None:
+    """fsspec's HTTP ``info`` turns every failure into FileNotFoundError; the real one (a 500, a
+    refused connection) is its cause. None when it really is "not found"."""
+    cause = exc.__cause__ or exc.__context__
+    seen = 0
+    while cause is not None and seen < 5:
+        status = getattr(cause, "status", None)
+        if isinstance(status, int):
+            return cause if status >= 500 or status == 429 else None
+        if not isinstance(cause, FileNotFoundError) and is_transport_error(cause):
+            return cause
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
+    return None
+
+
+def explain(exc: BaseException | None) -> str:
+    """A short, plain account of a transport failure (status, or the library's words)."""
+    if exc is None:
+        return "no answer"
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return f"the server answered HTTP {status} {getattr(exc, 'message', '') or ''}".rstrip()
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
+
+
+def endpoint_of(fs: fsspec.AbstractFileSystem) -> str | None:
+    """The endpoint a filesystem talks to, where it has one besides the URL (S3-compatible stores)."""
+    kwargs = getattr(fs, "client_kwargs", None)
+    if isinstance(kwargs, dict) and kwargs.get("endpoint_url"):
+        return str(kwargs["endpoint_url"])
+    url = getattr(fs, "endpoint_url", None)
+    return str(url) if url else None
+
+
+def describe(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``s3://bucket/key (endpoint http://host:port)`` or ``http://host/path``: what a user typed."""
+    try:
+        url = fs.unstrip_protocol(path)
+    except Exception:  # noqa: BLE001 - only naming it
+        url = path
+    endpoint = endpoint_of(fs)
+    return f"{url} (endpoint {endpoint})" if endpoint else url
+
+
+def unreachable(url: str, fs: fsspec.AbstractFileSystem | None, exc: BaseException) -> RemoteReadError:
+    """The error for a store that could not be asked at all (open time): names the endpoint the
+    user gave, not the client library's exception class."""
+    endpoint = endpoint_of(fs) if fs is not None else None
+    where = f"endpoint {endpoint}" if endpoint else url
+    return RemoteReadError(f"cannot reach {where} (opening {url}): {explain(exc)}", shard=url, url=url)
+
+
+# -- timeouts -------------------------------------------------------------------------------
+
+
+def protocol_of(url: str) -> str:
+    """The outermost protocol of ``url`` (``file`` for a plain path)."""
+    proto = fsspec.core.split_protocol(url.split("::", 1)[0])[0]
+    return proto or "file"
+
+
+def with_timeouts(
+    url: str, storage_options: dict[str, Any], timeouts: Timeouts = DEFAULT_TIMEOUTS
+) -> dict[str, Any]:
+    """``storage_options`` plus connect/read timeouts for ``url``'s store where the user set none
+    (a copy; what the user passed is never overwritten). S3 (s3fs): botocore's ``connect_timeout``
+    and ``read_timeout`` in ``config_kwargs``, and botocore's own retries off (s3fs already
+    retries 5 times, and this module retries after it: three layers made a dead endpoint cost
+    ~6.4 s per sample). HTTP: an aiohttp ``ClientTimeout`` with ``sock_connect``/``sock_read``.
+    Other stores, and chained URLs, are left as they are."""
+    options = dict(storage_options)
+    if "::" in url:
+        return options
+    proto = protocol_of(url)
+    if proto in ("s3", "s3a"):
+        config = dict(options.get("config_kwargs") or {})
+        config.setdefault("connect_timeout", timeouts.connect_s)
+        config.setdefault("read_timeout", timeouts.read_s)
+        config.setdefault("retries", {"total_max_attempts": 1})
+        options["config_kwargs"] = config
+    elif proto in ("http", "https"):
+        client = dict(options.get("client_kwargs") or {})
+        if "timeout" not in client:
+            import aiohttp
+
+            client["timeout"] = aiohttp.ClientTimeout(
+                total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.read_s
+            )
+        options["client_kwargs"] = client
+    return options
+
+
+def url_to_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
+    """``fsspec.core.url_to_fs`` with ``with_timeouts`` applied: how shards/ (and tokens/) make
+    a filesystem from a user's URL and options."""
+    return fsspec.core.url_to_fs(url, **with_timeouts(url, storage_options))
+
+
+__all__ = [
+    "DEFAULT_POLICY",
+    "DEFAULT_TIMEOUTS",
+    "RetryPolicy",
+    "Timeouts",
+    "describe",
+    "exists",
+    "is_transport_error",
+    "read_file",
+    "read_range",
+    "read_ranges",
+    "unreachable",
+    "url_to_fs",
+    "with_timeouts",
+]
