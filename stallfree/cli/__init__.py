@@ -12,6 +12,8 @@ import importlib
 import logging
 import sys
 
+from stallfree import __version__
+
 # subcommand name -> module under stallfree.cli
 _COMMANDS = {
     "shard": "shard",
@@ -32,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="example:\n  stallfree shard ./imagenet/train ./in1k-shards --format tar --workers 4",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    parser.add_argument(
+        "-V", "--version", action="version", version=f"stallfree {__version__}", help="print the version and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in dict.fromkeys(_COMMANDS.values()):
         try:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
+
+
+def describe(*paragraphs: str, width: int = 92) -> str:
+    """A subcommand's ``description=``: each paragraph filled to ``width`` columns.
+
+    The parsers use ``RawDescriptionHelpFormatter`` so that epilog examples keep their line
+    breaks; that formatter leaves descriptions unwrapped too, so they are filled here."""
+    return "\n\n".join(textwrap.fill(" ".join(p.split()), width, break_on_hyphens=False) for p in paragraphs)
 
 
 def parse_key_value(text: str, what: str = "option") -> tuple[str, Any]:
@@ -42,6 +51,13 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def fail(command: str, message: object, code: int = 1) -> int:
-    """Print ``stallfree COMMAND: error: MESSAGE`` to stderr and return the exit code."""
+    """Print ``stallfree COMMAND: error: MESSAGE`` to stderr and return the exit code.
+
+    An error whose advice names a Python argument is re-worded with the command's flag
+    (``DatasetExistsError``: ``overwrite=True`` -> ``--overwrite``)."""
+    from stallfree.shards.errors import DatasetExistsError  # imports nothing else of ours
+
+    if isinstance(message, DatasetExistsError):
+        message = message.advice("--overwrite")
     print(f"stallfree {command}: error: {message}", file=sys.stderr)
     return code

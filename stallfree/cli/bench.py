@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from stallfree.cli._common import fail, parse_key_value
+from stallfree.cli._common import describe, fail, parse_key_value
 
 EPILOG = """examples:
   stallfree bench ./in1k-shards --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
@@ -38,6 +38,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
         help="measure time blocked on data per rank, per loader; explain it and what would remove it",
+        description=describe(
+            "Launch --nproc ranks (or join torchrun's), each a DDP-like loop of next batch, step and "
+            "all-reduce, over each --loader in turn on the same shards, and report per loader: samples/s, "
+            "stall share (time blocked in next() / step time; the worst rank is the job's), wait p50/p99, "
+            "CPU cores, and the decode each loader ran (stallfree: ImageDecode unless --decode recipe; "
+            "torch and webdataset: the PIL recipe; dali: DALI's own operators). --analyze splits stall "
+            "into fetch and prep and predicts a cache size or storage bandwidth; --tune sweeps workers "
+            "and prefetch depth."
+        ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )

@@ -7,14 +7,14 @@ import json
 import sys
 from typing import Any
 
-from stallfree.cli._common import add_storage_option, fail, storage_options
+from stallfree.cli._common import add_storage_option, describe, fail, storage_options
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "inspect",
         help="summarise a sharded dataset: format, samples, shards, bytes, fields, classes",
-        description=(
+        description=describe(
             "Summarise a dataset from its manifest and first sample (reads no other shard data). Plain "
             "WebDataset tars without a manifest are indexed on the fly."
         ),
@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser(
         "verify",
         help="check sizes, sha256 hashes and index consistency of every shard (optionally decode images)",
-        description=(
+        description=describe(
             "Read every shard once: size and sha256 against the manifest, tar headers against the .idx and the "
             "manifest's sample counts (Arrow: row counts), duplicate keys; --decode also decodes image fields "
             "with PIL. Exits 1 and lists every problem (shard, sample key, byte offset) if any is found."
@@ -64,13 +64,17 @@ def _field_size(value: Any) -> Any:
 def run_inspect(args: argparse.Namespace) -> int:
     from stallfree.shards.errors import ShardError
     from stallfree.shards.open import open_dataset
+    from stallfree.shards.scan import resolve
 
     try:
         options = storage_options(args)
     except ValueError as exc:
         return fail("inspect", exc, 2)
     try:
-        ds = open_dataset(args.dataset, **options)  # plain tars without a manifest: indexed on the fly
+        # resolve says whether a manifest.json is there (paths None) or the shards were listed:
+        # open_dataset then indexes them on the fly, and its manifest is made up, version and all.
+        on_disk = resolve(args.dataset, **options)[2] is None
+        ds = open_dataset(args.dataset, **options)
         manifest = ds.manifest
         first = ds[0] if len(ds) else {}
     except (ShardError, OSError, ValueError) as exc:
@@ -80,7 +84,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     info = {
         "dataset": args.dataset,
         "format": manifest.format,
-        "version": manifest.version,
+        "manifest": on_disk,
+        "version": manifest.version if on_disk else None,
         "samples": manifest.samples,
         "shards": len(manifest.shards),
         "bytes": manifest.bytes,
@@ -97,7 +102,11 @@ def run_inspect(args: argparse.Namespace) -> int:
         return 0
     n = manifest.samples
     print(f"dataset:     {args.dataset}")
-    print(f"format:      {manifest.format} (manifest version {manifest.version})")
+    if on_disk:
+        print(f"format:      {manifest.format} (manifest version {manifest.version})")
+    else:
+        fix = "stallfree index" if manifest.format == "tar" else "stallfree shard"  # index: tars only
+        print(f"format:      {manifest.format} (no manifest.json: indexed on the fly; `{fix}` writes one)")
     print(f"samples:     {n:,} in {len(manifest.shards):,} shard(s)")
     avg = f", {manifest.bytes / n / 1e3:,.1f} KB/sample" if n else ""
     print(f"bytes:       {manifest.bytes:,} ({manifest.bytes / 1e6:,.1f} MB{avg})")

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from stallfree.cli._common import add_storage_option, fail, storage_options
+from stallfree.cli._common import add_storage_option, describe, fail, storage_options
 
 SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
 
@@ -17,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "shard",
         help="write tar or Arrow shards (+ manifest.json, .idx) from images, tables or tars",
-        description=(
+        description=describe(
             "Write training-ready shards from SRC: an ImageFolder tree (class = sub-folder), a folder of "
             "files grouped by base name (a.jpg + a.json -> one sample), JSONL / Parquet / Arrow tables "
             "(one row per sample), or existing tar shards (re-shard). Output is identical for any "
@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = sub.add_parser(
         "index",
         help="write manifest.json and DALI .idx files for existing WebDataset tars",
-        description=(
+        description=describe(
             "Index existing WebDataset tar shards in place: one DALI-compatible .idx beside each tar and a "
             "manifest.json (sample counts, sizes, sha256) in their directory, so open_dataset reads them "
             "by global index without scanning."

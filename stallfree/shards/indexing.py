@@ -14,7 +14,7 @@ from typing import Any
 import fsspec
 
 from stallfree.shards.atomic import atomic_write_bytes
-from stallfree.shards.errors import MissingShardError, WriteError
+from stallfree.shards.errors import DatasetExistsError, MissingShardError
 from stallfree.shards.idx import idx_path_for, render_idx
 from stallfree.shards.manifest import MANIFEST_NAME
 from stallfree.shards.scan import manifest_for_tars, resolve, resolve_files
@@ -52,7 +52,7 @@ def index_tars(
     fs, root, paths = _tar_paths(tars, **storage_options)
     manifest_path = posixpath.join(root, MANIFEST_NAME)
     if fs.exists(manifest_path) and not overwrite:
-        raise WriteError(f"{manifest_path} already exists; pass --overwrite (overwrite=True) to replace it")
+        raise DatasetExistsError(f"{manifest_path} already exists")
     manifest, indices = manifest_for_tars(
         fs,
         root,

@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import fsspec
 
 from stallfree.shards.atomic import OverlappedHashFile, check_writable, remove_stale_temps
-from stallfree.shards.errors import SampleDecodeError, WriteError
+from stallfree.shards.errors import DatasetExistsError, SampleDecodeError
 from stallfree.shards.idx import idx_path_for
 from stallfree.shards.manifest import (
     FORMAT_VERSION,
@@ -342,9 +342,7 @@ def shard_dataset(
     root = root.rstrip("/") or root
     manifest_path = posixpath.join(root, MANIFEST_NAME)
     if fs.exists(manifest_path) and not overwrite:
-        raise WriteError(
-            f"{dst} already holds a dataset ({MANIFEST_NAME}); pass --overwrite (overwrite=True) to replace it"
-        )
+        raise DatasetExistsError(f"{dst} already holds a dataset ({MANIFEST_NAME})")
     check_writable(fs, root)
     remove_stale_temps(fs, root)
     old, in_use = files_in_use(fs, root)
