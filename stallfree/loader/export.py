@@ -128,15 +128,20 @@ class StatsExporter:
             self._owned.append(self._stream)
         elif jsonl is not None:
             self._stream = jsonl
+        self._last_step: int | None = None  # the latest step() seen
+        self._exported: int | None = None  # the step of the latest export
+        self._closed = False
 
     def step(self, step: int) -> dict[str, Any] | None:
         """Call once per training step; exports on every ``every``-th step and returns that
         snapshot (None on the other steps)."""
+        self._last_step = step
         return None if step % self.every else self.export(step)
 
     def export(self, step: int) -> dict[str, Any]:
         """Export one snapshot now, whatever the step; returns that snapshot."""
         stats = self.source.stats()
+        self._exported = step
         if self._writer is not None:
             write_tensorboard(self._writer, stats, step, prefix=self.prefix)
             self._writer.flush()
@@ -146,7 +151,17 @@ class StatsExporter:
         return stats
 
     def close(self) -> None:
-        """Close what this exporter opened (idempotent)."""
+        """Export the last partial interval, then close what this exporter opened (idempotent).
+
+        A run of 250 steps with ``every=100`` ends on step 250: without a final export the last
+        50 steps (often the end of training, where an epoch boundary stall shows) would be in no
+        chart or line, so ``close()`` exports once more at the last step seen if it was not an
+        export step."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._last_step is not None and self._last_step != self._exported:
+            self.export(self._last_step)
         while self._owned:
             self._owned.pop().close()
 

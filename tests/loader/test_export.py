@@ -105,6 +105,25 @@ def test_json_lines_every_n_steps_to_a_file_and_a_stream(data, tmp_path):
     assert not stream.closed  # the caller's stream stays open
 
 
+def test_close_exports_the_last_partial_interval_once(data):
+    """6 steps with every=4: step 4 exports, and close() exports step 6, whose 2 steps would
+    otherwise be in no line (issue 19.7); closing again exports nothing more."""
+    stream = io.StringIO()
+    loader = _loader(data)
+    exporter = StatsExporter(loader, every=4, jsonl=stream)
+    snapshots = _train(loader, exporter)
+    assert [json.loads(line)["step"] for line in stream.getvalue().splitlines()] == [4]
+    exporter.close()
+    exporter.close()
+    rows = [json.loads(line) for line in stream.getvalue().splitlines()]
+    assert [r["step"] for r in rows] == [4, STEPS]
+    assert rows[-1]["batches"] == STEPS and rows[-1]["samples"] == N
+    assert rows[0]["batches"] == snapshots[0]["batches"] == 4
+    idle = io.StringIO()
+    StatsExporter(loader, every=4, jsonl=idle).close()  # no step seen: nothing to export
+    assert idle.getvalue() == ""
+
+
 def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
