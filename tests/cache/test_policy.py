@@ -49,7 +49,7 @@ def test_minio_hits_the_cached_fraction_lru_less(tier, tmp_path, redis_servers):
         elif tier == "node":
             cache = NodeCache(tmp_path / policy, half, policy)
         else:
-            servers = redis_servers(3)
+            servers = redis_servers(3, restricted=False)  # the client applies each policy
             cache = ClusterCache([s.url for s in servers], half // 3, policy)
         rates[policy] = hit_rate(cache, samples)
         cache.close()
