@@ -35,7 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     parser.add_argument(
-        "-V", "--version", action="version", version=f"stallfree {__version__}", help="print the version and exit"
+        "-V",
+        "--version",
+        action="version",
+        version=f"stallfree {__version__}",
+        help="print the version and exit",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in dict.fromkeys(_COMMANDS.values()):

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
+from stallfree.harness.report import RECIPE_LABEL
 from stallfree.harness.transforms import PILRecipe, collate_pairs
 from stallfree.loader import _torch_compat as compat
 from stallfree.shards.errors import CorruptShardError
@@ -109,6 +110,11 @@ class Adapter(abc.ABC):
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def decode_label(self) -> str:
+        """Which decode this loader ran, for the report: loaders differ in more than their I/O,
+        so the table says what each one decoded with (read after the run, when known)."""
+        return RECIPE_LABEL
+
     def close(self) -> None:
         """Drop the loader once the run is over, so its workers and files are released."""
         self.__dict__.pop("loader", None)
@@ -143,6 +149,9 @@ class SyntheticBatches(Adapter):
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
         return itertools.repeat(self._batch)
+
+    def decode_label(self) -> str:
+        return "none (in-memory batch)"
 
 
 class TorchAdapter(Adapter):
@@ -231,6 +240,14 @@ class StallfreeAdapter(Adapter):
         except Exception as exc:  # stats are informative only; never fail a bench over them
             logger.warning("stallfree loader stats failed: %s", exc)
             return {"decode_mode": self.decode_mode}
+
+    def decode_label(self) -> str:
+        """``ImageDecode <backend>, <where>`` from the loader's own stats, or the recipe's label."""
+        if self.decode_mode == "recipe":
+            return RECIPE_LABEL
+        decode = self.stats().get("decode") or {}
+        backend, where = decode.get("backend"), decode.get("where")
+        return "ImageDecode" + "".join(f" {v}" for v in (backend, where and f"in {where}") if v)
 
     def close(self) -> None:
         closer = getattr(self.loader, "close", None)
@@ -371,6 +388,9 @@ class DaliAdapter(Adapter):
     def close(self) -> None:
         self.__dict__.pop("iterator", None)
         self.__dict__.pop("pipe", None)  # DALI frees its threads and buffers with the pipeline
+
+    def decode_label(self) -> str:
+        return "DALI mixed (GPU)" if self.settings.device.startswith("cuda") else "DALI cpu"
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
         for out in self.iterator:

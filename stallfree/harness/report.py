@@ -14,6 +14,18 @@ from stallfree.harness.metrics import job_summary
 
 REPORT_VERSION = 1
 
+# The decode column: each adapter's decode_label() (harness/loaders.py); the recipe's label is
+# defined here so the table can explain it.
+RECIPE_LABEL = "PIL recipe"
+RECIPE_NOTE = (
+    "decode: PIL recipe = per sample in the loader's workers: PIL JPEG decode, random resized crop, "
+    "flip, normalise (harness/transforms.py)"
+)
+IMAGE_DECODE_NOTE = (
+    "decode: ImageDecode = stallfree's batch decoder (backend and where it ran as shown; "
+    "stallfree bench --decode recipe runs the PIL recipe instead)"
+)
+
 
 def environment(device: str = "cpu") -> dict[str, Any]:
     """Versions, cores and GPU of the machine the bench ran on."""
@@ -68,6 +80,7 @@ def phase_entry(result: dict[str, Any]) -> dict[str, Any]:
         "timeline": {str(r["summary"]["rank"]): r["timeline"] for r in result["ranks"]},
         "warmup_steps": _warmup_of(result["ranks"][0]),
         "stats": result["ranks"][0].get("stats", {}),
+        "decode": result["ranks"][0].get("decode"),
     }
 
 
@@ -92,12 +105,15 @@ def build_report(
 
 
 def _fmt_row(cells: list[str], widths: list[int]) -> str:
+    """Text columns (the first and the last) left-aligned, figures right-aligned."""
+    last = len(cells) - 1
     return "  ".join(
-        c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-    )
+        c.ljust(w) if i in (0, last) else c.rjust(w)
+        for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+    ).rstrip()
 
 
-def _cells(name: str, rank: str, figures: dict[str, Any], step_p50_ms: float) -> list[str]:
+def _cells(name: str, rank: str, figures: dict[str, Any], step_p50_ms: float, decode: str = "") -> list[str]:
     """One table row from a job or rank summary."""
     return [
         name,
@@ -108,6 +124,7 @@ def _cells(name: str, rank: str, figures: dict[str, Any], step_p50_ms: float) ->
         f"{figures['wait_p99_ms']:.1f}",
         f"{step_p50_ms:.1f}",
         f"{figures['cpu_cores']:.2f}",
+        decode,
     ]
 
 
@@ -127,10 +144,12 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
         "wait p99 ms",
         "step p50 ms",
         "CPU cores",
+        "decode",
     ]
     rows: list[list[str]] = []
     for name, entry in report["loaders"].items():
-        rows.append(_cells(name, "job", entry["job"], max(r["step_p50_ms"] for r in entry["ranks"])))
+        step_p50 = max(r["step_p50_ms"] for r in entry["ranks"])
+        rows.append(_cells(name, "job", entry["job"], step_p50, entry.get("decode") or "?"))
         if per_rank and len(entry["ranks"]) > 1:
             rows += [_cells("", str(r["rank"]), r, r["step_p50_ms"]) for r in entry["ranks"]]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
@@ -159,6 +178,11 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
             f"{(cfg['warmup'] + cfg['steps']) // per_epoch} epoch boundary(ies); each restarts a loader's "
             f"read-ahead and shows as stall (use a larger dataset or fewer steps)"
         )
+    decodes = {entry.get("decode") for entry in report["loaders"].values()}
+    if RECIPE_LABEL in decodes:
+        lines.append(RECIPE_NOTE)
+    if any(d and d.startswith("ImageDecode") for d in decodes):
+        lines.append(IMAGE_DECODE_NOTE)
     for name, reason in report.get("skipped", {}).items():
         lines.append(f"skipped {name}: {reason}")
     lines.append(
@@ -176,9 +200,25 @@ def _step_label(cfg: dict[str, Any]) -> str:
     return f"{cfg['step']} {cfg['step_ms']:g} ms"
 
 
-def write_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
-    """PNG: one timeline panel per loader (rows = ranks; wait red, compute blue, sync grey) and a
-    bar chart of the job's stall share per loader."""
+def timeline_spans(entry: dict[str, Any]) -> dict[int, list[list[float]]]:
+    """A loader's measured timeline rows per rank, times re-zeroed at the rank's first measured
+    step: ``[start_s, wait_s, compute_s, sync_s]``."""
+    skip = entry.get("warmup_steps", 0)
+    out: dict[int, list[list[float]]] = {}
+    for rank_s, all_rows in entry["timeline"].items():
+        rows = all_rows[skip:]
+        t0 = rows[0][0] if rows else 0.0
+        out[int(rank_s)] = [[row[0] - t0, *row[1:4]] for row in rows]
+    return dict(sorted(out.items()))
+
+
+def plot_figure(report: dict[str, Any]) -> Any:
+    """The matplotlib figure ``write_plot`` saves: one timeline panel per loader (rows = ranks;
+    wait red, compute blue, sync grey) and a bar chart of the job's stall share per loader.
+
+    The timeline panels share one x-axis, from 0 to the end of the slowest loader's run: with an
+    axis each, every panel filled its width and a loader that took twice as long for the same
+    steps looked the same as the fast one."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -190,31 +230,50 @@ def write_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
     n = len(loaders)
     fig, axes = plt.subplots(n + 1, 1, figsize=(11, 2.2 * n + 2.6), squeeze=False)
     colors = {"wait": "#d62728", "compute": "#1f77b4", "sync": "#aaaaaa"}
-    for ax, (name, entry) in zip(axes[:n, 0], loaders.items(), strict=True):
-        skip = entry.get("warmup_steps", 0)
-        for rank_s, all_rows in sorted(entry["timeline"].items(), key=lambda kv: int(kv[0])):
-            y = int(rank_s)
-            rows = all_rows[skip:]
-            t0 = rows[0][0] if rows else 0.0
-            rows = [[row[0] - t0, *row[1:]] for row in rows]
+    spans_of = {name: timeline_spans(entry) for name, entry in loaders.items()}
+    end = max(
+        (row[0] + sum(row[1:4]) for spans in spans_of.values() for rows in spans.values() for row in rows),
+        default=0.0,
+    )
+    timeline_axes = axes[:n, 0]
+    for ax, (name, entry) in zip(timeline_axes, loaders.items(), strict=True):
+        if ax is not timeline_axes[0]:
+            ax.sharex(timeline_axes[0])
+        for y, rows in spans_of[name].items():
             for kind, offset in (("wait", 0), ("compute", 1), ("sync", 2)):
                 spans = [(row[0] + sum(row[1 : 1 + offset]), row[1 + offset]) for row in rows]
                 ax.broken_barh(spans, (y - 0.4, 0.8), facecolors=colors[kind], label=kind if y == 0 else None)
-        ax.set_yticks(sorted(int(k) for k in entry["timeline"]))
+        ax.set_yticks(list(spans_of[name]))
         ax.set_ylabel("rank")
-        ax.set_title(f"{name}: stall {100 * entry['job']['stall_share']:.1f}% (worst rank)", fontsize=10)
-        ax.set_xlabel("seconds since the end of warm-up")
+        decode = f", decode: {entry['decode']}" if entry.get("decode") else ""
+        ax.set_title(
+            f"{name}: stall {100 * entry['job']['stall_share']:.1f}% (worst rank), "
+            f"{entry['job']['samples_per_s']:.1f} samples/s{decode}",
+            fontsize=10,
+        )
         ax.legend(loc="upper right", fontsize=8, ncol=3)
+    timeline_axes[0].set_xlim(0.0, end * 1.02 if end > 0 else 1.0)
+    timeline_axes[-1].set_xlabel("seconds since the end of warm-up (one axis for every loader)")
     bar = axes[n, 0]
     names = list(loaders)
     bar.bar(names, [100 * loaders[k]["job"]["stall_share"] for k in names], color="#d62728")
     bar.set_ylabel("stall % (worst rank)")
     bar.set_title("time blocked on data, per loader", fontsize=10)
     fig.tight_layout()
+    return fig
+
+
+def write_plot(report: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Save ``plot_figure(report)`` as a PNG at ``path``."""
+    fig = plot_figure(report)  # selects the Agg backend before pyplot is imported here
+    import matplotlib.pyplot as plt
+
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    try:
+        fig.savefig(out, dpi=90)
+    finally:
+        plt.close(fig)
     return out
 
 

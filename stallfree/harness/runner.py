@@ -153,12 +153,14 @@ def _run_phase(
             metrics.record(t0, t1, t2, t3, batch_size_of(batch))
         metrics.stop()
         stats = adapter.stats()
+        decode = adapter.decode_label()
     finally:
         adapter.close()
     return {
         "summary": metrics.summary(),
         "timeline": metrics.timeline() if cfg.timeline else [],
         "stats": _jsonable(stats),
+        "decode": decode,
     }
 
 

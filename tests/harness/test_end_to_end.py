@@ -48,6 +48,9 @@ def test_two_ranks_cpu_end_to_end_json_adds_up_and_png_written(tmp_path, capsys)
             assert r["compute_s"] >= 6 * 0.010  # the sleep step really ran
         assert len(entry["timeline"]["0"]) == 7  # warm-up + measured steps
         assert entry["job"]["stall_share"] == max(r["stall_share"] for r in entry["ranks"])
+        expected = "PIL recipe" if name == "torch" else "ImageDecode cpu in workers"
+        assert entry["decode"] == expected  # which decode each loader ran, in the JSON and the table
+        assert expected in next(line for line in table.splitlines() if line.startswith(f"{name} "))
     env = report["environment"]
     assert env["torch"] and env["cpu_cores"] >= 1 and "gpu" in env
     png = out_png.read_bytes()
