@@ -5,6 +5,12 @@ Run (one node, N processes; CPU works with gloo, GPUs with nccl):
     stallfree shard ./imagenet/train ./in1k --max-bytes 256MB       # once: ImageFolder -> shards
     torchrun --nproc-per-node 8 examples/train_images.py --data ./in1k --ckpt ./ckpt.pt
 
+Data in an object store: pass its URL and fsspec storage options (or use the standard AWS_*
+variables, which s3fs reads itself):
+
+    torchrun --nproc-per-node 8 examples/train_images.py --data s3://bucket/in1k --ckpt ./ckpt.pt \
+        -o endpoint_url=https://minio.example:9000 -o key=... -o secret=...
+
 Kill it at any time and run the same command again (with any number of processes): it goes on
 from the last checkpoint with no sample lost or repeated, because the loader's state is a global
 position in a seeded epoch order, not a per-rank count.
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +41,27 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=500, help="checkpoint every N steps")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-keys", default=None, help="append each batch's sample keys here (JSON lines)")
+    p.add_argument(
+        "-o",
+        "--storage-option",
+        action="append",
+        default=[],
+        type=storage_option,
+        metavar="KEY=VALUE",
+        help="fsspec storage option for --data, e.g. endpoint_url=... or anon=true (repeatable)",
+    )
     return p.parse_args()
+
+
+def storage_option(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE``, the value read as JSON when it parses (numbers, true/false, dicts)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"storage option must be KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except ValueError:
+        return key.strip(), value
 
 
 def small_net(classes: int) -> nn.Module:
@@ -59,7 +86,7 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(device)
 
-    dataset = stallfree.open_dataset(args.data)
+    dataset = stallfree.open_dataset(args.data, **dict(args.storage_option))
     classes = len(dataset.manifest.classes or []) or 1000
     # The loader splits the seeded epoch order across ranks itself (no DistributedSampler), and
     # decodes whole batches: on the GPU with DALI when there is one, with the CPU backend otherwise.
