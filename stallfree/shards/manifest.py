@@ -17,6 +17,7 @@ import fsspec
 
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
 from stallfree.shards.idx import idx_path_for
+from stallfree.shards.remote import read_file
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -193,9 +194,9 @@ class Manifest:
     def load(cls, url: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any) -> Manifest:
         """Read a manifest from ``url`` (a ``manifest.json`` file or a directory holding one)."""
         fs, path = _manifest_path(url, fs, storage_options)
-        try:
-            text = fs.cat_file(path)
-        except FileNotFoundError:
+        try:  # checked and retried like every remote read (shards.remote)
+            text = read_file(fs, path, shard=MANIFEST_NAME)
+        except MissingShardError:
             raise MissingShardError(f"no manifest at {path}", shard=MANIFEST_NAME) from None
         return cls.loads(text, where=path)
 

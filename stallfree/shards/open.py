@@ -22,6 +22,7 @@ from typing import Any
 
 import fsspec
 
+from stallfree.shards import remote
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import MissingShardError, ShardError, ShardReadError
 from stallfree.shards.idx import IdxSample
@@ -57,15 +58,28 @@ def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: An
         raise
     if paths is not None:
         log.warning(
-            "%s has no manifest.json: indexed %d shard(s) (%d samples) on the fly. Write one with "
-            "`stallfree index %s` (or re-shard with `stallfree shard`) to open it instantly.",
+            "%s has no manifest.json: indexed %d shard(s) (%d samples) on the fly. %s",
             url,
             len(manifest.shards),
             manifest.samples,
-            url,
+            _advice(url, manifest.format),
         )
     fs_url = fs.unstrip_protocol(root or "/")
     return ShardedDataset(url, manifest, root, fs_url, storage_options, verify_hashes, scanned, fs=fs)
+
+
+def _advice(url: str, fmt: str) -> str:
+    """How to open it instantly next time, by format: ``stallfree index`` writes a manifest beside
+    tar shards only (for tables it stops with "no .tar shards"); tables get one by re-sharding."""
+    if fmt == "tar":
+        return (
+            f"Write one with `stallfree index {url}` (or re-shard with `stallfree shard`) "
+            "to open it instantly."
+        )
+    return (
+        f"To open it instantly, re-shard it once with `stallfree shard {url} DST --format arrow` "
+        "(SRC must be a local path: copy remote files first) and open DST, which has a manifest."
+    )
 
 
 def denied(url: str, exc: BaseException, shard: str) -> ShardReadError:
@@ -81,14 +95,16 @@ def _check_bucket(url: str, storage_options: dict[str, Any]) -> None:
     """On an object store (a filesystem with buckets), a missing bucket says so, rather than the
     plainer "no dataset at URL" that would send the user looking for a wrong prefix."""
     try:
-        fs, path = fsspec.core.url_to_fs(url.split("{", 1)[0], **storage_options)
+        fs, path = remote.url_to_fs(url.split("{", 1)[0], **storage_options)
         split = getattr(fs, "split_path", None)
         if split is None or is_local(fs):
             return
         bucket = split(path)[0]
         exists = bool(bucket) and fs.exists(bucket)
-    except (OSError, ValueError):
-        return  # the original error stands
+    except Exception as exc:  # noqa: BLE001 - botocore's errors are not OSErrors
+        if isinstance(exc, OSError | ValueError) or remote.is_transport_error(exc):
+            return  # the original error stands
+        raise
     if not exists:
         raise MissingShardError(f"bucket {bucket!r} does not exist (opening {url})", shard=url)
 
@@ -105,14 +121,49 @@ def _manifest_for_files(
             f"a dataset without a manifest must be all .tar or all .arrow / .parquet files: {paths[:5]}"
         )
     shards, fields = [], {}
+    first: tuple[str, Any] | None = None
     for path in arrows:
         reader = ArrowShardReader(fs, path, relative(root, path))
         reader.close()  # what is needed was read when it opened
+        if first is None:
+            first = (relative(root, path), reader.schema)
+        else:
+            _check_same_schema(first, (relative(root, path), reader.schema))
         for name in reader.schema.names:
             if name != "__key__":
                 fields.setdefault(name, None)
         shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None))
     return Manifest(FORMAT_VERSION, "arrow", list(fields), shards), None
+
+
+def schema_differences(a: Any, b: Any, name_a: str, name_b: str) -> list[str]:
+    """How two Arrow schemas differ, field by field (order and metadata aside): fields only one
+    has, and fields whose types differ. Empty when they agree."""
+    types_a = {f.name: f.type for f in a}
+    types_b = {f.name: f.type for f in b}
+    found = []
+    for name, t in types_a.items():
+        if name not in types_b:
+            found.append(f"{name!r} only in {name_a}")
+        elif types_b[name] != t:
+            found.append(f"{name!r} is {t} in {name_a} but {types_b[name]} in {name_b}")
+    found += [f"{name!r} only in {name_b}" for name in types_b if name not in types_a]
+    return found
+
+
+def _check_same_schema(first: tuple[str, Any], other: tuple[str, Any]) -> None:
+    """Table files read as one dataset must share one schema, as pyarrow's datasets and Hugging
+    Face ``datasets`` require: a glob over different tables used to open silently as one, with
+    each sample's fields depending on the file it came from."""
+    (name_a, a), (name_b, b) = first, other
+    found = schema_differences(a, b, name_a, name_b)
+    if found:
+        shown = "; ".join(found[:6]) + (f"; and {len(found) - 6} more" if len(found) > 6 else "")
+        raise ShardError(
+            f"{name_a} and {name_b} have different schemas ({shown}): the table files of one dataset "
+            "must share one schema (open each kind separately, or mix them with stallfree.mix)",
+            shard=name_b,
+        )
 
 
 class ShardedDataset:
@@ -166,7 +217,7 @@ class ShardedDataset:
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None:
-            self._fs = fsspec.core.url_to_fs(self._fs_url, **self._storage_options)[0]
+            self._fs = remote.url_to_fs(self._fs_url, **self._storage_options)[0]
             self._local = is_local(self._fs)
         return self._fs
 

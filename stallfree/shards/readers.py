@@ -28,10 +28,10 @@ from stallfree.shards.errors import (
     CorruptShardError,
     IndexMismatchError,
     MissingShardError,
-    ShardReadError,
 )
 from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
+from stallfree.shards.remote import RangeFile, read_file, read_ranges
 from stallfree.shards.scan import file_size, record_mismatches, scan_tar, sha256_of
 from stallfree.shards.tar import BLOCK, parse_header, split_name
 from stallfree.shards.tar_walk import RangeReader, walk_tar
@@ -57,28 +57,14 @@ def coalesce(spans: list[tuple[int, int, int]], max_gap: int = MAX_GAP) -> list[
 
 
 def _fetch_ranges(
-    fs: fsspec.AbstractFileSystem, path: str, ranges: list[tuple[int, int]], shard: str
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    ranges: list[tuple[int, int]],
+    shard: str,
+    keys: list[str | None] | None = None,
 ) -> list[bytes]:
-    try:
-        if len(ranges) == 1:
-            # keywords: s3fs's cat_file takes ``version_id`` second
-            return [fs.cat_file(path, start=ranges[0][0], end=ranges[0][1])]
-        out = fs.cat_ranges([path] * len(ranges), starts=[r[0] for r in ranges], ends=[r[1] for r in ranges])
-    except FileNotFoundError:
-        raise MissingShardError("shard not found", shard=shard) from None
-    except PermissionError as exc:  # the store refused: the shard is not known to be damaged
-        raise ShardReadError(
-            f"access denied: {exc or type(exc).__name__} (check the credentials and the bucket's policy)",
-            shard=shard,
-            offset=ranges[0][0],
-        ) from None
-    except OSError as exc:
-        at = ranges[0][0] if len(ranges) == 1 else None  # several ranges: not known which failed
-        raise CorruptShardError(f"ranged read failed: {exc}", shard=shard, offset=at) from exc
-    for data, (start, _) in zip(out, ranges, strict=True):
-        if isinstance(data, BaseException):
-            raise CorruptShardError(f"ranged read failed: {data}", shard=shard, offset=start) from data
-    return out
+    """Each range's bytes, exactly, through the one checked and retried remote read."""
+    return read_ranges(fs, path, ranges, shard=shard, keys=keys)
 
 
 def _check_record(
@@ -90,7 +76,7 @@ def _check_record(
         return
     found = record_mismatches(info, size)
     if not found and verify_hash and info.sha256:
-        found = record_mismatches(info, size, sha256_of(fs, path))
+        found = record_mismatches(info, size, sha256_of(fs, path, size=size, shard=info.path))
     if found:
         raise found[0]
 
@@ -251,7 +237,7 @@ class TarShardReader:
         """An index entry runs past the end of the file: the tar was cut short, or the index
         belongs to another tar. The walker tells which (it raises for a truncated or corrupt
         archive, as everywhere else); if the archive is whole, the index is wrong."""
-        walker = RangeReader(self.fs, self.path, self.size)
+        walker = RangeReader(self.fs, self.path, self.size, self.shard)
         try:
             for _ in walk_tar(walker, self.shard):
                 pass
@@ -269,17 +255,17 @@ class TarShardReader:
     def _load_idx_text(self) -> bytes | None:
         """The ``.idx`` file's bytes, or None (with a warning) when the shard has none."""
         try:
-            return self.fs.cat_file(idx_path_for(self.path))
-        except FileNotFoundError:
+            return read_file(self.fs, idx_path_for(self.path), shard=self.shard)
+        except MissingShardError:
             log.warning(
                 "%s has no .idx; scanning its headers (run `stallfree index` to write one)", self.shard
             )
             return None
 
-    def _read(self, start: int, end: int) -> bytes:
+    def _read(self, start: int, end: int, key: str | None = None) -> bytes:
         if self._fd is not None:
-            return self._pread(start, end)
-        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard)[0]
+            return self._pread(start, end, key)
+        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard, [key])[0]
 
     def _pread(self, start: int, end: int, key: str | None = None) -> bytes:
         data = os.pread(self._fd, end - start, start)
@@ -300,7 +286,7 @@ class TarShardReader:
     def _check_header(self, row: int) -> None:
         key, j = self._keys[row], self._first[row]
         field, off, end = self._names[self._fid[j]], self._starts[j], self._ends[j]
-        header = self._read(off - BLOCK, off)
+        header = self._read(off - BLOCK, off, key)
         try:
             name, size, _ = parse_header(header, off - BLOCK, self.shard, key)
         except CorruptShardError as exc:
@@ -334,7 +320,7 @@ class TarShardReader:
     def get(self, row: int) -> dict[str, Any]:
         if self._fd is None:
             start, end = self.span(row)
-            return self._slice(row, self._read(start, end), start)
+            return self._slice(row, self._read(start, end, self._keys[row]), start)
         key = self._keys[row]
         sample: dict[str, Any] = {"__key__": key}
         names, fid, starts, ends, pread = self._names, self._fid, self._starts, self._ends, self._pread
@@ -375,7 +361,8 @@ class TarShardReader:
         if self._fd is not None:
             return [self.get(r) for r in rows]
         groups = coalesce([(*self.span(r), r) for r in set(rows)])
-        blobs = _fetch_ranges(self.fs, self.path, [(g[0], g[1]) for g in groups], self.shard)
+        keys = [self._keys[g[2][0]] for g in groups]
+        blobs = _fetch_ranges(self.fs, self.path, [(g[0], g[1]) for g in groups], self.shard, keys)
         found: dict[int, dict[str, Any]] = {}
         for (start, _, tags), blob in zip(groups, blobs, strict=True):
             for r in tags:
@@ -579,9 +566,8 @@ class ArrowShardReader:
                 self.size = self._source.size()
             else:
                 self.size = file_size(fs, path, shard)
-                self._source = pa.PythonFile(
-                    fs.open(path, "rb", block_size=1 << 20, cache_type="none", size=self.size), mode="r"
-                )
+                # exact ranged reads (random access to batches), checked like every remote read
+                self._source = pa.PythonFile(RangeFile(fs, path, self.size, shard=shard), mode="r")
         except FileNotFoundError:
             raise MissingShardError("shard not found", shard=shard) from None
         try:  # any check below may fail: the source must not outlive the error (nor the traceback)
@@ -601,7 +587,7 @@ class ArrowShardReader:
             def walk_open():
                 import pyarrow as pa
 
-                f = fs.open(path, "rb", block_size=8 << 20, cache_type="readahead", size=self.size)
+                f = RangeFile(fs, path, self.size, shard=shard, block_size=8 << 20)
                 return pa.PythonFile(f, mode="r")
 
         self._reader = open_batches(self._source, path, shard, self.local, self._fetch, walk_open)
@@ -619,8 +605,12 @@ class ArrowShardReader:
             self._starts = starts
             self.rows = total
         from stallfree.shards.arrow import row_converter
+        from stallfree.shards.hf import row_media_converter
 
-        self._convert = row_converter(self._schema, shard)
+        # Hugging Face Image()/Audio() struct cells -> their encoded bytes (a no-op otherwise)
+        self._convert = row_media_converter(
+            row_converter(self._schema, shard), self._schema, fs, path, shard, self.local
+        )
         if expected is not None and self.rows != expected:
             raise IndexMismatchError(
                 f"the file holds {self.rows} rows, the manifest says {expected}", shard=shard

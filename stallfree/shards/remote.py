@@ -23,6 +23,7 @@ connections in about a second. Imports nothing of ours but ``errors``.
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -162,25 +163,7 @@ def exists(
     ``exists`` answers False for a 500 or a refused connection (and ``open_dataset`` then said
     "no dataset at URL"); here those are retried and then a ``RemoteReadError`` naming the
     status or the endpoint."""
-    last: BaseException | None = None
-    for delay in [*policy.delays(), None]:
-        try:
-            fs.info(path)
-            return True
-        except FileNotFoundError as exc:
-            cause = _transport_cause(exc)
-            if cause is None:
-                return False
-            last = cause
-        except PermissionError:
-            raise
-        except Exception as exc:
-            if not is_transport_error(exc):
-                raise
-            last = exc
-        if delay is not None:
-            time.sleep(delay)
-    raise _failed(fs, path, None, None, shard, None, policy, last, None, "looking up") from None
+    return _info(fs, path, shard, policy) is not None
 
 
 def _retrying(
@@ -230,14 +213,15 @@ def _retrying(
         else:
             exc = outcome
             short = None
-            _raise_final(fs, path, start, shard, key, exc)
+            if _raise_final(fs, path, start, shard, key, exc):
+                raise _failed(fs, path, start, end, shard, key, attempt + 1, exc, None) from None
             last = exc
             log.debug("read of %s [%s, %s) failed (attempt %d): %r", path, start, end, attempt + 1, exc)
         outcome = None
         delay = next(delays, None)
         if delay is not None:
             time.sleep(delay)
-    raise _failed(fs, path, start, end, shard, key, policy, last, short) from None
+    raise _failed(fs, path, start, end, shard, key, policy.attempts, last, short) from None
 
 
 def _raise_final(
@@ -248,12 +232,12 @@ def _raise_final(
     key: str | None,
     exc: BaseException,
 ) -> None:
-    """Raise the error for a failure that asking again cannot mend; return for a transient one."""
-    if isinstance(exc, FileNotFoundError):
-        if _transport_cause(exc) is None:
-            raise MissingShardError(f"not found: {describe(fs, path)}", shard=shard, key=key) from None
-        return
-    if isinstance(exc, PermissionError):  # the store answered, and said no: not damaged
+    """Raise the error for a failure that asking again cannot mend; return whether the server
+    refused the request outright (the caller words that), False for a transient failure."""
+    kind = classify(exc)
+    if kind == "missing":
+        raise MissingShardError(f"{describe(fs, path)} not found", shard=shard, key=key) from None
+    if kind == "denied":  # the store answered, and said no: not damaged
         raise ShardReadError(
             f"access denied reading {describe(fs, path)}: {exc or type(exc).__name__} "
             "(check the credentials and the bucket's policy)",
@@ -261,10 +245,9 @@ def _raise_final(
             key=key,
             offset=start,
         ) from None
-    if isinstance(exc, ShardError):
-        raise exc
-    if not is_transport_error(exc):
-        raise exc  # a bug or a bad argument: not ours to reword
+    if kind in ("shard", "foreign"):
+        raise exc  # ours already, or a bug or a bad argument: not ours to reword
+    return kind == "refused"
 
 
 def _failed(
@@ -274,15 +257,16 @@ def _failed(
     end: int | None,
     shard: str,
     key: str | None,
-    policy: RetryPolicy,
+    attempts: int,
     last: BaseException | None,
     short: int | None,
     what: str = "reading",
 ) -> RemoteReadError:
     url = describe(fs, path)
-    tries = f"{policy.attempts} attempt{'s' if policy.attempts > 1 else ''}"
+    tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
     if short is not None and start is not None and end is not None:
-        message = f"short read from {url}: asked for bytes {start}..{end} ({end - start} bytes), got {short} ({tries})"
+        asked = f"bytes {start}..{end} ({end - start} bytes)"
+        message = f"short read from {url}: asked for {asked}, got {short} ({tries})"
     elif start is not None and end is not None:
         message = f"reading bytes {start}..{end} of {url} failed ({tries}): {explain(last)}"
     else:
@@ -299,6 +283,113 @@ def _failed(
     )
 
 
+def file_size(
+    fs: fsspec.AbstractFileSystem, path: str, *, shard: str, policy: RetryPolicy = DEFAULT_POLICY
+) -> int:
+    """The file's size: ``MissingShardError`` if it is not there, ``RemoteReadError`` if the
+    store could not be asked (fsspec's HTTP ``size`` calls a dead server's file "not found")."""
+    info = _info(fs, path, shard, policy)
+    if info is None:
+        raise MissingShardError(f"{describe(fs, path)} not found", shard=shard)
+    size = info.get("size")
+    if size is None:
+        raise ShardReadError(
+            f"{describe(fs, path)} does not report its size (an HTTP server must send Content-Length)",
+            shard=shard,
+        )
+    return int(size)
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file over ``read_range``: what pyarrow reads a remote Arrow or
+    Parquet file through (``pa.PythonFile(RangeFile(...))``), so those reads are checked and
+    retried like every other. fsspec's own file objects hand a short body back as it came.
+    ``block_size`` > 0 reads ahead that many bytes (a sequential walk of an Arrow stream);
+    0 reads exactly what is asked (random access to record batches)."""
+
+    def __init__(
+        self,
+        fs: fsspec.AbstractFileSystem,
+        path: str,
+        size: int,
+        *,
+        shard: str,
+        block_size: int = 0,
+        policy: RetryPolicy = DEFAULT_POLICY,
+    ) -> None:
+        super().__init__()
+        self._fs, self._path, self.size, self._shard = fs, path, size, shard
+        self._block, self._policy = block_size, policy
+        self._pos = 0
+        self._buf, self._buf_start = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset} in {self._path}")
+        self._pos = base + offset
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        if self.closed:
+            raise ValueError(f"I/O on a closed file: {self._path}")
+        start = min(self._pos, self.size)
+        end = self.size if n is None or n < 0 else min(self.size, start + n)
+        b0 = self._buf_start
+        if b0 <= start and end <= b0 + len(self._buf):
+            data = self._buf[start - b0 : end - b0]
+        elif self._block and end - start < self._block:
+            fetch_end = min(self.size, start + self._block)
+            self._buf = read_range(
+                self._fs, self._path, start, fetch_end, shard=self._shard, policy=self._policy
+            )
+            self._buf_start = start
+            data = self._buf[: end - start]
+        else:
+            data = read_range(self._fs, self._path, start, end, shard=self._shard, policy=self._policy)
+        self._pos = start + len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(memoryview(buffer)))
+        memoryview(buffer).cast("B")[: len(data)] = data
+        return len(data)
+
+    def readall(self) -> bytes:
+        return self.read(-1)
+
+
+def _info(fs: fsspec.AbstractFileSystem, path: str, shard: str, policy: RetryPolicy) -> dict[str, Any] | None:
+    """``fs.info(path)``, None for "not there"; transport failures retried, then RemoteReadError."""
+    last: BaseException | None = None
+    for attempt, delay in enumerate([*policy.delays(), None]):
+        try:
+            return fs.info(path)
+        except Exception as exc:
+            kind = classify(exc)
+            if kind == "missing":
+                return None
+            if kind in ("denied", "shard", "foreign"):
+                raise
+            last = _transport_cause(exc) or exc
+            if kind == "refused":
+                raise _failed(
+                    fs, path, None, None, shard, None, attempt + 1, last, None, "looking up"
+                ) from None
+        if delay is not None:
+            time.sleep(delay)
+    raise _failed(fs, path, None, None, shard, None, policy.attempts, last, None, "looking up") from None
+
+
 # -- errors ---------------------------------------------------------------------------------
 
 
@@ -313,15 +404,49 @@ def is_transport_error(exc: BaseException) -> bool:
     return False
 
 
+def status_of(exc: BaseException) -> int | None:
+    """The HTTP status a client error carries: aiohttp's ``status``, botocore's
+    ``response["ResponseMetadata"]["HTTPStatusCode"]``; None if it has none."""
+    status = getattr(exc, "status", None)
+    if isinstance(status, int):
+        return status
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if isinstance(code, int):
+            return code
+    return None
+
+
+def classify(exc: BaseException) -> str:
+    """What a failed request means: ``missing`` (404), ``denied`` (401/403), ``retry`` (no answer,
+    a timeout, 5xx, 408, 416, 429: asking again may work), ``refused`` (another 4xx: it will not),
+    ``shard`` (already one of our errors) or ``foreign`` (not a storage failure at all: a bug)."""
+    if isinstance(exc, ShardError):
+        return "shard"
+    if isinstance(exc, FileNotFoundError):
+        return "retry" if _transport_cause(exc) is not None else "missing"
+    if isinstance(exc, PermissionError):
+        return "denied"
+    status = status_of(exc)
+    if status is not None:
+        if status in (404, 410):
+            return "missing"
+        if status in (401, 403):
+            return "denied"
+        return "retry" if status >= 500 or status in (408, 416, 429) else "refused"
+    return "retry" if is_transport_error(exc) else "foreign"
+
+
 def _transport_cause(exc: BaseException) -> BaseException | None:
     """fsspec's HTTP ``info`` turns every failure into FileNotFoundError; the real one (a 500, a
     refused connection) is its cause. None when it really is "not found"."""
     cause = exc.__cause__ or exc.__context__
     seen = 0
     while cause is not None and seen < 5:
-        status = getattr(cause, "status", None)
-        if isinstance(status, int):
-            return cause if status >= 500 or status == 429 else None
+        status = status_of(cause)
+        if status is not None:
+            return cause if status >= 500 or status in (408, 429) else None
         if not isinstance(cause, FileNotFoundError) and is_transport_error(cause):
             return cause
         cause, seen = cause.__cause__ or cause.__context__, seen + 1
@@ -332,9 +457,12 @@ def explain(exc: BaseException | None) -> str:
     """A short, plain account of a transport failure (status, or the library's words)."""
     if exc is None:
         return "no answer"
-    status = getattr(exc, "status", None)
+    status = status_of(exc)
     if isinstance(status, int):
-        return f"the server answered HTTP {status} {getattr(exc, 'message', '') or ''}".rstrip()
+        words = getattr(exc, "message", None) or str(exc)
+        return (
+            f"the server answered HTTP {status}: {words}" if words else f"the server answered HTTP {status}"
+        )
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if type(exc).__name__ not in text else text
 
@@ -417,8 +545,10 @@ __all__ = [
     "DEFAULT_TIMEOUTS",
     "RetryPolicy",
     "Timeouts",
+    "RangeFile",
     "describe",
     "exists",
+    "file_size",
     "is_transport_error",
     "read_file",
     "read_range",

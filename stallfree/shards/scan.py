@@ -20,6 +20,7 @@ from typing import Any
 
 import fsspec
 
+from stallfree.shards import remote
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
@@ -30,10 +31,16 @@ log = logging.getLogger(__name__)
 
 
 def file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
-    """The file's size in bytes; MissingShardError naming ``shard`` if it is not there."""
+    """The file's size in bytes; MissingShardError naming ``shard`` if it is not there,
+    RemoteReadError if a remote store could not be asked (``remote.file_size``)."""
+    if is_local(fs):
+        try:
+            return int(fs.size(path))
+        except FileNotFoundError:
+            raise MissingShardError("shard not found", shard=shard) from None
     try:
-        return int(fs.size(path))
-    except FileNotFoundError:
+        return remote.file_size(fs, path, shard=shard)
+    except MissingShardError:
         raise MissingShardError("shard not found", shard=shard) from None
 
 
@@ -41,7 +48,7 @@ def scan_tar(fs: fsspec.AbstractFileSystem, path: str, shard: str | None = None)
     """Walk a tar's headers -> samples in order (``tar_walk``). Raises CorruptShardError /
     DuplicateKeyError naming the shard, the key and the byte offset of the bad header."""
     shard = shard or posixpath.basename(path)
-    reader = RangeReader(fs, path, file_size(fs, path, shard))
+    reader = RangeReader(fs, path, file_size(fs, path, shard), shard)
     try:
         return list(group_samples(walk_tar(reader, shard), shard))
     finally:
@@ -69,18 +76,24 @@ def record_mismatches(info: ShardInfo, size: int, digest: str | None = None) -> 
     return found
 
 
-def sha256_of(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 8 << 20) -> str:
-    """Stream a file through sha256 (whole file: used only where hashes are asked for)."""
+def sha256_of(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    chunk: int = 8 << 20,
+    size: int | None = None,
+    shard: str | None = None,
+) -> str:
+    """Stream a file through sha256 (whole file: used only where hashes are asked for). Remote
+    files are read in checked ``chunk``-byte ranges (``remote.read_range``): a body cut short
+    would otherwise hash as a mismatch that blames the shard; ``size`` saves looking it up."""
     h = hashlib.sha256()
     if is_local(fs):
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
-    with fs.open(path, mode="rb", block_size=chunk) as f:
-        while True:
-            data = f.read(chunk)
-            if not data:
-                break
-            h.update(data)
+    name = shard or posixpath.basename(path)
+    total = file_size(fs, path, name) if size is None else size
+    for start in range(0, total, chunk):
+        h.update(remote.read_range(fs, path, start, min(total, start + chunk), shard=name))
     return h.hexdigest()
 
 
@@ -112,10 +125,25 @@ def expand_braces(pattern: str) -> list[str]:
 
 def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
     """URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a manifest; a
-    directory without one yields its ``SHARD_SUFFIXES`` files (not its subdirectories')."""
+    directory without one yields its ``SHARD_SUFFIXES`` files (not its subdirectories'). A
+    remote store that cannot be asked (dead endpoint, 5xx) is a ``RemoteReadError`` naming the
+    endpoint or status, not "no dataset at URL" nor the client library's own exception."""
     if "{" in url:
         return resolve_files(expand_braces(url), **storage_options)
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs, path = remote.url_to_fs(url, **storage_options)
+    try:
+        return _resolve_path(fs, path, url)
+    except (ShardError, FileNotFoundError, PermissionError):
+        raise
+    except Exception as exc:
+        if is_local(fs) or not remote.is_transport_error(exc):
+            raise
+        raise remote.unreachable(url, fs, exc) from None
+
+
+def _resolve_path(
+    fs: fsspec.AbstractFileSystem, path: str, url: str
+) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
     if any(c in path for c in "*?[") and not fs.exists(path):
         paths = sorted(fs.glob(path))
         if not paths:
@@ -125,7 +153,8 @@ def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem
         return fs, posixpath.dirname(path), None
     if path.endswith(SHARD_SUFFIXES):
         return fs, posixpath.dirname(path), [path]
-    if fs.exists(posixpath.join(path, MANIFEST_NAME)):  # before isdir: http has no directories
+    # before isdir: http has no directories; a server error here is an error, not "no dataset"
+    if remote.exists(fs, posixpath.join(path, MANIFEST_NAME), shard=MANIFEST_NAME):
         return fs, path.rstrip("/"), None
     if not fs.isdir(path):
         raise MissingShardError(f"no dataset at {url}", shard=url)
@@ -141,8 +170,8 @@ def resolve_files(
     urls: Sequence[str], **storage_options: Any
 ) -> tuple[fsspec.AbstractFileSystem, str, list[str]]:
     """Several file URLs (one filesystem: the first one's) -> (fs, their deepest common directory, paths)."""
-    fs, first = fsspec.core.url_to_fs(urls[0], **storage_options)
-    paths = [first] + [fsspec.core.url_to_fs(u, **storage_options)[1] for u in urls[1:]]
+    fs, first = remote.url_to_fs(urls[0], **storage_options)
+    paths = [first] + [remote.url_to_fs(u, **storage_options)[1] for u in urls[1:]]
     return fs, _common_root(paths), paths
 
 
@@ -177,8 +206,8 @@ def manifest_for_tars(
         samples = None
         if use_idx:
             try:
-                samples = parse_idx(fs.cat_file(idx_path_for(path)), rel)
-            except FileNotFoundError:
+                samples = parse_idx(remote.read_file(fs, idx_path_for(path), shard=rel), rel)
+            except MissingShardError:
                 samples = None
         if samples is None:
             samples = scan_tar(fs, path, rel)
@@ -186,7 +215,7 @@ def manifest_for_tars(
         for s in samples:
             for m in s.members:
                 fields.setdefault(m[0], None)
-        sha = sha256_of(fs, path) if hashes else None
+        sha = sha256_of(fs, path, size=size, shard=rel) if hashes else None
         shards.append(ShardInfo(rel, len(samples), size, sha))
         indices.append(samples)
         if progress is not None:

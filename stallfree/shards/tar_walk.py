@@ -2,7 +2,8 @@
 ``stallfree index``, the loader's fallback when a shard has no ``.idx``, ``stallfree verify``, the
 re-shard source) walks an archive through ``walk_tar`` and groups members into samples through
 ``group_samples``, so a truncated or corrupt archive is detected, and named, the same way
-everywhere. Plain generators over a ``ByteReader``; no torch, no fsspec beyond ``RangeReader``.
+everywhere. Plain generators over a ``ByteReader``; no torch, no fsspec beyond ``RangeReader``
+(whose remote reads are ``remote.read_range``'s).
 
 Handles ustar (with its 155-byte prefix), GNU long names (``L``) and pax ``path`` records (``x``).
 Strict about the end: an archive must end in a zero block. One that stops after a complete
@@ -14,6 +15,7 @@ without a word.
 from __future__ import annotations
 
 import mmap
+import posixpath
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +25,7 @@ import fsspec
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, DuplicateKeyError
 from stallfree.shards.idx import IdxSample
+from stallfree.shards.remote import read_range
 from stallfree.shards.tar import BLOCK, padded, parse_header, split_name
 
 REGULAR = (b"0", b"\0", b"7")  # typeflags of regular files (7: contiguous file, read as regular)
@@ -41,11 +44,14 @@ class ByteReader(Protocol):
 
 class RangeReader:
     """``read(start, end)`` over a local mmap or remote ranged reads with a small read-ahead window,
-    so runs of small members cost one request per window, and big members are skipped, not read."""
+    so runs of small members cost one request per window, and big members are skipped, not read.
+    Remote reads go through ``remote.read_range`` (length checked, retried); ``shard`` names
+    them in errors (default: the file's name)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, size: int) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, size: int, shard: str | None = None) -> None:
         self.size = size
         self._fs, self._path = fs, path
+        self._shard = shard or posixpath.basename(path)
         self._mm: mmap.mmap | None = None
         self._buf, self._buf_start = b"", 0
         self.requests = 0
@@ -55,6 +61,8 @@ class RangeReader:
 
     def read(self, start: int, end: int, ahead: bool = False) -> bytes:
         end = min(end, self.size)
+        if end <= start:
+            return b""
         if self._mm is not None:
             return self._mm[start:end]
         b0 = self._buf_start
@@ -62,8 +70,7 @@ class RangeReader:
             return self._buf[start - b0 : end - b0]
         fetch_end = min(self.size, max(end, start + _WINDOW)) if ahead else end
         self.requests += 1
-        # keywords: s3fs's cat_file takes ``version_id`` second
-        self._buf = self._fs.cat_file(self._path, start=start, end=fetch_end)
+        self._buf = read_range(self._fs, self._path, start, fetch_end, shard=self._shard)
         self._buf_start = start
         return self._buf[: end - start]
 

@@ -273,7 +273,7 @@ def test_denied_sample_read_after_open(s3, bucket):
     try:
         s3.enforce_auth(after=0)
         with pytest.raises(
-            ShardReadError, match=r"access denied.*\(shard shard-000000.tar, byte offset \d+\)"
+            ShardReadError, match=r"access denied.*\(shard shard-000000.tar, sample 's001', byte offset \d+\)"
         ):
             ds[1]
     finally:

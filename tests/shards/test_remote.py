@@ -168,7 +168,7 @@ def test_remote_shard_removed_after_open(served):
     ds = open_dataset(f"{server.url}/removed")
     assert ds[1]["__key__"] == "sample00001"  # shard 0 open, its index read
     os.remove(root / "removed" / "shard-000000.tar")
-    with pytest.raises(MissingShardError, match="shard not found") as info:
+    with pytest.raises(MissingShardError, match=f"{server.url}/removed/shard-000000.tar not found") as info:
         ds[2]
     assert info.value.shard == "shard-000000.tar"
     with pytest.raises(MissingShardError) as info:
