@@ -1,21 +1,48 @@
 #!/usr/bin/env bash
-# The whole test suite, on a fresh machine: installs what it needs, then runs pytest: every test
-# on torch 2.13.0 (.venv), and again on torch 2.14.1 (.venv-torch2.14; pyproject.toml states the
-# range) the tests that exercise torch itself: the loader (whose torch internals sit behind
-# loader/_torch_compat.py), mixtures and token streams through it, the decode-through-the-loader
-# and cache-through-the-loader tests and the examples. The rest (shard formats, cache tiers, the
-# CLI, decoders) does not depend on the torch version, and running it twice would double CI time.
-# Arguments go to pytest and then select the same tests on both versions.
+# The whole test suite, on a fresh machine: installs what it needs, then runs every test on torch
+# 2.13.0 (.venv), in parallel (pytest-xdist, one process per core; most tests wait on subprocesses
+# and servers, so two processes per core keep the CPUs busy). Tests marked `serial` watch
+# machine-wide state (/dev/shm, the process table) and run afterwards, alone.
+#
+#   bash scripts/test.sh [PYTEST ARGS]          the README's command
+#   bash scripts/test.sh --all-torch [ARGS]     also the tests that exercise torch itself on torch
+#                                               2.14.1 (.venv-torch2.14); what .ci/run runs
+#
+# On torch 2.14.1 only the tests that exercise torch run again: the loader (whose torch internals
+# sit behind loader/_torch_compat.py), mixtures and token streams through it, decode- and
+# cache-through-the-loader, the examples. The rest (shard formats, cache tiers, the CLI, decoders)
+# does not depend on the torch version. Arguments go to pytest and select the same tests on both.
 # Tests start their own redis-server and HTTP/S3 servers on loopback and stop them afterwards.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/setup.sh --all-torch || exit 1
+all_torch=0
+if [ "${1:-}" = "--all-torch" ]; then
+  all_torch=1
+  shift
+fi
+if [ "$all_torch" = 1 ]; then
+  bash scripts/setup.sh --all-torch || exit 1
+else
+  bash scripts/setup.sh || exit 1
+fi
 TORCH_TESTS=(
   tests/loader tests/mix tests/tokens tests/examples tests/test_imports.py tests/test_package.py
   tests/gpu_decode/test_loader.py tests/cache/test_loader_integration.py tests/harness/test_units.py
 )
+jobs=$(( $(nproc) * 2 ))
 status=0
-for venv in .venv .venv-torch2.14; do
+
+# run VENV ARGS...: pytest in VENV; sets rc (pytest's exit code: 5 = nothing collected)
+run() {
+  local venv=$1
+  shift
+  "$venv/bin/python" -m pytest -q "$@"
+  rc=$?
+}
+
+venvs=(.venv)
+[ "$all_torch" = 1 ] && venvs+=(.venv-torch2.14)
+for venv in "${venvs[@]}"; do
   echo "test.sh: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)') ($venv)"
   if [ "$#" -gt 0 ]; then
     args=("$@")
@@ -24,12 +51,18 @@ for venv in .venv .venv-torch2.14; do
   else
     args=("${TORCH_TESTS[@]}")
   fi
-  "$venv/bin/python" -m pytest -q "${args[@]}"
-  rc=$?
-  if [ "$rc" -eq 5 ]; then
+  run "$venv" -n "$jobs" -m "not serial" "${args[@]}"
+  parallel_rc=$rc
+  run "$venv" -m serial "${args[@]}"
+  serial_rc=$rc
+  if [ "$parallel_rc" -eq 5 ] && [ "$serial_rc" -eq 5 ]; then  # pytest's "no tests ran"
     echo "test.sh: pytest collected no tests" >&2
-    rc=1
+    status=1
   fi
-  [ "$rc" -ne 0 ] && status=$rc
+  for r in "$parallel_rc" "$serial_rc"; do
+    if [ "$r" -ne 0 ] && [ "$r" -ne 5 ]; then
+      status=$r
+    fi
+  done
 done
 exit "$status"

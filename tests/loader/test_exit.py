@@ -109,6 +109,7 @@ def _gone(pids: list[int]) -> list[int]:
         time.sleep(0.1)
 
 
+@pytest.mark.serial  # compares /dev/shm before and after: other tests' segments would show up
 @pytest.mark.parametrize("path", sorted(LOADERS))
 def test_a_raising_training_loop_exits_with_its_error(path, tmp_path):
     before = _shm()
