@@ -12,9 +12,20 @@
  * the downscale factor, taps clamped to the image, 22-bit fixed point), done vertical-first so
  * the inner loop runs over contiguous bytes; results differ from PIL's by rounding only.
  *
- * Bounds: the caller (header.py) has already refused images over its pixel limit; this file
- * refuses again anything whose decoded region would exceed MAX_REGION_PIXELS, and every
- * libjpeg error is caught (setjmp) and returned as a message, never a crash. Corrupt-data
+ * Bounds: the caller (header.py) has already refused images over its pixel limit, with too many
+ * scans or needing too much memory; this file refuses them again, for callers of decode_into:
+ * - work: a progressive JPEG costs one pass over all its coefficients per scan, and a scan can
+ *   cost under 100 bytes, so repeating one makes a 400 KB file decode for minutes (measured: a
+ *   one-colour 8000x8000 file, 10 scans 0.7 s, 100 scans 13 s, 500 scans 82 s). libjpeg calls
+ *   its progress monitor for every iMCU row it consumes; ours stops the decode as soon as a scan
+ *   past `max_scans` starts, as TurboJPEG's scan limit does.
+ * - memory: a progressive (or multi-scan) JPEG keeps every coefficient of the whole image,
+ *   128 bytes per 8x8 block (a 9400x9400 4:4:4 file: 505 MiB), whatever region we decode. Those
+ *   buffers plus our decoded region must fit `max_memory`, checked from the header before
+ *   anything is allocated; libjpeg's own max_memory_to_use is set to it too, so a buffer we did
+ *   not foresee fails in libjpeg ("no backing store") instead of growing.
+ * - the decoded region: at most MAX_REGION_PIXELS; the output side at most MAX_OUTPUT_SIDE.
+ * Every libjpeg error is caught (setjmp) and returned as a message, never a crash. Corrupt-data
  * warnings are recovered from, as PIL and DALI do. The GIL is released for the whole decode.
  */
 #define PY_SSIZE_T_CLEAN
@@ -28,6 +39,7 @@
 #include <string.h>
 
 #include <jpeglib.h>
+#include <jerror.h>
 
 #ifdef __SSE2__
 #include <emmintrin.h>
@@ -37,12 +49,23 @@
 #define PRECISION_BITS 14
 #define MAX_REGION_PIXELS (1u << 28)
 #define MAX_OUTPUT_SIDE 8192 /* scratch grows with size x region width */
+/* The defaults of header.py's DEFAULT_MAX_SCANS and DEFAULT_MAX_MEMORY (cpu.py always passes its own). */
+#define DEFAULT_MAX_SCANS 64
+#define DEFAULT_MAX_MEMORY (320LL << 20)
 
 typedef struct {
     struct jpeg_error_mgr pub;
     jmp_buf jump;
-    char message[JMSG_LENGTH_MAX];
+    int refused; /* a limit of ours stopped the decode: `message` says which */
+    char message[JMSG_LENGTH_MAX + 64];
 } ErrorManager;
+
+/* libjpeg calls this for every iMCU row it consumes (and every scan header it reads). */
+typedef struct {
+    struct jpeg_progress_mgr pub;
+    int max_scans; /* 0: no limit */
+    ErrorManager *err;
+} ScanLimit;
 
 static void on_error(j_common_ptr cinfo) {
     ErrorManager *err = (ErrorManager *)cinfo->err;
@@ -52,6 +75,34 @@ static void on_error(j_common_ptr cinfo) {
 
 static void on_message(j_common_ptr cinfo, int level) {
     if (level < 0) cinfo->err->num_warnings++; /* recover from corrupt data; say nothing */
+}
+
+static void on_progress(j_common_ptr cinfo) {
+    ScanLimit *limit = (ScanLimit *)cinfo->progress;
+    const int scan = ((j_decompress_ptr)cinfo)->input_scan_number;
+    if (limit->max_scans > 0 && scan > limit->max_scans) {
+        snprintf(limit->err->message, sizeof limit->err->message,
+                 "JPEG with more than %d scans (max_scans): each costs a pass over the whole image",
+                 limit->max_scans);
+        limit->err->refused = 1;
+        longjmp(limit->err->jump, 1);
+    }
+}
+
+/* Bytes libjpeg holds for the whole image's coefficients when it must buffer them (progressive
+ * or multi-scan files; jdcoefct.c's virtual arrays: blocks rounded up to whole iMCUs, 64 JCOEFs
+ * a block); 0 when it decodes in one pass. Valid after jpeg_read_header. */
+static size_t coefficient_bytes(j_decompress_ptr cinfo) {
+    if (!jpeg_has_multiple_scans(cinfo)) return 0;
+    size_t total = 0;
+    for (int c = 0; c < cinfo->num_components; c++) {
+        const jpeg_component_info *comp = &cinfo->comp_info[c];
+        const size_t h = (size_t)comp->h_samp_factor, v = (size_t)comp->v_samp_factor;
+        const size_t bw = ((size_t)comp->width_in_blocks + h - 1) / h * h;
+        const size_t bh = ((size_t)comp->height_in_blocks + v - 1) / v * v;
+        total += bw * bh * sizeof(JBLOCK);
+    }
+    return total;
 }
 
 /* Per-thread scratch, grown on demand: a fresh malloc of a few hundred KiB per image would be an
@@ -207,28 +258,43 @@ typedef struct {
     void *out;       /* 3 x out_size x out_size, uint8 or float32 */
     int out_float;
     float mean[3], inv_std[3];
+    int max_scans;     /* 0: no limit */
+    size_t max_memory; /* 0: no limit */
     /* results */
     int unsupported; /* colour space we do not convert (CMYK / YCCK): caller falls back */
     int warnings;
     int scale_denom;
-    char message[JMSG_LENGTH_MAX + 64];
+    char message[JMSG_LENGTH_MAX + 96];
 } Job;
 
 static int run(Job *job) {
     struct jpeg_decompress_struct cinfo;
     ErrorManager err;
+    ScanLimit limit;
     Scratch *s = &scratch;
     const int S = job->out_size;
 
     cinfo.err = jpeg_std_error(&err.pub);
     err.pub.error_exit = on_error;
     err.pub.emit_message = on_message;
+    err.refused = 0;
     if (setjmp(err.jump)) {
-        snprintf(job->message, sizeof job->message, "corrupt JPEG (%s)", err.message);
+        if (err.refused)
+            snprintf(job->message, sizeof job->message, "%s", err.message);
+        else if (err.pub.msg_code == JERR_NO_BACKING_STORE) /* libjpeg hit max_memory_to_use */
+            snprintf(job->message, sizeof job->message,
+                     "JPEG needs more than max_memory (%zu bytes) of coefficient buffers", job->max_memory);
+        else
+            snprintf(job->message, sizeof job->message, "corrupt JPEG (%s)", err.message);
         jpeg_destroy_decompress(&cinfo);
         return 0;
     }
     jpeg_create_decompress(&cinfo);
+    limit.pub.progress_monitor = on_progress;
+    limit.max_scans = job->max_scans;
+    limit.err = &err;
+    cinfo.progress = &limit.pub;
+    if (job->max_memory > 0) cinfo.mem->max_memory_to_use = (long)job->max_memory;
     jpeg_mem_src(&cinfo, (const unsigned char *)job->data, (unsigned long)job->size);
     jpeg_read_header(&cinfo, TRUE);
     if (cinfo.num_components != 1 && cinfo.num_components != 3) {
@@ -240,6 +306,14 @@ static int run(Job *job) {
     if (job->box_x + job->box_w > W || job->box_y + job->box_h > H) {
         snprintf(job->message, sizeof job->message, "crop box %gx%g at (%g, %g) is outside the %gx%g image",
                  job->box_w, job->box_h, job->box_x, job->box_y, W, H);
+        jpeg_destroy_decompress(&cinfo);
+        return 0;
+    }
+    const size_t coef = coefficient_bytes(&cinfo);
+    if (job->max_memory > 0 && coef > job->max_memory) {
+        snprintf(job->message, sizeof job->message,
+                 "JPEG needs %zu bytes of coefficient buffers (progressive or multi-scan %dx%d), over "
+                 "max_memory (%zu)", coef, (int)cinfo.image_width, (int)cinfo.image_height, job->max_memory);
         jpeg_destroy_decompress(&cinfo);
         return 0;
     }
@@ -298,6 +372,13 @@ static int run(Job *job) {
         return 0;
     }
     const size_t stride = (size_t)rw * 4;
+    if (job->max_memory > 0 && coef + stride * rh > job->max_memory) {
+        snprintf(job->message, sizeof job->message,
+                 "decoding the %dx%d region needs %zu bytes (%zu of them coefficient buffers), over "
+                 "max_memory (%zu)", rw, rh, coef + stride * rh, coef, job->max_memory);
+        jpeg_destroy_decompress(&cinfo);
+        return 0;
+    }
     if (!grow((void **)&s->region, &s->region_cap, stride * rh) ||
         !grow((void **)&s->rows, &s->rows_cap, sizeof(JSAMPROW) * rh) ||
         !grow((void **)&s->vpass, &s->vpass_cap, stride * S) ||
@@ -355,30 +436,48 @@ static int run(Job *job) {
 }
 
 PyDoc_STRVAR(decode_doc,
-             "decode_into(data, x, y, w, h, size, flip, out, mean=None, inv_std=None) -> (ok, scale_denom, "
-             "warnings, message)\n\n"
+             "decode_into(data, x, y, w, h, size, flip, out, mean=None, inv_std=None, max_scans=64, "
+             "max_memory=335544320) -> (ok, scale_denom, warnings, message)\n\n"
              "Decode the box (x, y, w, h) of JPEG `data`, resize it to size x size, mirror it when `flip`, and "
              "write 3 x size x size CHW pixels into the writable buffer `out`: uint8 as decoded, or float32 "
              "(x - mean) * inv_std when `out` has 4-byte items (mean and inv_std: 3 floats each). ok is "
              "True, False with a message (corrupt data), or None when the colour space needs another "
-             "decoder (CMYK).");
+             "decoder (CMYK). A JPEG with more than max_scans scans, or whose coefficient buffers and decoded "
+             "region need more than max_memory bytes, is refused (ok False); 0 disables either limit.");
 
 static PyObject *decode_into(PyObject *self, PyObject *args, PyObject *kwargs) {
-    static char *kwlist[] = {"data", "x", "y", "w", "h", "size", "flip", "out", "mean", "inv_std", NULL};
+    static char *kwlist[] = {"data", "x",       "y",         "w",          "h", "size", "flip", "out",
+                             "mean", "inv_std", "max_scans", "max_memory", NULL};
     Py_buffer data, out;
     double x, y, w, h;
     int size, flip;
+    int max_scans = DEFAULT_MAX_SCANS;
+    long long max_memory = DEFAULT_MAX_MEMORY;
     PyObject *mean = Py_None, *inv_std = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*ddddipw*|OO", kwlist, &data, &x, &y, &w, &h, &size, &flip,
-                                     &out, &mean, &inv_std))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "y*ddddipw*|OOiL", kwlist, &data, &x, &y, &w, &h, &size, &flip,
+                                     &out, &mean, &inv_std, &max_scans, &max_memory))
         return NULL;
     Job job;
     memset(&job, 0, sizeof job);
     PyObject *result = NULL;
+    /* NaN passes every ordered comparison's negation: test for finite first (a NaN box used to
+     * decode "successfully" into a black image). */
+    if (!isfinite(x) || !isfinite(y) || !isfinite(w) || !isfinite(h)) {
+        char text[160];
+        snprintf(text, sizeof text, "x, y, w and h must be finite, got (%g, %g, %g, %g)", x, y, w, h);
+        PyErr_SetString(PyExc_ValueError, text);
+        goto done;
+    }
     if (size < 1 || size > MAX_OUTPUT_SIDE || w <= 0 || h <= 0 || x < 0 || y < 0) {
         PyErr_Format(PyExc_ValueError, "size must be in [1, %d], w and h positive, x and y >= 0", MAX_OUTPUT_SIDE);
         goto done;
     }
+    if (max_scans < 0 || max_memory < 0) {
+        PyErr_SetString(PyExc_ValueError, "max_scans and max_memory must be >= 0 (0: no limit)");
+        goto done;
+    }
+    job.max_scans = max_scans;
+    job.max_memory = (size_t)max_memory;
     const size_t pixels = (size_t)3 * size * size;
     if (out.itemsize == 4 && (size_t)out.len == pixels * 4) {
         job.out_float = 1;

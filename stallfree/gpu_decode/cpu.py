@@ -63,6 +63,8 @@ class CpuDecoder:
         num_threads: int = 2,
         jpeg_library: str = "auto",
         reuse_buffers: int = 4,
+        max_scans: int | None = None,
+        max_memory: int | None = None,
     ) -> None:
         if jpeg_library not in JPEG_LIBRARIES:
             raise ValueError(f"jpeg_library must be one of {', '.join(JPEG_LIBRARIES)}, got {jpeg_library!r}")
@@ -83,6 +85,9 @@ class CpuDecoder:
         if jpeg_library == "auto":
             jpeg_library = "turbo" if _turbo is not None else "pil"
         self.jpeg_library = jpeg_library
+        # header.probe has refused what is over these already; the C decoder checks them again
+        # while it decodes (its progress monitor, libjpeg's memory limit), 0 meaning none.
+        self._limits = {"max_scans": max_scans or 0, "max_memory": max_memory or 0}
         self._mean = [float(m) for m in mean]
         self._inv_std = [1.0 / float(v) for v in std]
         self._mean_np = np.asarray(mean, np.float32).reshape(3, 1, 1)
@@ -176,7 +181,8 @@ class CpuDecoder:
     def _turbo_into(self, dst: torch.Tensor, data: bytes, box: Box) -> bool:
         """Decode through the extension; False when it leaves this image to PIL (CMYK)."""
         ok, _denom, _warnings, message = _turbo.decode_into(
-            data, box.x, box.y, box.w, box.h, self.size, box.flip, dst.numpy(), self._mean, self._inv_std
+            data, box.x, box.y, box.w, box.h, self.size, box.flip, dst.numpy(), self._mean, self._inv_std,
+            **self._limits,
         )
         if ok is False:
             raise BadImageError(message)

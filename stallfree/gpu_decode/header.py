@@ -20,6 +20,25 @@ before any decoder allocates a pixel. They exist because the decoders do not mak
   ``tests/gpu_decode/test_limits.py`` checks that such files pass.
 * Images over ``max_pixels`` (``DEFAULT_MAX_PIXELS``, PIL's ``Image.MAX_IMAGE_PIXELS``; PIL warns
   above it and refuses above twice it): a real 30000x30000 JPEG took DALI 15.6 s and 3.6 GB.
+* JPEGs with more than ``max_scans`` scans (``DEFAULT_MAX_SCANS``, 64). Each scan of a
+  progressive JPEG is one more pass over every coefficient of the image, and a scan of a flat
+  area costs under 100 bytes, so a file with one scan repeated passes every check above and
+  decodes for minutes: a one-colour 8000x8000 file, 367 KB with its encoder's 10 scans, took our
+  C decoder 0.7 s; with 100 scans (375 KB) 13 s, with 500 (412 KB) 82 s; PIL is as slow, being
+  the same libjpeg-turbo. Encoders write 10 scans (libjpeg's progressive script for colour, 6 for
+  grey) and rarely over 20 (mozjpeg's scan search, Photoshop's "5 scans"), so 64 refuses no real
+  file and bounds the work at about 6x an ordinary progressive decode of the same size.
+  (TurboJPEG's own scan limit, used by libjpeg-turbo's fuzzers, is 500: too high here.) The
+  count walks the markers (``FF DA`` cannot occur inside entropy-coded data): one ``bytes.count``
+  over the file, and an exact segment-by-segment walk only when that count is over the limit.
+* JPEGs whose coefficient buffers exceed ``max_memory`` (``DEFAULT_MAX_MEMORY``, 320 MiB).
+  libjpeg decodes a baseline file row by row, but a progressive or multi-scan file must keep
+  every coefficient of the whole image until its last scan, 128 bytes per 8x8 block of every
+  component, whatever region is wanted: a 9400x9400 4:4:4 progressive file (under
+  ``max_pixels``) needs 505 MiB before a pixel comes out (measured: 736 MB peak per decode
+  thread). 320 MiB admits a progressive 4:2:0 file at the full ``max_pixels`` (257 MiB) and
+  4:4:4 up to about 55 M pixels; the C decoder also hands the limit to libjpeg
+  (``max_memory_to_use``) and counts its decoded region against it.
 
 Policy, the same in every backend: bytes that are not an image, a truncated or implausible file,
 an image over the limit, or an image the decoder cannot produce (bad Huffman tables, unsupported
@@ -31,7 +50,9 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import struct
+import dataclasses
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
@@ -39,12 +60,18 @@ from PIL import Image, UnidentifiedImageError
 # PIL.Image.MAX_IMAGE_PIXELS' default (about 9459 x 9459), written out so that the limit does not
 # change with whatever another library set PIL's process-wide value to.
 DEFAULT_MAX_PIXELS = 89_478_485
+DEFAULT_MAX_SCANS = 64  # see the module docstring; _turbo.c has the same defaults
+DEFAULT_MAX_MEMORY = 320 << 20
 
 # Start-of-frame markers that carry the frame size (not DHT 0xC4, JPG 0xC8 or DAC 0xCC).
 _SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
 # Non-differential Huffman frames (baseline, extended, progressive, lossless), where every block of
 # every component costs at least one bit. Arithmetic coding and hierarchical frames have no such floor.
 _HUFFMAN_SOF = frozenset({0xC0, 0xC1, 0xC2, 0xC3})
+_PROGRESSIVE_SOF = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
+# A marker in or after entropy-coded data: 0xFF (then fill bytes) and anything but a stuffed zero,
+# a restart marker or more fill.
+_MARKER = re.compile(rb"\xff+([^\x00\xd0-\xd7\xff])")
 _PNG_SIG = b"\x89PNG\r\n\x1a\n"
 _PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # colour type -> samples per pixel in the IDAT data
 _PNG_COMPONENTS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}  # colour type -> colour components (palette: RGB)
@@ -62,6 +89,8 @@ class ImageInfo:
     components: int  # colour components as stored (JPEG: 1 grey, 3 YCbCr/RGB, 4 CMYK); 0 if unknown
     coded_bytes: int = 0  # JPEG: first scan's data to EOI; PNG: sum of IDAT lengths
     min_coded_bytes: int = 0
+    scans: int = 0  # JPEG: scan headers (at most; exact when over the limit); 0 for other formats
+    buffer_bytes: int = 0  # JPEG: libjpeg's whole-image coefficient buffers (0: decoded in one pass)
 
     @property
     def pixels(self) -> int:
@@ -76,11 +105,23 @@ class ImageTooLargeError(BadImageError):
     """The image is larger than the decoder's ``max_pixels``."""
 
 
-def probe(data: bytes | memoryview, max_pixels: int | None = DEFAULT_MAX_PIXELS) -> ImageInfo:
-    """Format and size of an encoded image, from its header alone (no pixel is decoded).
+class TooManyScansError(BadImageError):
+    """The JPEG has more scans than the decoder's ``max_scans``."""
+
+
+def probe(
+    data: bytes | memoryview,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
+    *,
+    max_scans: int | None = DEFAULT_MAX_SCANS,
+    max_memory: int | None = DEFAULT_MAX_MEMORY,
+) -> ImageInfo:
+    """Format and size of an encoded image, from its header and markers alone (no pixel is decoded).
 
     Raises ``BadImageError`` if it is unreadable, truncated, or claims more pixels than its data can
-    hold, and ``ImageTooLargeError`` if it has more than ``max_pixels`` pixels (None: no limit)."""
+    hold; ``ImageTooLargeError`` if it has more than ``max_pixels`` pixels or its decode needs more
+    than ``max_memory`` bytes of coefficient buffers; ``TooManyScansError`` for a JPEG with more
+    than ``max_scans`` scans (None: no such limit)."""
     if len(data) < 8:
         raise BadImageError(f"too short to be an image ({len(data)} bytes)")
     buf = bytes(data) if isinstance(data, memoryview) else data
@@ -99,6 +140,18 @@ def probe(data: bytes | memoryview, max_pixels: int | None = DEFAULT_MAX_PIXELS)
         raise BadImageError(
             f"implausible {info.format}: its header says {info.width}x{info.height}, which needs at "
             f"least {info.min_coded_bytes:,} bytes of coded data, but the file holds {info.coded_bytes:,}"
+        )
+    if max_scans is not None and info.scans > max_scans:
+        info = _exact_scans(buf, info)
+        if info.scans > max_scans:
+            raise TooManyScansError(
+                f"jpeg of {info.width}x{info.height} has {info.scans:,} scans, over the limit of {max_scans} "
+                "(each scan is one more pass over the whole image; ImageDecode(max_scans=...))"
+            )
+    if max_memory is not None and info.buffer_bytes > max_memory:
+        raise ImageTooLargeError(
+            f"progressive jpeg of {info.width}x{info.height} needs {info.buffer_bytes:,} bytes of "
+            f"coefficient buffers to decode, over the limit of {max_memory:,} (ImageDecode(max_memory=...))"
         )
     return info
 
@@ -142,9 +195,61 @@ def _probe_jpeg(buf: bytes) -> ImageInfo:
             if not sampling or any(not (1 <= f <= 4) for hv in sampling for f in hv):
                 raise BadImageError(f"corrupt JPEG: sampling factors {sampling}")
             floor = _jpeg_min_bytes(w, h, sampling) if sof in _HUFFMAN_SOF else 0
-            return ImageInfo("jpeg", w, h, len(sampling), end - start, floor)
+            # libjpeg buffers the whole image when it cannot decode in one pass: progressive,
+            # or a first scan without every component (multi-scan sequential).
+            comps_in_scan = buf[pos + 4] if pos + 4 < n else len(sampling)
+            buffered = sof in _PROGRESSIVE_SOF or comps_in_scan < len(sampling)
+            return ImageInfo(
+                "jpeg",
+                w,
+                h,
+                len(sampling),
+                end - start,
+                floor,
+                # FF DA cannot occur in entropy-coded data, so this is exact unless a segment
+                # between scans or data after the end holds those bytes (then it is more).
+                scans=1 + buf.count(b"\xff\xda", start, end),
+                buffer_bytes=_coefficient_bytes(w, h, sampling) if buffered else 0,
+            )
         pos += 2 + length
     raise BadImageError("truncated JPEG: ends inside its header")
+
+
+def _exact_scans(buf: bytes, info: ImageInfo) -> ImageInfo:
+    """``info`` with the scans libjpeg would read: a walk from the first scan to the end-of-image
+    marker that skips segments by their length (so bytes inside a COM or DQT segment between scans
+    are not taken for markers). Only run when the quick count is over the limit."""
+    pos = buf.find(b"\xff\xda")
+    pos += 2 + int.from_bytes(buf[pos + 2 : pos + 4], "big")
+    scans, n = 1, len(buf)
+    while True:
+        m = _MARKER.search(buf, pos)
+        if m is None:
+            break
+        marker, at = m.group(1)[0], m.start(1) - 1
+        if marker == 0xD9:
+            break
+        if marker == 0x01:  # TEM: no length
+            pos = at + 2
+            continue
+        if at + 4 > n:
+            break
+        scans += marker == 0xDA
+        pos = at + 2 + int.from_bytes(buf[at + 2 : at + 4], "big")
+    return dataclasses.replace(info, scans=scans)
+
+
+def _coefficient_bytes(w: int, h: int, sampling: list[tuple[int, int]]) -> int:
+    """libjpeg's whole-image coefficient arrays (jdcoefct.c): per component, its blocks rounded up
+    to whole iMCUs, 64 two-byte coefficients each."""
+    h_max = max(hs for hs, _ in sampling)
+    v_max = max(vs for _, vs in sampling)
+    total = 0
+    for hs, vs in sampling:
+        blocks_w = -(-w * hs // (h_max * 8))
+        blocks_h = -(-h * vs // (v_max * 8))
+        total += -(-blocks_w // hs) * hs * -(-blocks_h // vs) * vs * 128
+    return total
 
 
 def _jpeg_min_bytes(w: int, h: int, sampling: list[tuple[int, int]]) -> int:

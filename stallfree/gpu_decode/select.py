@@ -28,7 +28,14 @@ from ..shards.fields import IMAGE_FIELDS
 from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
 from .cpu import CpuDecoder, turbo_available
 from .dali import INSTALL_HINT, DaliDecoder, dali_available
-from .header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
+from .header import (
+    DEFAULT_MAX_MEMORY,
+    DEFAULT_MAX_PIXELS,
+    DEFAULT_MAX_SCANS,
+    BadImageError,
+    ImageInfo,
+    probe,
+)
 from .normalize import check_output, normalize
 from .nvimgcodec import INSTALL_HINT as NVIMGCODEC_HINT
 from .nvimgcodec import NvImageCodecDecoder, nvimgcodec_available, nvimgcodec_importable
@@ -68,6 +75,10 @@ class ImageDecode:
     as do headers claiming more pixels than the file's data can hold (see header.py). The default is
     PIL's ``Image.MAX_IMAGE_PIXELS`` (89,478,485, about 9459 x 9459); None: no limit of ours (the CPU
     backend still meets PIL's own, twice ``Image.MAX_IMAGE_PIXELS``, process-wide).
+    ``max_scans``: JPEGs with more scans fail their sample (each scan of a progressive JPEG is one
+    more pass over the whole image; encoders write about 10). ``max_memory``: so do JPEGs whose
+    decode must hold more bytes of coefficient buffers (progressive files: about 6 bytes a pixel at
+    4:4:4, 3 at 4:2:0), for every backend, by the header (see header.py). None: no such limit.
     """
 
     def __init__(
@@ -92,11 +103,12 @@ class ImageDecode:
         jpeg_library: str = "auto",
         reuse_buffers: int = 4,
         max_pixels: int | None = DEFAULT_MAX_PIXELS,
+        max_scans: int | None = DEFAULT_MAX_SCANS,
+        max_memory: int | None = DEFAULT_MAX_MEMORY,
     ) -> None:
-        if max_pixels is not None and (
-            isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1
-        ):
-            raise ValueError(f"max_pixels must be a positive int or None, got {max_pixels!r}")
+        for name, limit in (("max_pixels", max_pixels), ("max_scans", max_scans), ("max_memory", max_memory)):
+            if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+                raise ValueError(f"{name} must be a positive int or None, got {limit!r}")
         if backend not in ("auto", "dali", "nvimgcodec", "cpu"):
             raise ValueError(f"backend must be 'auto', 'dali', 'nvimgcodec' or 'cpu', got {backend!r}")
         if dtype not in _DTYPES:
@@ -112,6 +124,8 @@ class ImageDecode:
         self.image_field = image_field
         self.label_field = label_field
         self.max_pixels = max_pixels
+        self.max_scans = max_scans
+        self.max_memory = max_memory
         threads = num_threads if num_threads is not None else _cpu_count()
         self._threads_given = num_threads is not None
         gpu_id = _gpu_id(device)
@@ -138,7 +152,9 @@ class ImageDecode:
         else:
             if transfer is not None:  # only the worker-run backend has a transfer to shrink
                 common["dtype"] = _DTYPES[transfer]
-            self._decoder = CpuDecoder(size, jpeg_library=jpeg_library, **common)
+            self._decoder = CpuDecoder(
+                size, jpeg_library=jpeg_library, max_scans=max_scans, max_memory=max_memory, **common
+            )
             self.device = torch.device("cpu")
         self._stats = {"batches": 0, "images": 0, "failures": 0, "decode_s": 0.0}
 
@@ -189,7 +205,7 @@ class ImageDecode:
             try:
                 labels.append(self._label(sample))
                 data = self._image_bytes(sample)
-                info = probe(data, self.max_pixels)
+                info = probe(data, self.max_pixels, max_scans=self.max_scans, max_memory=self.max_memory)
             except (BadImageError, KeyError, TypeError, ValueError) as exc:
                 failures.append((i, key, SampleDecodeError(str(exc).strip("'\""), key=key)))
                 continue
@@ -262,6 +278,8 @@ class ImageDecode:
             return bytes(value)
         if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
             return value.tobytes()
+        if isinstance(value, dict) and isinstance(value.get("bytes"), bytes):
+            return value["bytes"]  # a Hugging Face Image() cell {"bytes": ..., "path": ...}
         raise TypeError(f"field {field!r} holds {type(value).__name__}, expected encoded image bytes")
 
     def _label(self, sample: dict) -> int:
