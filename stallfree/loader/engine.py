@@ -66,7 +66,12 @@ class Engine:
             import torch.multiprocessing  # noqa: F401 - registers tensor/storage reductions
 
             ctx = _context(mp_context)
-            self.plan = replace(plan, start_method=ctx.get_start_method(), parent_pid=os.getpid())
+            self.plan = replace(
+                plan,
+                start_method=ctx.get_start_method(),
+                parent_pid=os.getpid(),
+                forked_by_main_thread=threading.current_thread() is threading.main_thread(),
+            )
             self.task_qs = [ctx.Queue() for _ in range(self.n)]
             for q in self.task_qs:
                 q.cancel_join_thread()  # never wait at exit for tasks a dead worker will not read
@@ -110,6 +115,10 @@ class Engine:
         if p[MAP_SEQ] >= 0:
             return f"while loading batch {p[MAP_SEQ]}"
         return "while waiting for work"
+
+    def progress_mark(self, wid: int) -> tuple[int, ...]:
+        """Worker ``wid``'s progress slots now: any change means it moved on (not hung)."""
+        return tuple(self.progress[wid][:])
 
     def pid(self, wid: int) -> int | None:
         return getattr(self.procs[wid], "pid", None)

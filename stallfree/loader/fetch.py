@@ -19,8 +19,6 @@ so ``on_error`` sees the same failures either way.
 from __future__ import annotations
 
 import logging
-import multiprocessing as mp
-import os
 import queue
 import threading
 import time
@@ -30,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.loader import pipeline
+from stallfree.loader import lifeline, pipeline
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.messages import Task
 
@@ -206,21 +204,9 @@ def _next_task(ctx: WorkerContext, task_q: Any, timeout: float) -> Any:
     try:
         return task_q.get(timeout=timeout)
     except queue.Empty:
-        if not ctx.plan.in_process and _main_process_gone(ctx.plan.start_method, ctx.plan.parent_pid):
+        if not ctx.plan.in_process and lifeline.main_process_gone(ctx.plan.start_method, ctx.plan.parent_pid):
             return None
         return _NONE
-
-
-def _main_process_gone(start_method: str | None, parent_pid: int) -> bool:
-    """Whether the process that made this worker has exited. The sentinel that multiprocessing
-    gives every child (a pipe from its creator, at EOF once the creator is gone) is right under
-    fork, spawn and forkserver alike; the parent pid is not: under a fork server the parent is the
-    server. Under fork a sibling forked later may hold the pipe open too, so a changed parent pid
-    (re-parented to init) also counts there."""
-    parent = mp.parent_process()
-    if parent is not None and not parent.is_alive():
-        return True
-    return start_method == "fork" and os.getppid() != parent_pid
 
 
 _NONE = object()

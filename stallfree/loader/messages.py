@@ -51,6 +51,7 @@ class BatchReady:
     timing: dict[str, float] = field(default_factory=dict)
     cache_stats: dict[str, float] | None = None
     dropped_slots: tuple[int, ...] = ()  # slots the worker gave up: the main process lets go too
+    handover: bool = False  # ``new_storage`` is the consumer's for good (slots.py): never sent back
     indices: tuple[int, ...] = ()  # the good samples' indices, when ``payload`` is raw samples
 
 

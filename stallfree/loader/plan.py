@@ -41,6 +41,7 @@ class WorkerPlan:
     in_process: bool = False  # num_workers=0: one thread of the main process
     start_method: str | None = None
     parent_pid: int = 0
+    forked_by_main_thread: bool = False  # the pool was started from the main thread (lifeline.py)
 
     @property
     def use_shm(self) -> bool:

@@ -114,6 +114,7 @@ class Assembler:
         self.stop = threading.Event()
         self.closed = False
         self._failures: list[tuple[Any, str, str]] = []
+        self._marks: dict[int, tuple[int, ...]] = {}  # each worker's progress slots, last looked at
         self._pull()
         self.stream = (
             torch.cuda.Stream(device=plan.device)
@@ -246,7 +247,7 @@ class Assembler:
                 for k in msg.dropped_slots:  # slots the worker gave up: let go of our reference too
                     eng.storages.pop((msg.worker, k), None)
             if msg.gen != self.gen:  # left over from an earlier iterator over a persistent pool
-                if isinstance(msg, BatchReady) and msg.slot is not None:
+                if isinstance(msg, BatchReady) and msg.slot is not None and not msg.handover:
                     self._adopt(msg)
                     eng.returns[msg.worker].send(msg.slot)
                 continue
@@ -275,9 +276,8 @@ class Assembler:
         positions = self._sizes.pop(msg.seq)
         if msg.slot is not None:
             storage = self._adopt(msg)
-            batch = shm.materialise(
-                msg.payload, storage, pin=self.plan.pin_memory, release=_releaser(self.engine, msg, storage)
-            )
+            release = _keep if msg.handover else _releaser(self.engine, msg, storage)
+            batch = shm.materialise(msg.payload, storage, pin=self.plan.pin_memory, release=release)
             if self.tuner is not None:
                 self.tuner.saw_batch_bytes(shm.described_bytes(msg.payload))
         else:
@@ -302,6 +302,8 @@ class Assembler:
         return Ready(batch, positions, msg.seq, good, event)
 
     def _adopt(self, msg: BatchReady) -> torch.UntypedStorage:
+        if msg.handover:  # the batch's own segment: the consumer's tensors are its only holders
+            return msg.new_storage
         key = (msg.worker, msg.slot)
         if msg.new_storage is not None:
             self.engine.storages[key] = msg.new_storage
@@ -372,10 +374,17 @@ class Assembler:
         return batch
 
     def _check_workers(self, last_seen: list[float]) -> None:
+        """Dead workers owing batches, and hung ones, are errors. Hung means no progress at all:
+        no batch sent and no step on to another sample or batch (the worker's progress slots) for
+        ``worker_timeout``; a worker busy with a long batch of slow samples is not hung."""
         eng, outstanding = self.engine, self.outstanding
         now = time.monotonic()
         limit = self.plan.worker_timeout
         for wid in range(eng.n):
+            mark = eng.progress_mark(wid)
+            if mark != self._marks.get(wid):
+                self._marks[wid] = mark
+                last_seen[wid] = now
             dead, code = eng.dead(wid)
             if dead and outstanding[wid] > 0:
                 raise WorkerDiedError(
@@ -400,6 +409,11 @@ def _releaser(engine: Engine, msg: BatchReady, storage: torch.UntypedStorage) ->
         returns.send(slot)
 
     return release
+
+
+def _keep() -> None:
+    """The release of a handover slot's batch: nothing goes back (the segment is the consumer's and
+    is freed with the batch's last tensor); the lease only keeps the segment mapped till then."""
 
 
 def _to_device(obj: Any, device: torch.device, non_blocking: bool) -> Any:

@@ -74,12 +74,3 @@ class SlotReturns:
         except (queue.Empty, EOFError, OSError):
             pass
         return out
-
-    def wait(self) -> int | None:
-        """The next returned slot (blocks); None once the main process is gone."""
-        try:
-            if self._local is not None:
-                return self._local.get()
-            return _SLOT.unpack(self._recv.recv_bytes())[0]
-        except (EOFError, OSError):
-            return None

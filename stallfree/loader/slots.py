@@ -20,6 +20,13 @@ class Slots:
     batches are bounded by the main process's dispatching, so a missing free slot means the
     consumer is keeping batches: then a new slot is made rather than waiting (no deadlock), and
     slots beyond ``max_slots`` are given up again once they come back.
+
+    A batch the user keeps is theirs (``list(loader)`` keeps them all, as with torch). Once the
+    pool holds ``HARD_CAP`` slots and every one is held, the next batch goes out in a *handover*
+    slot: a fresh segment the consumer owns outright, never returned and never reused, freed when
+    the consumer drops the batch (torch's way for every batch). Before, the worker waited here for
+    a slot the consumer would never give back: the epoch hung and ended in a WorkerHungError.
+    Memory stays bounded by what the consumer keeps; the pool itself never exceeds ``HARD_CAP``.
     """
 
     HARD_CAP = 256
@@ -34,34 +41,59 @@ class Slots:
         self.last_size = 0
         self.fresh: list[int] = []  # slots made ahead whose storage the main process has not seen
         self.files: dict[int, shm.SlotFile | None] = {}
+        self.pooled = 0  # slots of the reusable pool (storages also holds handover slots)
+        self.handover: set[int] = set()  # slots whose storage goes to the consumer for good
 
     def _drain(self) -> None:
         self.free.extend(self.returns.take_ready())
 
     def acquire(self) -> int:
+        """A slot for the next batch; never waits (a handover slot once the pool is all held)."""
         self._drain()
         while len(self.free) > self.max_slots:  # a burst of kept batches is over: shrink back
             k = self.free.pop()
-            self.storages[k] = None
-            self.files.pop(k, None)
-            self.vacant.append(k)
+            self._vacate(k)
+            self.pooled -= 1
             self.dropped.append(k)
         if self.free:
             return self.free.pop()
         if self.vacant:
             k = self.vacant.pop()
-        elif len(self.storages) < self.HARD_CAP:
+        else:
             self.storages.append(None)
             k = len(self.storages) - 1
+        if self.pooled < self.HARD_CAP:
+            self.pooled += 1
         else:
-            slot = self.returns.wait()
-            if slot is None:
-                raise RuntimeError("the loader's main process is gone: no slot will come back")
-            return slot
+            self.handover.add(k)
         if self.last_size:  # size a new slot like the last batch: collate goes straight in
             self.grow(k, self.last_size)
             self.fresh.append(k)
         return k
+
+    def _vacate(self, slot: int) -> None:
+        self.storages[slot] = None
+        self.files.pop(slot, None)
+        if slot in self.fresh:
+            self.fresh.remove(slot)
+        self.vacant.append(slot)
+
+    def is_handover(self, slot: int) -> bool:
+        return slot in self.handover
+
+    def handed_over(self, slot: int) -> None:
+        """The batch in handover ``slot`` is sent: drop this worker's reference to its storage
+        (the message holds it until it is pickled; then the consumer's copy is the only one)."""
+        if slot in self.handover:
+            self.handover.discard(slot)
+            self._vacate(slot)
+
+    def unused(self, slot: int) -> None:
+        """A slot acquired for a batch that will not be sent in it (failed, or nothing to share)."""
+        if slot in self.handover:
+            self.handed_over(slot)
+        else:
+            self.free.append(slot)
 
     def take_dropped(self) -> list[int]:
         out, self.dropped = self.dropped, []
@@ -92,6 +124,9 @@ class Slots:
 
     def give_back(self, slot: int, announced: torch.UntypedStorage | None) -> None:
         """Return an unused slot; one whose storage was about to be announced stays unannounced."""
+        if slot in self.handover:
+            self.handed_over(slot)
+            return
         self.free.append(slot)
         if announced is not None:
             self.fresh.append(slot)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import fetch, pipeline, rows, shardio, shm
+from stallfree.loader import fetch, lifeline, pipeline, rows, shardio, shm
 from stallfree.loader import slots as slots_mod
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.fetch import MAP_IDX, MAP_SEQ, Fetched
@@ -70,6 +70,7 @@ def _start(ctx: WorkerContext) -> None:
     """Per-process set-up: seeds, torch's worker info, the user's worker_init_fn, the source."""
     plan = ctx.plan
     if not plan.in_process:
+        lifeline.bind_to_parent(plan.start_method, plan.parent_pid, plan.forked_by_main_thread)
         if not faulthandler.is_enabled():  # a crash in native code (a decoder) leaves a Python stack
             with contextlib.suppress(Exception):
                 faulthandler.enable()
@@ -132,7 +133,9 @@ def worker_main(
             msg = _process(ctx, slots, item)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
             result_q.put(msg)
-            if isinstance(msg, BatchReady) and msg.slot is not None and not _unmapped(item, slots, msg.slot):
+            if isinstance(msg, BatchReady) and msg.handover:
+                slots.handed_over(msg.slot)  # the consumer's now: this worker lets go of it
+            elif isinstance(msg, BatchReady) and msg.slot is not None and not _unmapped(item, slots, msg.slot):
                 shm.release_pages(slots.storages[msg.slot])  # the main process's until it returns
     except KeyboardInterrupt:
         return
@@ -238,13 +241,17 @@ def _into_slot(
     arena = writer.arena if streamed else shm.Arena(storage)
     if alloc is not None and alloc.arena is not None:
         arena = alloc.arena  # the decoder wrote its output there: describing it copies nothing
-    if decoded is not None:
-        batch = decoded
-    else:
-        good_pos = [p for p, it in enumerate(loaded.items) if not isinstance(it, pipeline.SampleFailure)]
-        extra = writer.collate_map(good_pos) if streamed else None
-        batch = _collate(plan, good, arena, extra, slots.file(slot))
-    desc, needed = shm.describe(batch, arena, slots.file(slot))
+    try:
+        if decoded is not None:
+            batch = decoded
+        else:
+            good_pos = [p for p, it in enumerate(loaded.items) if not isinstance(it, pipeline.SampleFailure)]
+            extra = writer.collate_map(good_pos) if streamed else None
+            batch = _collate(plan, good, arena, extra, slots.file(slot))
+        desc, needed = shm.describe(batch, arena, slots.file(slot))
+    except BaseException:
+        slots.give_back(slot, new_storage)  # a collate error: the slot serves the next batch
+        raise
     if needed == 0:  # nothing array-like (keys, bytes): the batch itself is the message
         slots.give_back(slot, new_storage)
         return None, None, batch
@@ -285,6 +292,7 @@ def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batc
         payload=payload,
         good=len(task.indices),
         new_storage=new_storage,
+        handover=slot is not None and slots.is_handover(slot),
         failures=(),
         timing=timing,
         cache_stats=None,  # no cache on this path (fetch.batch_reader)
@@ -312,11 +320,11 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
         try:
             outcome = pipeline.decode_dropping_failures(decode, good, good_idx, plan.on_error)
         except BatchDecodeError as exc:  # on_error="raise": raised as the main process would raise it
-            slots.free.append(slot)
+            slots.unused(slot)
             pos, key, _ = exc.failures[0] if exc.failures else (0, None, None)
             return _failure(ctx, task, good_idx[pos], key, exc)
         except Exception as exc:  # noqa: BLE001 - a decoder bug: reported with the batch's first sample
-            slots.free.append(slot)
+            slots.unused(slot)
             key = pipeline.sample_key(good[0], good_idx[0])
             return _failure(ctx, task, good_idx[0], key, exc)
         finally:
@@ -325,7 +333,7 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
         bad += outcome.failures
         t1 = time.perf_counter()
     if loaded.slot is not None and (not good or (bad and raising)):
-        slots.free.append(loaded.slot)
+        slots.unused(loaded.slot)
         loaded.slot = None
     if bad and raising:
         f = bad[0]
@@ -349,6 +357,7 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
         payload=payload,
         good=len(good),
         new_storage=new_storage,
+        handover=slot is not None and slots.is_handover(slot),
         failures=failures,
         timing=timing,
         cache_stats=cache_stats,
