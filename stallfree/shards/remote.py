@@ -15,18 +15,19 @@ asked range and returned length. Not retried, because asking again cannot help: 
 (``MissingShardError``), a refusal (``ShardReadError``, access denied), a body *longer* than asked
 (the server ignores ``Range``; the bytes at the asked offset are not known).
 
-Bounded time: ``with_timeouts`` fills in connect/read timeouts (``Timeouts``) for s3fs and
-fsspec's HTTP client where the user gave none, and transport failures a client already retried
-(s3fs: 5 tries, ~1 s of backoff) are not retried again. So a read from an endpoint that does not
-answer fails in at most ``RetryPolicy.attempts * (connect_s + read_s)`` plus backoff over HTTP
-(3 * 20 s), ``5 * (connect_s + read_s)`` plus ~1 s on S3; one that refuses connections fails
-in ~0.3 s (HTTP) or ~1 s (S3). Imports nothing of ours but ``errors``.
+Bounded time: ``with_timeouts`` fills in connect/read timeouts (``Timeouts``: 5 s / 15 s) for
+s3fs and fsspec's HTTP client where the user gave none, and turns botocore's own retries off;
+a failure the client already retried (s3fs tries 5 times, ~1 s of backoff, for read timeouts and
+dropped connections) is not retried again. With the defaults a read fails, naming the endpoint,
+after: ~0.3 s when connections are refused (3 attempts); 3 * 5 s when connects go unanswered;
+3 * 15 s (HTTP) or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``.
 """
 
 from __future__ import annotations
 
 import io
 import logging
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -218,7 +219,7 @@ def _retrying(
             short = None
             if _raise_final(fs, path, start, shard, key, exc):
                 raise _failed(fs, path, start, end, shard, key, attempt + 1, exc, None) from None
-            if client_retries(fs):  # the client retried it already: asking again multiplies the wait
+            if client_retries(fs, exc):  # the client retried it already: again multiplies the wait
                 raise _failed(fs, path, start, end, shard, key, attempt + 1, exc, None) from None
             last = exc
             log.debug("read of %s [%s, %s) failed (attempt %d): %r", path, start, end, attempt + 1, exc)
@@ -269,8 +270,8 @@ def _failed(
 ) -> RemoteReadError:
     url = describe(fs, path)
     tries = f"{attempts} attempt{'s' if attempts > 1 else ''}"
-    own = client_retries(fs)
-    if own and short is None and last is not None and classify(last) == "retry":
+    own = client_retries(fs, last) if short is None else 0
+    if own:
         tries = f"{own} attempts by {type(fs).__name__}"
     if short is not None and start is not None and end is not None:
         asked = f"bytes {start}..{end} ({end - start} bytes)"
@@ -376,13 +377,23 @@ class RangeFile(io.RawIOBase):
         return self.read(-1)
 
 
-def client_retries(fs: fsspec.AbstractFileSystem) -> int:
-    """How many times the filesystem's client itself tries a failed request (s3fs: 5, with
-    backoff; its ``retries`` attribute), 0 if it does not. A transport failure it already
-    retried is final here: three layers of retries made a dead S3 endpoint cost ~6.4 s a sample
-    (and a silent one minutes). Short reads are still retried: no client checks lengths."""
+def client_retries(fs: fsspec.AbstractFileSystem, exc: BaseException | None) -> int:
+    """How many times the filesystem's client itself already tried the request that failed with
+    ``exc``: s3fs tries ``fs.retries`` (5) times, with backoff, for the errors its module lists
+    in ``S3_RETRYABLE_ERRORS`` (timeouts, dropped connections; not a refused connection). 0 if
+    it does not. Such a failure is final here: three layers of retries (ours, s3fs's,
+    botocore's) made a dead S3 endpoint cost ~6.4 s a sample, and a silent one minutes. Short
+    reads are still retried: no client checks lengths."""
     own = getattr(fs, "retries", None)
-    return own if isinstance(own, int) and not isinstance(own, bool) and own > 1 else 0
+    if exc is None or not isinstance(own, int) or isinstance(own, bool) or own < 2:
+        return 0
+    module = sys.modules.get(type(fs).__module__)
+    retryable = next(
+        (v for k, v in vars(module).items() if k.endswith("_RETRYABLE_ERRORS")) if module else (), None
+    )
+    if not isinstance(retryable, tuple) or not isinstance(exc, retryable):
+        return 0
+    return own
 
 
 def _info(fs: fsspec.AbstractFileSystem, path: str, shard: str, policy: RetryPolicy) -> dict[str, Any] | None:
@@ -398,7 +409,7 @@ def _info(fs: fsspec.AbstractFileSystem, path: str, shard: str, policy: RetryPol
             if kind in ("denied", "shard", "foreign"):
                 raise
             last = _transport_cause(exc) or exc
-            if kind == "refused" or client_retries(fs):
+            if kind == "refused" or client_retries(fs, last):
                 raise _failed(
                     fs, path, None, None, shard, None, attempt + 1, last, None, "looking up"
                 ) from None

@@ -51,8 +51,12 @@ class Scripted(MemoryFileSystem):
         return out
 
 
+# what the client below retries itself (s3fs's module names its tuple S3_RETRYABLE_ERRORS)
+FAKE_RETRYABLE_ERRORS = (TimeoutError, ConnectionResetError)
+
+
 class Retrying(Scripted):
-    """A client that retries on its own (as s3fs does, ``retries = 5``)."""
+    """A client that retries some failures on its own (as s3fs does, ``retries = 5``)."""
 
     retries = 5
 
@@ -165,11 +169,15 @@ def test_final_failures_are_not_retried(fs):
 def test_a_client_that_retries_itself_is_not_retried_again():
     fs = Retrying(skip_instance_cache=True)
     fs.pipe("/r/a.tar", DATA)
-    fs.script = [ConnectionRefusedError("refused")] * 3
+    fs.script = [ConnectionResetError("reset")] * 3
     with pytest.raises(RemoteReadError, match="5 attempts by Retrying"):
         remote.read_range(fs, "/r/a.tar", 0, 10, shard="a.tar", policy=FAST)
     assert fs.calls == 1
-    fs.script, fs.calls = ["short", "ok"], 0  # but lengths it never checks: still retried
+    fs.script, fs.calls = [ConnectionRefusedError("refused")] * 3, 0  # one it does not retry: we do
+    with pytest.raises(RemoteReadError, match="failed \\(3 attempts\\): ConnectionRefusedError"):
+        remote.read_range(fs, "/r/a.tar", 0, 10, shard="a.tar", policy=FAST)
+    assert fs.calls == 3
+    fs.script, fs.calls = ["short", "ok"], 0  # and lengths it never checks
     assert remote.read_range(fs, "/r/a.tar", 0, 10, shard="a.tar", policy=FAST) == DATA[:10]
     assert fs.calls == 2
 
