@@ -5,6 +5,13 @@ cached, and a tier can hand bytes to another tier without decoding them (``Tiere
 ``BaseCache`` turns the two raw primitives a tier implements into the public protocol: it encodes
 and decodes, counts hits, misses, bytes and latency, deletes entries that fail to decode, and makes
 sure that no failure of a tier ever reaches the caller as an exception: a broken tier is a miss.
+
+Every entry carries its identity (``codec.Identity``: fingerprint, index, stage, sample key) and a
+lookup serves it only under that same key: without a signing secret, a genuine entry copied under
+another sample's key was served (one epoch delivered key ``00000`` 20 times and lost 19 samples).
+Entries are bounded by ``max_entry_bytes`` (``MAX_ENTRY_BYTES`` by default) on the way in and,
+before any decoding, on the way out: a 120 MB value planted in a shared store had been decoded and
+handed on (worker RSS 498 -> 1,579 MB).
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ Value = dict[str, Any] | bytes | np.ndarray
 Check = Callable[["CacheKey", Any], None]  # raises codec.CodecError when a decoded entry is unfit
 
 _MAX_KEY_BYTES = 400  # LMDB's key limit is 511; longer keys are hashed
+# The default bound on one encoded entry: 64 MiB is ~400 ImageNet JPEGs (~110 KB) or a 4096x4096
+# RGB uint8 image; video clips or large float tensors need a larger max_entry_bytes.
+MAX_ENTRY_BYTES = 64 << 20
+_LOGGED_MISMATCHES = 5  # per cache object; the rest are counted under ``mismatched``
 
 
 class CacheKey(NamedTuple):
@@ -42,6 +53,32 @@ class CacheKey(NamedTuple):
         if len(raw) <= _MAX_KEY_BYTES:
             return raw
         return b"sf/h/" + hashlib.blake2b(raw, digest_size=20).hexdigest().encode()
+
+    def identity(self, value: Any) -> codec.Identity:
+        """What an entry for this key holding ``value`` says it is (``value``'s ``__key__``, if any)."""
+        return codec.Identity(self.fingerprint, int(self.index), self.stage, sample_key(value))
+
+
+def sample_key(value: Any) -> str | None:
+    """A sample dict's ``__key__`` when it is a str; None for anything else."""
+    key = value.get("__key__") if isinstance(value, dict) else None
+    return key if isinstance(key, str) else None
+
+
+def check_identity(key: CacheKey, entry: codec.Entry) -> None:
+    """``codec.UnexpectedEntry`` unless ``entry`` says it is ``key``'s and its value agrees."""
+    ident = entry.identity
+    if ident is None:
+        raise codec.UnexpectedEntry("the entry says nothing of what it holds (no identity)")
+    if (ident.fingerprint, ident.index, ident.stage) != (key.fingerprint, int(key.index), key.stage):
+        raise codec.UnexpectedEntry(
+            f"the entry holds sample {ident.index} ({ident.stage}) of dataset {ident.fingerprint}, "
+            f"not sample {key.index} ({key.stage}) of {key.fingerprint}"
+        )
+    if ident.key != sample_key(entry.value):
+        raise codec.UnexpectedEntry(
+            f"the entry says it holds sample {ident.key!r}, its value is {sample_key(entry.value)!r}"
+        )
 
 
 @runtime_checkable
@@ -84,7 +121,9 @@ class CacheStats:
         "bytes_out",
         "evictions",
         "errors",
-        "corrupt",
+        "corrupt",  # entries dropped on lookup: damaged, or not the sample asked for
+        "mismatched",  # of those, intact entries of another sample, dataset or stage (or shape)
+        "oversized",  # entries over max_entry_bytes, refused on put or dropped on lookup
         "get_calls",
         "put_calls",
     )
@@ -131,17 +170,29 @@ class BaseCache:
     """
 
     name = "cache"
+    max_entry_bytes = MAX_ENTRY_BYTES
 
     def __init__(self) -> None:
         self._stats = CacheStats()
+        self._mismatches_logged = 0
 
-    def _set_budget(self, capacity_bytes: int | None, policy: str | Policy) -> None:
-        """Check and keep what a bounded tier holds (encoded bytes; ``None``: no bound) and what it
-        does when full."""
+    def _set_budget(
+        self, capacity_bytes: int | None, policy: str | Policy, max_entry_bytes: int = MAX_ENTRY_BYTES
+    ) -> None:
+        """Check and keep what a bounded tier holds (encoded bytes; ``None``: no bound), what it
+        does when full, and the most one encoded entry may take."""
         if capacity_bytes is not None and capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
+        if not isinstance(max_entry_bytes, int) or isinstance(max_entry_bytes, bool) or max_entry_bytes <= 0:
+            raise ValueError(f"max_entry_bytes must be a positive integer, got {max_entry_bytes!r}")
         self.capacity_bytes = capacity_bytes
         self.policy = get_policy(policy)
+        self.max_entry_bytes = max_entry_bytes
+
+    @property
+    def limits(self) -> codec.Limits:
+        """What the codec may accept from this tier: nothing over ``max_entry_bytes``."""
+        return codec.Limits(max_entry_bytes=self.max_entry_bytes - codec.HEADER_SIZE)
 
     # -- the raw primitives a tier implements -------------------------------------------------
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
@@ -171,30 +222,62 @@ class BaseCache:
         raw = self.get_encoded_many(kbytes)
         out: list[Value | None] = []
         bad: list[bytes] = []
+        mismatched = 0
+        limits = self.limits
         for key, kb, blob in zip(keys, kbytes, raw, strict=True):
             if blob is None:
                 out.append(None)
                 continue
             try:
-                value = codec.decode(blob)
+                entry = codec.decode_entry(blob, limits)
                 if check is not None:
-                    check(key, value)
-                out.append(value)
+                    check(key, entry.value)
+                check_identity(key, entry)
+                out.append(entry.value)
+            except codec.UnexpectedEntry as exc:
+                mismatched += 1
+                self._log_mismatch(key, exc)
+                bad.append(kb)
+                out.append(None)
             except codec.CodecError as exc:
                 log.warning("%s: dropping corrupt entry %s: %s", self.name, key, exc)
                 bad.append(kb)
                 out.append(None)
         if bad:
             # they were counted as hits by get_encoded_many; they are misses
-            self._stats.add(corrupt=len(bad), hits=-len(bad), misses=len(bad))
+            self._stats.add(corrupt=len(bad), mismatched=mismatched, hits=-len(bad), misses=len(bad))
             self.delete_encoded_many(bad)
         return out
 
+    def _log_mismatch(self, key: CacheKey, exc: codec.CodecError) -> None:
+        """The first few entries that are not the sample asked for are logged, the rest counted:
+        a stale shared store (a dataset changed in place, another program's entries) can hold
+        millions of them."""
+        if self._mismatches_logged >= _LOGGED_MISMATCHES:
+            return
+        self._mismatches_logged += 1
+        last = self._mismatches_logged == _LOGGED_MISMATCHES
+        more = " (further ones only counted in stats()['mismatched'])" if last else ""
+        log.warning(
+            "%s: dropping an entry that is not the one asked for, %s: %s%s", self.name, key, exc, more
+        )
+
     def put_many(self, items: Sequence[tuple[CacheKey, Value]]) -> None:
         encoded: list[tuple[bytes, bytes]] = []
+        limits = self.limits
         for key, value in items:
             try:
-                encoded.append((key.to_bytes(), codec.encode(value)))
+                encoded.append((key.to_bytes(), codec.encode(value, limits, key.identity(value))))
+            except codec.EntryTooLarge as exc:
+                if not self._stats["oversized"]:
+                    log.warning(
+                        "%s: not caching %s, over max_entry_bytes=%d (further ones only counted): %s",
+                        self.name,
+                        key,
+                        self.max_entry_bytes,
+                        exc,
+                    )
+                self._stats.add(oversized=1)
             except codec.CodecError as exc:
                 if not self._stats["errors"]:  # once per cache object; the rest are counted
                     log.warning("%s: cannot cache %s (further ones only counted): %s", self.name, key, exc)
@@ -231,6 +314,8 @@ class BaseCache:
 
     # -- encoded access, used by TieredCache to move bytes between tiers ----------------------
     def get_encoded_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Stored blobs for ``keys`` (None: a miss); one over ``max_entry_bytes`` is a miss and is
+        deleted, before anything decodes it."""
         t0 = time.perf_counter()
         try:
             raw = list(self._get_raw(keys))
@@ -239,6 +324,22 @@ class BaseCache:
         except Exception as exc:
             self._failed("get", exc)
             raw = [None] * len(keys)
+        cap = self.max_entry_bytes
+        big = [p for p, b in enumerate(raw) if b is not None and len(b) > cap]
+        if big:
+            if not self._stats["oversized"]:
+                log.warning(
+                    "%s: dropping %d entries over max_entry_bytes=%d (the largest %d bytes; further ones "
+                    "only counted)",
+                    self.name,
+                    len(big),
+                    cap,
+                    max(len(raw[p]) for p in big),  # type: ignore[arg-type]
+                )
+            self._stats.add(oversized=len(big))
+            for p in big:
+                raw[p] = None
+            self.delete_encoded_many([keys[p] for p in big])
         hits = sum(b is not None for b in raw)
         self._stats.add(
             hits=hits,
@@ -250,6 +351,12 @@ class BaseCache:
         return raw
 
     def put_encoded_many(self, items: Sequence[tuple[bytes, bytes]]) -> PutResult:
+        """Store encoded entries; those over ``max_entry_bytes`` are refused (counted ``oversized``)."""
+        cap = self.max_entry_bytes
+        if any(len(blob) > cap for _, blob in items):
+            kept = [(k, b) for k, b in items if len(b) <= cap]
+            self._stats.add(oversized=len(items) - len(kept))
+            items = kept
         if not items:
             return PutResult()
         t0 = time.perf_counter()

@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from stallfree.cache.base import BaseCache, PutResult
+from stallfree.cache.base import MAX_ENTRY_BYTES, BaseCache, PutResult
 from stallfree.cache.credentials import read_secret_file
 from stallfree.cache.policy import Policy
 from stallfree.cache.redis_ops import (
@@ -90,7 +90,8 @@ class ClusterCache(BaseCache):
     ``connect_timeout_s``/``timeout_s`` bound every call (a slow server becomes misses);
     a failing server is skipped for ``backoff_s`` doubling up to ``max_backoff_s``. ``spill``
     (minio only) lets a full owner hand keys to the next server in the key's ranking; ``parallel``
-    talks to the servers of one batch concurrently.
+    talks to the servers of one batch concurrently. ``max_entry_bytes`` bounds one entry
+    (``base.MAX_ENTRY_BYTES``, 64 MiB, by default; the signature's 36 bytes not counted).
     """
 
     name = "cluster"
@@ -119,6 +120,7 @@ class ClusterCache(BaseCache):
         configure_servers: bool = True,
         spill: bool = True,
         parallel: bool = True,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         super().__init__()
         try:
@@ -129,7 +131,7 @@ class ClusterCache(BaseCache):
             servers = [servers]
         if not servers:
             raise ValueError("ClusterCache needs at least one server URL")
-        self._set_budget(capacity_bytes, policy)
+        self._set_budget(capacity_bytes, policy, max_entry_bytes)
         self.servers = list(servers)
         if password is not None and password_file is not None:
             raise ValueError("give ClusterCache a password or a password_file, not both")
@@ -166,7 +168,8 @@ class ClusterCache(BaseCache):
     def _config(self) -> dict[str, Any]:
         names = (
             "servers capacity_bytes password username secret tls tls_ca_certs tls_certfile tls_keyfile tls_verify "
-            "connect_timeout_s timeout_s backoff_s max_backoff_s full_recheck_s configure_servers parallel"
+            "connect_timeout_s timeout_s backoff_s max_backoff_s full_recheck_s configure_servers parallel "
+            "max_entry_bytes"
         ).split()
         cfg = {n: getattr(self, n) for n in names}
         cfg["policy"] = self.policy.name

@@ -8,9 +8,18 @@ at most one bounded decode. Anything wrong raises ``CodecError`` - never another
 and the cache turns that into a miss and deletes the entry. The encoder refuses what the decoder
 would refuse, so nothing admitted is unreadable.
 
+Each entry can carry its *identity*: which sample of which dataset, under which stage, it holds
+(``Identity``; the cache writes one into every entry). The cache compares it with the key it
+looked up, so an intact entry that is another sample's (copied or planted under this key, or
+under a long key whose hash collided) is a miss, not a wrong sample served without a signing
+secret (``base.BaseCache.get_many``).
+
 Layout (little-endian)::
 
-    header  = magic b"SFcv" | version u8 | type u8 | flags u16 | crc32(payload) u32 | len(payload) u64
+    header  = magic b"SFcv" | version u8 | type u8 | flags u16 | crc32(identity + payload) u32
+              | len(payload) u64
+    identity (flags bit 0 set): len(rest) u16 | index i64 | len(fingerprint) u16 | len(stage) u16
+              | len(key) u16 | fingerprint | stage | key (utf-8; flags bit 1 set: the key is None)
     bytes   : the bytes
     array   : len(dtype) u8 | dtype.str ascii | ndim u8 | shape u64 * ndim | C-order buffer
     dict    : count u32 | per field: len(name) u16 | name utf-8 | tag u8 | len u64 | value
@@ -32,7 +41,7 @@ from typing import Any
 import numpy as np
 
 MAGIC = b"SFcv"
-VERSION = 1
+VERSION = 2  # 2: the identity block (version 1 entries are refused: a miss, and deleted)
 
 _HEADER = struct.Struct("<4sBBHIQ")
 HEADER_SIZE = _HEADER.size
@@ -44,6 +53,9 @@ _U32 = struct.Struct("<I")
 _I64 = struct.Struct("<q")
 _F64 = struct.Struct("<d")
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_ID_LEN = struct.Struct("<H")
+_ID_HEAD = struct.Struct("<qHHH")  # index, then the three string lengths
+_F_IDENTITY, _F_NO_KEY = 1, 2
 
 # plain numeric, bool and fixed-width string dtypes; no object, void/structured, subarray or datetime
 _DTYPE = re.compile(r"[<>|=]?(?:b1|[iu][1248]|f[248]|c(?:8|16)|[SU][0-9]{1,6})")
@@ -54,6 +66,34 @@ _CONTAINER_BYTES = 64  # what one decoded JSON list/dict costs at least (counted
 
 class CodecError(ValueError):
     """A value cannot be encoded, or a cached blob is not a valid, intact entry."""
+
+
+class EntryTooLarge(CodecError):
+    """A value whose entry would be (or a blob that is) over the size limit."""
+
+
+class UnexpectedEntry(CodecError):
+    """An intact entry that is not the one asked for: another sample, dataset or stage, or none
+    said (no identity), or a value unlike the dataset's own samples (``expect.py``)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Which sample an entry holds: the dataset's fingerprint, the global sample index, the stage,
+    and the sample's ``__key__`` (None for values without one)."""
+
+    fingerprint: str
+    index: int
+    stage: str
+    key: str | None = None
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A decoded entry: its value and the identity it was written with (None if it has none)."""
+
+    value: Any
+    identity: Identity | None
 
 
 @dataclass(frozen=True)
@@ -77,26 +117,48 @@ DEFAULT_LIMITS = Limits()
 # -- encoding ---------------------------------------------------------------------------------
 
 
-def encode(value: Any, limits: Limits = DEFAULT_LIMITS) -> bytes:
-    """Encode a sample dict, bytes-like, or numpy array into one self-checking blob."""
+def encode(value: Any, limits: Limits = DEFAULT_LIMITS, identity: Identity | None = None) -> bytes:
+    """Encode a sample dict, bytes-like, or numpy array into one self-checking blob, carrying
+    ``identity`` when given. ``EntryTooLarge`` before anything is copied when the payload is over
+    ``limits.max_entry_bytes``."""
     if isinstance(value, (bytes, bytearray, memoryview)):
-        return _frame(_T_BYTES, [bytes(value)], limits)
+        return _frame(_T_BYTES, [bytes(value)], limits, identity)
     if isinstance(value, np.ndarray):
-        return _frame(_T_ARRAY, _array_parts(value, limits), limits)
+        return _frame(_T_ARRAY, _array_parts(value, limits), limits, identity)
     if isinstance(value, dict):
-        return _frame(_T_DICT, _dict_parts(value, limits), limits)
+        return _frame(_T_DICT, _dict_parts(value, limits), limits, identity)
     raise CodecError(f"cannot cache a value of type {type(value).__name__} (want dict, bytes or ndarray)")
 
 
-def _frame(type_tag: int, parts: list[bytes | memoryview], limits: Limits) -> bytes:
+def _frame(
+    type_tag: int, parts: list[bytes | memoryview], limits: Limits, identity: Identity | None
+) -> bytes:
+    length = sum(_size(part) for part in parts)
+    if length > limits.max_entry_bytes:
+        raise EntryTooLarge(f"entry of {length} bytes is over the limit of {limits.max_entry_bytes}")
+    flags = 0
+    if identity is not None:
+        block, flags = _identity_block(identity)
+        parts = [block, *parts]
     crc = 0
-    length = 0
     for part in parts:
         crc = zlib.crc32(part, crc)
-        length += _size(part)
-    if length > limits.max_entry_bytes:
-        raise CodecError(f"entry of {length} bytes is over the limit of {limits.max_entry_bytes}")
-    return b"".join([_HEADER.pack(MAGIC, VERSION, type_tag, 0, crc, length), *parts])
+    return b"".join([_HEADER.pack(MAGIC, VERSION, type_tag, flags, crc, length), *parts])
+
+
+def _identity_block(identity: Identity) -> tuple[bytes, int]:
+    index = identity.index
+    if not isinstance(index, int) or isinstance(index, bool) or not _INT64_MIN <= index <= _INT64_MAX:
+        raise CodecError(f"identity index must be an int64, got {index!r}")
+    texts = [identity.fingerprint, identity.stage, identity.key or ""]
+    if not all(isinstance(t, str) for t in texts):
+        raise CodecError(f"identity fingerprint, stage and key must be str: {identity!r}")
+    fp, stage, key = (t.encode("utf-8") for t in texts)
+    rest = _ID_HEAD.pack(index, len(fp), len(stage), len(key)) + fp + stage + key
+    if len(rest) > 0xFFFF:
+        raise CodecError(f"identity of {len(rest)} bytes is too long for an entry")
+    flags = _F_IDENTITY | (_F_NO_KEY if identity.key is None else 0)
+    return _ID_LEN.pack(len(rest)) + rest, flags
 
 
 def _size(part: bytes | memoryview) -> int:
@@ -175,8 +237,13 @@ def _field(name: str, value: Any, limits: Limits) -> tuple[int, list[bytes | mem
 
 
 def decode(blob: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Any:
-    """Decode a blob from ``encode``; raises ``CodecError`` (and nothing else) on any damage,
-    unknown version, or an entry beyond ``limits``."""
+    """Decode a blob from ``encode`` to its value; raises ``CodecError`` (and nothing else) on any
+    damage, unknown version, or an entry beyond ``limits``."""
+    return decode_entry(blob, limits).value
+
+
+def decode_entry(blob: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Entry:
+    """Decode a blob from ``encode`` to its value and identity; ``CodecError`` as ``decode``."""
     try:
         return _decode(blob, limits)
     except CodecError:
@@ -185,29 +252,52 @@ def decode(blob: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS
         raise CodecError(f"malformed payload: {type(exc).__name__}: {exc}") from exc
 
 
-def _decode(blob: bytes | bytearray | memoryview, limits: Limits) -> Any:
+def _decode(blob: bytes | bytearray | memoryview, limits: Limits) -> Entry:
     view = memoryview(blob).cast("B")
     if len(view) < HEADER_SIZE:
         raise CodecError(f"entry too short for a header ({len(view)} bytes)")
-    magic, version, type_tag, _flags, crc, length = _HEADER.unpack_from(view, 0)
+    magic, version, type_tag, flags, crc, length = _HEADER.unpack_from(view, 0)
     if magic != MAGIC:
         raise CodecError(f"bad magic {bytes(magic)!r}")
     if version != VERSION:
         raise CodecError(f"unknown codec version {version} (this build reads {VERSION})")
-    payload = view[HEADER_SIZE:]
-    if len(payload) != length:
-        raise CodecError(f"payload is {len(payload)} bytes, header says {length}")
     if length > limits.max_entry_bytes:
-        raise CodecError(f"entry of {length} bytes is over the limit of {limits.max_entry_bytes}")
-    if zlib.crc32(payload) != crc:
+        raise EntryTooLarge(f"entry of {length} bytes is over the limit of {limits.max_entry_bytes}")
+    start = HEADER_SIZE
+    if flags & _F_IDENTITY:
+        if len(view) < start + _ID_LEN.size:
+            raise CodecError("entry too short for its identity")
+        start += _ID_LEN.size + _ID_LEN.unpack_from(view, start)[0]
+    if len(view) - start != length:
+        raise CodecError(f"payload is {len(view) - start} bytes, header says {length}")
+    if zlib.crc32(view[HEADER_SIZE:]) != crc:
         raise CodecError("checksum mismatch")
+    identity = (
+        _read_identity(view[HEADER_SIZE + _ID_LEN.size : start], flags) if flags & _F_IDENTITY else None
+    )
+    payload = view[start:]
     if type_tag == _T_BYTES:
-        return payload.tobytes()
+        return Entry(payload.tobytes(), identity)
     if type_tag == _T_ARRAY:
-        return _read_array(payload, limits)
+        return Entry(_read_array(payload, limits), identity)
     if type_tag == _T_DICT:
-        return _Reader(limits).read_dict(payload)
+        return Entry(_Reader(limits).read_dict(payload), identity)
     raise CodecError(f"unknown value type {type_tag}")
+
+
+def _read_identity(buf: memoryview, flags: int) -> Identity:
+    if len(buf) < _ID_HEAD.size:
+        raise CodecError("identity block too short")
+    index, n_fp, n_stage, n_key = _ID_HEAD.unpack_from(buf, 0)
+    if _ID_HEAD.size + n_fp + n_stage + n_key != len(buf):
+        raise CodecError("identity block lengths do not add up")
+    pos = _ID_HEAD.size
+    texts = []
+    for n in (n_fp, n_stage, n_key):
+        texts.append(bytes(buf[pos : pos + n]).decode("utf-8"))
+        pos += n
+    key = None if flags & _F_NO_KEY else texts[2]
+    return Identity(texts[0], index, texts[1], key)
 
 
 def _read_array(buf: memoryview, limits: Limits) -> np.ndarray:

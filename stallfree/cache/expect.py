@@ -7,11 +7,19 @@ or, worse, trains on it. ``RawSampleCheck`` compares each decoded entry with wha
 yields: a dict with a non-empty ``__key__`` (equal to the dataset's key for that index where the
 dataset can tell it without reading, ``dataset.key_of(index)``), only fields the manifest names,
 each of a type the shard format produces. A mismatch raises ``UnexpectedValue`` (a
-``codec.CodecError``), which the cache treats like a corrupt entry: a miss, and deleted.
+``codec.UnexpectedEntry``), which the cache treats like a corrupt entry: a miss, and deleted
+(counted under ``mismatched`` too). The entry's own identity (``codec.Identity``) is checked by
+the cache itself, for every stage; this check adds what only the dataset knows.
+
+Which datasets tell keys (``key_of``): ``ShardedDataset`` (tar: from the shard's index, opened if
+need be where that is a local read; Arrow IPC files: the ``__key__`` column, locally), a mixture
+(its source's key for the position in the current epoch). Token windows have no keys: their
+entries are checked by identity and type alone.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,7 +27,9 @@ from typing import Any
 import numpy as np
 
 from stallfree.cache.base import CacheKey
-from stallfree.cache.codec import CodecError
+from stallfree.cache.codec import UnexpectedEntry
+
+log = logging.getLogger(__name__)
 
 KEY = "__key__"
 
@@ -27,7 +37,7 @@ KEY = "__key__"
 ANY_FIELD: tuple[type, ...] = (bytes, str, int, float, bool, type(None), np.ndarray, list, dict)
 
 
-class UnexpectedValue(CodecError):
+class UnexpectedValue(UnexpectedEntry):
     """An intact cache entry that is not what the loader asked for."""
 
 
@@ -75,7 +85,7 @@ class RawSampleCheck:
             sample_key = value.get(KEY)
             if not isinstance(sample_key, str) or not sample_key:
                 raise UnexpectedValue(f"'__key__' must be a non-empty str, the entry has {sample_key!r}")
-            expected = self.key_of(key.index) if self.key_of is not None else None
+            expected = self._expected_key(key.index)
             if expected is not None and sample_key != expected:
                 raise UnexpectedValue(
                     f"the entry holds sample {sample_key!r}, sample {key.index} is {expected!r}"
@@ -89,6 +99,17 @@ class RawSampleCheck:
             if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
                 want = ", ".join(t.__name__ for t in allowed)
                 raise UnexpectedValue(f"field {name!r} is {type(v).__name__}, the dataset gives {want}")
+
+    def _expected_key(self, index: int) -> str | None:
+        """The dataset's key for ``index``, or None when it cannot tell (or fails to: the entry's
+        identity still names the index; a read of the sample would report the dataset's error)."""
+        if self.key_of is None:
+            return None
+        try:
+            return self.key_of(index)
+        except Exception as exc:  # noqa: BLE001 - a check must not turn a cache hit into a crash
+            log.debug("key_of(%d) failed: %s: %s", index, type(exc).__name__, exc)
+            return None
 
 
 def raw_check(dataset: Any) -> RawSampleCheck:

@@ -7,28 +7,39 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from stallfree.cache.base import BaseCache, PutResult
+from stallfree.cache.base import MAX_ENTRY_BYTES, BaseCache, PutResult
 from stallfree.cache.policy import Policy
 
 
 class MemoryCache(BaseCache):
     """A cache private to one process (each worker has its own; pickling gives an empty one).
 
-    ``capacity_bytes`` bounds the encoded bytes held (``None``: unbounded). Thread-safe.
+    ``capacity_bytes`` bounds the encoded bytes held (``None``: unbounded); ``max_entry_bytes``
+    the size of one entry (``base.MAX_ENTRY_BYTES``, 64 MiB, by default). Thread-safe.
     """
 
     name = "memory"
 
-    def __init__(self, capacity_bytes: int | None = None, policy: str | Policy = "minio") -> None:
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        policy: str | Policy = "minio",
+        *,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
+    ) -> None:
         super().__init__()
-        self._set_budget(capacity_bytes, policy)
+        self._set_budget(capacity_bytes, policy, max_entry_bytes)
         self._data: OrderedDict[bytes, bytes] = OrderedDict()
         self._used = 0
         self._evictions = 0
         self._lock = threading.Lock()
 
     def _config(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "policy": self.policy.name}
+        return {
+            "capacity_bytes": self.capacity_bytes,
+            "policy": self.policy.name,
+            "max_entry_bytes": self.max_entry_bytes,
+        }
 
     def _get_raw(self, keys: Sequence[bytes]) -> list[bytes | None]:
         with self._lock:

@@ -28,7 +28,7 @@ from typing import Any
 import lmdb
 
 from stallfree.cache import lmdbenv
-from stallfree.cache.base import BaseCache, PutResult
+from stallfree.cache.base import MAX_ENTRY_BYTES, BaseCache, PutResult
 from stallfree.cache.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -43,16 +43,22 @@ _DEFAULT_MAP = 1 << 36  # 64 GiB of address space when unbounded (sparse; costs 
 class NodeCache(BaseCache):
     """A cache shared by all processes of a machine, in an LMDB directory at ``path``.
 
-    ``capacity_bytes`` bounds the encoded bytes stored (``None``: bounded only by the disk).
+    ``capacity_bytes`` bounds the encoded bytes stored (``None``: bounded only by the disk);
+    ``max_entry_bytes`` the size of one entry (``base.MAX_ENTRY_BYTES``, 64 MiB, by default).
     """
 
     name = "node"
 
     def __init__(
-        self, path: str | os.PathLike, capacity_bytes: int | None = None, policy: str | Policy = "minio"
+        self,
+        path: str | os.PathLike,
+        capacity_bytes: int | None = None,
+        policy: str | Policy = "minio",
+        *,
+        max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         super().__init__()
-        self._set_budget(capacity_bytes, policy)
+        self._set_budget(capacity_bytes, policy, max_entry_bytes)
         self.path = os.path.abspath(os.fspath(path))
         # B-tree pages and per-value page rounding cost space beyond the payload bytes
         self.map_size = _DEFAULT_MAP if capacity_bytes is None else int(capacity_bytes * 2) + (64 << 20)
@@ -63,7 +69,12 @@ class NodeCache(BaseCache):
         self._warned: set[str] = set()  # causes of failures already logged by this object
 
     def _config(self) -> dict[str, Any]:
-        return {"path": self.path, "capacity_bytes": self.capacity_bytes, "policy": self.policy.name}
+        return {
+            "path": self.path,
+            "capacity_bytes": self.capacity_bytes,
+            "policy": self.policy.name,
+            "max_entry_bytes": self.max_entry_bytes,
+        }
 
     # -- LMDB plumbing ---------------------------------------------------------------------------
     def _open_handle(self) -> lmdbenv.Handle:

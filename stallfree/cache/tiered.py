@@ -32,6 +32,8 @@ class TieredCache(BaseCache):
                 raise TypeError(f"TieredCache tiers must be stallfree caches, got {type(tier).__name__}")
         self.tiers = tiers
         self.promote = promote
+        # each tier refuses what is over its own bound; encoding stops at the largest of them
+        self.max_entry_bytes = max(tier.max_entry_bytes for tier in tiers)
 
     def _config(self) -> dict[str, Any]:
         return {"tiers": self.tiers, "promote": self.promote}
@@ -81,4 +83,5 @@ class TieredCache(BaseCache):
             "tiers": tiers,
             "evictions": sum(int(t.get("evictions", 0)) for t in tiers),
             "errors": sum(int(t.get("errors", 0)) for t in tiers),
+            "oversized": sum(int(t.get("oversized", 0)) for t in tiers),  # each tier checks its own bound
         }

@@ -149,6 +149,15 @@ class Mixture:
         src, j = self.locate_many([index], epoch)
         return self.names[int(src[0])], int(j[0])
 
+    def key_of(self, index: int) -> str | None:
+        """The key of the sample at position ``index`` in the current epoch (its source's
+        ``key_of``; None where the source cannot tell without reading). The cache checks a cached
+        raw sample against it, so an entry an earlier epoch left at this position (another
+        sample: positions map to new samples every epoch) is refused, not served again."""
+        name, j = self.locate(index)
+        key_of = getattr(self.datasets[name], "key_of", None)
+        return key_of(j) if key_of is not None else None
+
     def source_of(self, index: int) -> str:
         """The source filling ``index`` (the same in every epoch)."""
         return self.names[int(self._schedule[self._positions([index])[0]])]

@@ -214,6 +214,22 @@ class ShardedDataset:
     def format(self) -> str:
         return self.manifest.format
 
+    def key_of(self, index: int) -> str | None:
+        """The ``__key__`` of sample ``index`` without reading the sample (the cache checks a
+        cached raw sample against it, ``cache/expect.py``): from a tar shard's index (the ``.idx``
+        or scanned headers; a local shard is opened for it, a remote one only if already open: a
+        warm epoch should make no requests), or a local Arrow IPC file's key column. None where
+        telling would take a request to storage."""
+        s, row = self.locate(index)
+        if self._scanned is not None:
+            return self._scanned[s][row].key
+        reader = self._readers[s]  # (a parent's index is still right after fork)
+        if reader is None:
+            if not is_local(self.fs):
+                return None
+            reader = self._reader(s)
+        return reader.key_of(row)
+
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
         if self._fs is None:

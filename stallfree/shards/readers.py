@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import posixpath
 import threading
 from array import array
 from bisect import bisect_right
@@ -316,6 +317,10 @@ class TarShardReader:
 
     def __len__(self) -> int:
         return len(self._keys)
+
+    def key_of(self, row: int) -> str:
+        """Row's sample key, from the index (no read)."""
+        return self._keys[row]
 
     def get(self, row: int) -> dict[str, Any]:
         if self._fd is None:
@@ -644,6 +649,22 @@ class ArrowShardReader:
 
     def get_many(self, rows: list[int]) -> list[dict[str, Any]]:
         return [self.get(r) for r in rows]
+
+    def key_of(self, row: int) -> str | None:
+        """Row's sample key without converting the row: the name ``row_converter`` gives rows of
+        a file without ``__key__``, or that column of a memory-mapped IPC file (zero-copy); None
+        elsewhere (reading it would read the row's batch)."""
+        if "__key__" not in self._schema.names:
+            return f"{posixpath.splitext(self.shard)[0]}/{row}"
+        if not (self.local and isinstance(self._reader, _IpcFile)):
+            return None
+        if self._starts is None:
+            batch, r = self._batch(row), 0
+        else:
+            b = bisect_right(self._starts, row) - 1
+            batch, r = self._batch(b), row - self._starts[b]
+        key = batch.column("__key__")[r].as_py()
+        return None if key is None else str(key)
 
     def iter_rows(self) -> Iterator[dict[str, Any]]:
         for row in range(self.rows):

@@ -12,12 +12,12 @@ import time
 import numpy as np
 import pytest
 
-from stallfree.cache import codec
 from stallfree.cache.base import CacheKey
 from stallfree.cache.cluster import ClusterCache, ClusterCacheError, rendezvous_rank, server_status
 from stallfree.cache.node import NodeCache
 from stallfree.cache.readthrough import ReadStats, read_through
 from stallfree.cache.server import RedisServer, free_port
+from tests.cache.helpers import stored
 
 N = 300
 RANKS = 3
@@ -42,7 +42,7 @@ def run_epoch(ds, caches, epoch: int, *, on_batch=None) -> tuple[list[str], Read
 
 
 def dataset_bytes(ds) -> tuple[int, int]:
-    sizes = [len(codec.encode(s)) for s in ds.samples]
+    sizes = [len(stored(CacheKey(ds.fingerprint, i, "raw"), s)) for i, s in enumerate(ds.samples)]
     return sum(sizes), max(sizes)
 
 

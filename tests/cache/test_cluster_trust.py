@@ -34,7 +34,7 @@ def deep_json_entry(key: str) -> bytes:
     body = struct.pack("<I", len(fields))
     for name, tag, value in fields:
         body += struct.pack("<H", len(name)) + name + struct.pack("<BQ", ord(tag), len(value)) + value
-    return struct.pack("<4sBBHIQ", b"SFcv", 1, 3, 0, zlib.crc32(body), len(body)) + body
+    return struct.pack("<4sBBHIQ", b"SFcv", codec.VERSION, 3, 0, zlib.crc32(body), len(body)) + body
 
 
 @pytest.fixture
@@ -163,8 +163,10 @@ def test_loader_with_on_error_skip_delivers_every_sample_past_a_hostile_entry(re
 
 
 def forged(ds, i: int) -> bytes:
-    """What a local process without the secret can plant: well-typed, with the right key."""
-    return codec.encode({"__key__": f"s{i}", "jpg": b"FORGED", "cls": b"9"})
+    """What a local process without the secret can plant: well-typed, with the right key and the
+    identity a genuine entry for that key carries (all of it public)."""
+    value = {"__key__": f"s{i}", "jpg": b"FORGED", "cls": b"9"}
+    return codec.encode(value, identity=CacheKey(ds.fingerprint, i, "raw").identity(value))
 
 
 def test_without_a_secret_a_well_formed_planted_sample_is_delivered(redis_servers, tar_ds):

@@ -14,7 +14,7 @@ from stallfree.cache import codec
 def test_header_layout_is_explicit():
     blob = codec.encode(b"abc")
     magic, version, type_tag, flags, crc, length = struct.unpack_from("<4sBBHIQ", blob)
-    assert (magic, version, type_tag, flags, length) == (b"SFcv", 1, 1, 0, 3)
+    assert (magic, version, type_tag, flags, length) == (b"SFcv", 2, 1, 0, 3)
     assert blob[codec.HEADER_SIZE :] == b"abc"
 
 
@@ -46,7 +46,8 @@ def test_a_pickle_is_not_an_entry():
         (lambda b: b[:-1], "payload is"),
         (lambda b: b + b"\0", "payload is"),
         (lambda b: b"NOPE" + b[4:], "bad magic"),
-        (lambda b: b[:4] + bytes([2]) + b[5:], "unknown codec version 2"),
+        (lambda b: b[:4] + bytes([1]) + b[5:], "unknown codec version 1"),
+        (lambda b: b[:4] + bytes([3]) + b[5:], "unknown codec version 3"),
         (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum mismatch"),
     ],
 )
@@ -59,7 +60,8 @@ def test_damage_is_detected(mutate, message):
 def _frame(type_tag: int, payload: bytes) -> bytes:
     import zlib
 
-    return struct.pack("<4sBBHIQ", b"SFcv", 1, type_tag, 0, zlib.crc32(payload), len(payload)) + payload
+    header = struct.pack("<4sBBHIQ", b"SFcv", codec.VERSION, type_tag, 0, zlib.crc32(payload), len(payload))
+    return header + payload
 
 
 def test_inconsistent_payloads_with_valid_checksum_are_rejected():
@@ -191,7 +193,7 @@ def test_decode_raises_nothing_but_codec_error_on_any_well_framed_mutation():
             payload[int(rng.integers(len(payload)))] = int(rng.integers(256))
         if rng.random() < 0.2:
             payload = payload[: int(rng.integers(len(payload)))]
-        header = struct.pack("<4sBBHIQ", b"SFcv", 1, 3, 0, zlib.crc32(payload), len(payload))
+        header = struct.pack("<4sBBHIQ", b"SFcv", codec.VERSION, 3, 0, zlib.crc32(payload), len(payload))
         try:
             codec.decode(header + bytes(payload))
             outcomes["value"] += 1

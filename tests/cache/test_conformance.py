@@ -9,6 +9,7 @@ import pytest
 
 from stallfree.cache import codec
 from stallfree.cache.base import Cache, CacheKey
+from tests.cache.helpers import stored
 
 
 def key(i: int, stage: str = "raw", fp: str = "fp1") -> CacheKey:
@@ -19,8 +20,9 @@ def blob_sample(i: int, size: int = 1000) -> dict:
     return {"__key__": f"k{i:05d}", "jpg": bytes([i % 256]) * size, "cls": i}
 
 
-def entry_size(value) -> int:
-    return len(codec.encode(value))
+def entry_size(value, k: CacheKey | None = None) -> int:
+    """Bytes an entry takes in a tier (the identity included: key 0's when ``k`` is not given)."""
+    return len(stored(k if k is not None else key(0), value))
 
 
 def present(cache, keys) -> set:
@@ -114,8 +116,10 @@ def test_stats_count_hits_misses_and_bytes(make_cache):
     after = cache.stats()
     assert after["hits"] - before["hits"] == 3
     assert after["misses"] - before["misses"] == 2
-    assert after["bytes_out"] - before["bytes_out"] == sum(entry_size(v) for v in values)
-    assert after["bytes_in"] == sum(entry_size(v) for v in values)
+    assert after["bytes_out"] - before["bytes_out"] == sum(
+        entry_size(v, key(i)) for i, v in enumerate(values)
+    )
+    assert after["bytes_in"] == sum(entry_size(v, key(i)) for i, v in enumerate(values))
     assert after["admitted"] == 3
     assert after["errors"] == 0 and after["corrupt"] == 0
     assert after["get_calls"] - before["get_calls"] == 1

@@ -10,6 +10,7 @@ import pytest
 from stallfree.cache import codec, lmdbenv
 from stallfree.cache.base import CacheKey
 from stallfree.cache.node import NodeCache
+from tests.cache.helpers import stored
 
 N = 12
 BAD = {3: "flipped payload byte", 5: "bad magic", 7: "truncated header", 9: "length beyond buffer"}
@@ -68,7 +69,7 @@ def test_corrupt_entries_are_misses_and_deleted(tmp_path, policy):
     plant(cache, BAD)
     for i, how in BAD.items():  # each planted form really is malformed
         with pytest.raises(codec.CodecError):
-            codec.decode(corrupt(codec.encode(value(i)), how))
+            codec.decode(corrupt(stored(key(i), value(i)), how))
 
     got = cache.get_many([key(i) for i in range(N)])
     assert got == [None if i in BAD else value(i) for i in range(N)]
@@ -76,7 +77,7 @@ def test_corrupt_entries_are_misses_and_deleted(tmp_path, policy):
     assert (stats["corrupt"], stats["misses"], stats["hits"]) == (len(BAD), len(BAD), N - len(BAD))
     good = [i for i in range(N) if i not in BAD]
     assert stats["entries"] == len(good)
-    assert stats["used_bytes"] == sum(len(codec.encode(value(i))) for i in good)
+    assert stats["used_bytes"] == sum(len(stored(key(i), value(i))) for i in good)
     assert not any(cache.contains(key(i)) for i in BAD)
     if policy == "lru":  # atime and order tables lose them too
         assert table_entries(cache, 2) == table_entries(cache, 3) == len(good)

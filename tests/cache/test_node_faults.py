@@ -5,9 +5,10 @@ from __future__ import annotations
 import lmdb
 import pytest
 
-from stallfree.cache import codec, lmdbenv
+from stallfree.cache import lmdbenv
 from stallfree.cache.base import CacheKey
 from stallfree.cache.node import NodeCache
+from tests.cache.helpers import stored
 
 ITEM = 1000
 N = 10
@@ -23,7 +24,7 @@ def value(i: int) -> bytes:
 
 def lru_cache(path, map_size: int | None = None) -> NodeCache:
     """An LRU NodeCache that holds exactly ``N`` entries, filled with keys 0..N-1 (0 the oldest)."""
-    cache = NodeCache(path, capacity_bytes=N * len(codec.encode(value(0))), policy="lru")
+    cache = NodeCache(path, capacity_bytes=N * len(stored(key(0), value(0))), policy="lru")
     if map_size is not None:
         cache.map_size = map_size  # before first use: the environment opens with it
     for i in range(N):
@@ -146,7 +147,7 @@ class StampFailsCache(NodeCache):
 def test_failed_recency_flush_on_read_keeps_hits_and_touches(tmp_path, monkeypatch):
     from stallfree.cache import node
 
-    cache = StampFailsCache(tmp_path / "node", capacity_bytes=N * len(codec.encode(value(0))), policy="lru")
+    cache = StampFailsCache(tmp_path / "node", capacity_bytes=N * len(stored(key(0), value(0))), policy="lru")
     for i in range(N):
         cache.put_many([(key(i), value(i))])
     monkeypatch.setattr(node, "_MAX_TOUCHED", 2)  # the third pending touch makes the read flush them

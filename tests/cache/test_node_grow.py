@@ -5,9 +5,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import threading
 
-from stallfree.cache import codec, lmdbenv
+from stallfree.cache import lmdbenv
 from stallfree.cache.base import CacheKey
 from stallfree.cache.node import NodeCache
+from tests.cache.helpers import stored
 
 SMALL_MAP = 1 << 20
 
@@ -54,7 +55,7 @@ def test_grow_waits_for_a_transaction_open_in_another_thread(tmp_path):
     asked.set()
     thread.join(30)
     assert "error" not in result, result.get("error")
-    assert result["values"] == [codec.encode(value(i)) for i in range(50)]
+    assert result["values"] == [stored(key(i), value(i)) for i in range(50)]
     # the grow happened once the reader was done: entries that never fitted the old map now do
     assert big.stats()["map_size"] >= big.map_size > SMALL_MAP
     assert small.stats()["map_size"] == big.stats()["map_size"]  # one environment per process

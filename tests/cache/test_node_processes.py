@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from stallfree.cache import codec
 from stallfree.cache.base import CacheKey
 from stallfree.cache.node import NodeCache
+from tests.cache.helpers import stored
 
 N_PROCS = 4
 PER_PROC = 40
@@ -80,12 +80,14 @@ def test_many_processes_write_and_read_one_node_cache(tmp_path):
     assert all(same(g, value(i)) for i, g in enumerate(got))
     stats = fresh.stats()
     assert stats["entries"] == N_PROCS * PER_PROC
-    assert stats["used_bytes"] == sum(len(codec.encode(value(i))) for i in range(N_PROCS * PER_PROC))
+    assert stats["used_bytes"] == sum(
+        len(stored(CacheKey("fp", i, "raw"), value(i))) for i in range(N_PROCS * PER_PROC)
+    )
 
 
 def test_capacity_is_shared_by_processes(tmp_path):
     """Two processes filling one minio NodeCache never exceed its one budget together."""
-    sizes = {i: len(codec.encode(value(i))) for i in range(200)}
+    sizes = {i: len(stored(CacheKey("fp", i, "raw"), value(i))) for i in range(200)}
     capacity = sum(sizes[i] for i in range(60))
     cache = NodeCache(tmp_path / "node", capacity_bytes=capacity)
     ctx = mp.get_context("fork")
@@ -101,10 +103,10 @@ def test_capacity_is_shared_by_processes(tmp_path):
         p.join(30)
         assert p.exitcode == 0
     got = cache.get_many([CacheKey("fp", i, "raw") for i in range(200)])
-    stored = [i for i, g in enumerate(got) if g is not None]
-    assert sum(sizes[i] for i in stored) <= capacity
-    assert cache.stats()["used_bytes"] == sum(sizes[i] for i in stored)
-    assert sum(sizes[i] for i in stored) > capacity - 2 * max(sizes.values())
+    held = [i for i, g in enumerate(got) if g is not None]
+    assert sum(sizes[i] for i in held) <= capacity
+    assert cache.stats()["used_bytes"] == sum(sizes[i] for i in held)
+    assert sum(sizes[i] for i in held) > capacity - 2 * max(sizes.values())
 
 
 def _crashing_writer(path: str, conn) -> None:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from stallfree.cache import codec
 from stallfree.cache.base import CacheKey
 from stallfree.cache.cluster import ClusterCache
 from stallfree.cache.memory import MemoryCache
 from stallfree.cache.node import NodeCache
 from stallfree.cache.policy import LRU, MINIO, get_policy
+from tests.cache.helpers import stored
 
 N = 400
 EPOCHS = 4
@@ -41,7 +41,7 @@ def equal_samples(size: int) -> list[dict]:
 def test_minio_hits_the_cached_fraction_lru_less(tier, tmp_path, redis_servers):
     size = 20_000 if tier == "cluster" else 1000
     samples = equal_samples(size)
-    half = sum(len(codec.encode(s)) for s in samples) // 2
+    half = sum(len(stored(CacheKey("fp", i, "raw"), s)) for i, s in enumerate(samples)) // 2
     rates = {}
     for policy in ("minio", "lru"):
         if tier == "memory":
