@@ -10,7 +10,7 @@ from typing import Any
 
 from stallfree.cli._common import add_storage_option, describe, fail, storage_options
 
-SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
+SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "hf", "mds", "litdata", "tar")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,8 +20,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=describe(
             "Write training-ready shards from SRC: an ImageFolder tree (class = sub-folder), a folder of "
             "files grouped by base name (a.jpg + a.json -> one sample), JSONL / Parquet / Arrow tables "
-            "(one row per sample), or existing tar shards (re-shard). Output is identical for any "
-            "--workers."
+            "(one row per sample), a Hugging Face datasets save_to_disk directory or .arrow / .parquet "
+            "files (Image/Audio columns as encoded bytes, ClassLabel names as the manifest's classes), "
+            "a MosaicML MDS or LitData dataset directory (index.json), or existing tar shards "
+            "(re-shard). ImageFolder and grouped-file sources are shuffled (seed 0, recorded in the "
+            "manifest) unless --no-shuffle: shards in class order give single-class batches to "
+            "readers that stream shards in order. Output is identical for any --workers."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -29,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "  stallfree shard ./imagenet/train ./in1k-train --format tar --max-bytes 256MB --workers 8\n"
             "  stallfree shard 'tokens/*.parquet' s3://bucket/tokens --format arrow --max-samples 100000\n"
             "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json\n"
+            "  stallfree shard ./hf-saved-dataset ./hf-shards --max-samples 1000\n"
+            "  stallfree shard ./mds-dataset ./shards --no-shuffle\n"
             "  stallfree shard ./imagenet/train ./in1k-320 --max-side 320 --quality 90 --workers 8\n"
             "  stallfree shard 'text/*.jsonl' ./tokens --tokenizer tokenizer.json --token-layout megatron"
         ),
@@ -40,8 +46,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", default="256MB", help="shard size limit, e.g. 256MB, 1GiB (default 256MB)")
     p.add_argument("--max-samples", type=int, default=None, help="at most N samples per shard")
     p.add_argument("--workers", type=int, default=1, help="processes writing shards in parallel (default 1)")
-    p.add_argument(
-        "--shuffle-seed", type=int, default=None, help="shuffle samples with this seed before sharding"
+    order = p.add_mutually_exclusive_group()
+    order.add_argument(
+        "--shuffle-seed",
+        type=_seed,
+        default="auto",
+        help="shuffle samples with this seed before sharding (default: seed 0 for ImageFolder and "
+        "grouped files, source order for the rest)",
+    )
+    order.add_argument(
+        "--no-shuffle",
+        dest="shuffle_seed",
+        action="store_const",
+        const=None,
+        help="keep the source's order (ImageFolder: class by class)",
     )
     p.add_argument(
         "--on-error",
@@ -108,6 +126,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
     q.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     q.set_defaults(func=run_index)
+
+
+def _seed(text: str) -> int | str:
+    """``--shuffle-seed``: an integer, or ``auto`` (the default: shuffle grouped sources only)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer seed (or 'auto'): {text!r}") from None
 
 
 def _mb(n: int) -> str:

@@ -25,6 +25,7 @@ import fsspec
 from stallfree.shards import remote
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import MissingShardError, ShardError, ShardReadError
+from stallfree.shards.hf import columns_of_schema
 from stallfree.shards.idx import IdxSample
 from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, join
 from stallfree.shards.readers import ArrowShardReader, TarShardReader
@@ -133,7 +134,10 @@ def _manifest_for_files(
             if name != "__key__":
                 fields.setdefault(name, None)
         shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None))
-    return Manifest(FORMAT_VERSION, "arrow", list(fields), shards), None
+    columns = columns_of_schema(first[1]) if first is not None else None  # HF ClassLabel -> classes
+    extra = {"class_field": columns.class_field} if columns is not None and columns.class_field else {}
+    classes = columns.classes if columns is not None else None
+    return Manifest(FORMAT_VERSION, "arrow", list(fields), shards, classes=classes, extra=extra), None
 
 
 def schema_differences(a: Any, b: Any, name_a: str, name_b: str) -> list[str]:

@@ -42,7 +42,7 @@ from stallfree.shards.manifest import (
     files_in_use,
     generation_stem,
 )
-from stallfree.shards.sources import Item, Source, SourceError, SourceReadError
+from stallfree.shards.sources import Item, Source, SourceError, SourceReadError, open_source
 from stallfree.shards.tar import TarShardWriter
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,11 @@ TAR_TRAILER = 1024
 ARROW_SAMPLE_OVERHEAD = 256
 ARROW_FIELD_OVERHEAD = 96
 DEFAULT_NAME = "shard-{index:06d}"
+# Grouped sources (ImageFolder: one class after another) are shuffled with this seed unless the
+# caller says otherwise: readers that stream shards in order (WebDataset, DALI) would otherwise
+# give near-single-class batches.
+DEFAULT_SHUFFLE_SEED = 0
+AUTO = "auto"
 _OVERLAP_HASH = True  # hash tar shards on a helper thread (benchmarks/bench_shard.py compares both)
 ProgressFn = Callable[[int, int], None]  # (samples, bytes) just written
 
@@ -153,6 +158,7 @@ class ShardSummary:
             "seconds": round(self.seconds, 3),
             "mb_per_s": round(self.bytes / 1e6 / self.seconds, 1) if self.seconds > 0 else None,
             "skipped": self.skipped,
+            "shuffle_seed": self.manifest.extra.get("shuffle_seed"),
             "manifest": self.manifest_path,
             **({"transform": self.manifest.transform} if self.manifest.transform is not None else {}),
         }
@@ -305,15 +311,25 @@ def _mp_context() -> multiprocessing.context.BaseContext:
 
 
 # -- the whole job ---------------------------------------------------------------------------------
+def resolve_shuffle(source: Source, shuffle_seed: int | str | None) -> int | None:
+    """The seed to shuffle with: ``"auto"`` is ``DEFAULT_SHUFFLE_SEED`` for a grouped source
+    (``source.grouped``) and None (source order) for the rest; an int or None as given."""
+    if shuffle_seed == AUTO:
+        return DEFAULT_SHUFFLE_SEED if getattr(source, "grouped", False) else None
+    if shuffle_seed is not None and (isinstance(shuffle_seed, bool) or not isinstance(shuffle_seed, int)):
+        raise ValueError(f"shuffle_seed must be an int, None or 'auto', not {shuffle_seed!r}")
+    return shuffle_seed
+
+
 def shard_dataset(
-    source: Source,
+    source: Source | Any,
     dst: str,
     *,
     format: str = "tar",
     max_bytes: int | None = 256_000_000,
     max_samples: int | None = None,
     workers: int = 1,
-    shuffle_seed: int | None = None,
+    shuffle_seed: int | str | None = AUTO,
     on_error: str = "raise",
     name: str = DEFAULT_NAME,
     overwrite: bool = False,
@@ -322,11 +338,19 @@ def shard_dataset(
     transform: SampleTransform | None = None,
     **storage_options: Any,
 ) -> ShardSummary:
-    """Shard ``source`` into ``dst`` (any fsspec URL). ``on_plan(samples, shards, bytes)`` is
-    called once the plan is made; ``progress(samples, bytes)`` as samples are written;
-    ``transform`` rewrites each sample before it is written (recorded in the manifest)."""
+    """Shard ``source`` into ``dst`` (any fsspec URL). ``source`` is a ``Source``, or anything
+    ``open_source`` takes (a path, a ``datasets.Dataset`` / ``IterableDataset``).
+    ``shuffle_seed``: ``"auto"`` shuffles grouped sources (ImageFolder, grouped files) with
+    ``DEFAULT_SHUFFLE_SEED`` and keeps the order of the rest; an int shuffles with that seed;
+    None keeps source order. The seed used is the manifest's ``shuffle_seed``.
+    ``on_plan(samples, shards, bytes)`` is called once the plan is made; ``progress(samples,
+    bytes)`` as samples are written; ``transform`` rewrites each sample before it is written
+    (recorded in the manifest)."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    if not isinstance(source, Source):
+        source = open_source(source, on_error=on_error)
+    shuffle_seed = resolve_shuffle(source, shuffle_seed)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     if format not in ("tar", "arrow"):
@@ -419,6 +443,7 @@ def shard_dataset(
         skipped=skipped,
         field_types=field_types if format == "arrow" else None,
         transform=transform.record(sum(r.transformed for r in results)) if transform is not None else None,
+        extra=_provenance(source, shuffle_seed),
     )
     try:
         written = manifest.commit(fs, root, replacing=old)
@@ -426,6 +451,17 @@ def shard_dataset(
         _remove_written(fs, results, root, in_use)
         raise
     return ShardSummary(manifest, written, time.perf_counter() - t0, skipped)
+
+
+def _provenance(source: Source, shuffle_seed: int | None) -> dict[str, Any]:
+    """Manifest entries saying how the samples were ordered (``shuffle_seed``: null for source
+    order) and, for a source with named classes in a column of its own (a ``datasets``
+    ClassLabel), which field ``classes`` names (``class_field``; ImageFolder's is ``cls``)."""
+    extra: dict[str, Any] = {"shuffle_seed": shuffle_seed}
+    class_field = getattr(source, "class_field", None)
+    if class_field is not None and source.classes is not None:
+        extra["class_field"] = class_field
+    return extra
 
 
 def _run_pool(

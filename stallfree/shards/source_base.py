@@ -95,6 +95,9 @@ class Source:
     applies its error policy). ``skipped`` lists files already found unreadable while listing."""
 
     kind = "source"
+    # Items listed grouped (an ImageFolder lists one class after another): sharded shuffled by
+    # default (``parallel.resolve_shuffle``), or shards come out near-single-class.
+    grouped = False
 
     def __init__(self) -> None:
         self.classes: list[str] | None = None

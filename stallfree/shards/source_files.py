@@ -30,6 +30,7 @@ class ImageFolderSource(Source):
     class's index in sorted class-name order, as torchvision's ImageFolder numbers them)."""
 
     kind = "imagefolder"
+    grouped = True
 
     def __init__(self, root: str | Path, *, on_error: str = "raise") -> None:
         super().__init__()
@@ -77,6 +78,7 @@ class GroupedFilesSource(Source):
     fields ``jpg`` and ``json`` (WebDataset's key/field split; sub-folders become key prefixes)."""
 
     kind = "files"
+    grouped = True
 
     def __init__(self, root: str | Path, *, on_error: str = "raise") -> None:
         super().__init__()

@@ -170,20 +170,7 @@ class TableSource(Source):
                 f.close()
 
     def _sample(self, row: dict[str, Any], row_number: int, path: str) -> dict[str, Any]:
-        """The row as a sample. A key column value no shard may hold (``../x``, ``/abs``, a dot
-        in its last part, whitespace) is a SourceReadError here, so ``on_error`` applies to it
-        (skip drops the row and lists it) instead of the writer's WriteError ending the run."""
-        key = row.pop("__key__", None)
-        if key is None:
-            key = row.get("key")
-        key = str(key) if key is not None else f"{row_number:09d}"
-        try:
-            check_key(key)
-        except WriteError as exc:
-            raise SourceReadError(f"row {row_number}: {exc.reason}", path=path, key=key) from None
-        sample: dict[str, Any] = {"__key__": key}
-        sample.update((k, v) for k, v in row.items() if v is not None)
-        return sample
+        return row_sample(row, row_number, path)
 
     def _read_jsonl(self, item: Item, handles: dict[int, Any] | None = None) -> dict[str, Any]:
         fi, offset, length, line_no, row_number = item.ref
@@ -229,6 +216,23 @@ class TableSource(Source):
         rows = self._load_chunk(fi, chunk).to_pylist()
         self._cache = ((fi, chunk), rows)
         return rows
+
+
+def row_sample(row: dict[str, Any], row_number: int, path: str) -> dict[str, Any]:
+    """A table row as a sample. A key column value no shard may hold (``../x``, ``/abs``, a dot
+    in its last part, whitespace) is a SourceReadError here, so ``on_error`` applies to it
+    (skip drops the row and lists it) instead of the writer's WriteError ending the run."""
+    key = row.pop("__key__", None)
+    if key is None:
+        key = row.get("key")
+    key = str(key) if key is not None else f"{row_number:09d}"
+    try:
+        check_key(key)
+    except WriteError as exc:
+        raise SourceReadError(f"row {row_number}: {exc.reason}", path=path, key=key) from None
+    sample: dict[str, Any] = {"__key__": key}
+    sample.update((k, v) for k, v in row.items() if v is not None)
+    return sample
 
 
 class _open_ipc:

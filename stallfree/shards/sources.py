@@ -1,10 +1,14 @@
 """Sample sources for ``stallfree shard``: ImageFolder trees, files grouped by basename, JSONL /
-Parquet / Arrow tables, and existing tar shards. ``open_source`` picks one for a path (detecting
-its kind); each kind lives in its own module, and every name is re-exported here:
+Parquet / Arrow tables, Hugging Face ``datasets`` data, MosaicML MDS and LitData datasets, and
+existing tar shards. ``open_source`` picks one for a path (detecting its kind) or a ``datasets``
+object; each kind lives in its own module, and every name is re-exported here:
 
 - ``source_base``: the ``Source`` protocol, ``Item``, ``SourceError`` / ``SourceReadError``, helpers
 - ``source_files``: ``ImageFolderSource``, ``GroupedFilesSource``
 - ``source_tables``: ``TableSource`` (JSONL, Parquet, Arrow IPC)
+- ``source_hf``: ``HFTableSource`` (``save_to_disk`` dirs, files with ``datasets`` features),
+  ``HFDatasetSource`` (``datasets.Dataset`` objects), ``spool_iterable`` (``IterableDataset``)
+- ``source_mds``: ``MDSSource``; ``source_litdata``: ``LitDataSource``
 - ``source_tar``: ``TarSource``
 
 Every source lists its items first, cheaply (paths and sizes, no contents), so the sharder can
@@ -15,9 +19,11 @@ any process, through ``read_many`` (sources pickle as their paths and listing). 
 from __future__ import annotations
 
 import glob
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from stallfree.shards.source_base import (
     Item,
@@ -28,11 +34,25 @@ from stallfree.shards.source_base import (
     split_key_field,
     walk_files,
 )
+from stallfree.shards.hf import DATASET_DICT_FILE, is_save_to_disk_dir
 from stallfree.shards.source_files import IMAGE_EXTENSIONS, GroupedFilesSource, ImageFolderSource
+from stallfree.shards.source_hf import (
+    HFDatasetSource,
+    HFTableSource,
+    hf_table_source,
+    is_hf_dataset,
+    open_hf_dir,
+    source_for_hf_object,
+)
+from stallfree.shards.source_litdata import LitDataSource, is_litdata_index
+from stallfree.shards.source_mds import MDSSource, is_mds_index
 from stallfree.shards.source_tables import KEY_COLUMNS, TABLE_SUFFIXES, TableSource
 from stallfree.shards.source_tar import TarSource
 
-SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "tar")
+SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "hf", "mds", "litdata", "tar")
+# Kinds that are one directory with a layout of its own (not a set of files to list).
+_DIRECTORY_KINDS = {"imagefolder": ImageFolderSource, "files": GroupedFilesSource, "mds": MDSSource,
+                    "litdata": LitDataSource}  # fmt: skip
 
 
 def _expand(src: str) -> list[str]:
@@ -68,6 +88,9 @@ def detect_kind(paths: Sequence[str]) -> str:
     entries = [e for e in os.scandir(root) if not e.name.startswith(".")]
     files = [e for e in entries if e.is_file()]
     dirs = [e for e in entries if e.is_dir()]
+    kind = _layout_kind(root, {e.name for e in files})
+    if kind is not None:
+        return kind
     if files and not dirs:
         kind = _kind_of_suffixes({Path(e.name).suffix.lower() for e in files})
         if kind is not None:
@@ -79,13 +102,40 @@ def detect_kind(paths: Sequence[str]) -> str:
     return "files"
 
 
+def _layout_kind(root: Path, names: set[str]) -> str | None:
+    """The kind a directory's own files declare: a ``datasets`` ``save_to_disk`` directory
+    (``hf``; a DatasetDict is refused with its splits), or an ``index.json`` of MDS or LitData."""
+    if is_save_to_disk_dir(names) or DATASET_DICT_FILE in names:
+        return "hf"
+    if "index.json" in names:
+        try:
+            index = json.loads((root / "index.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"{root / 'index.json'} is not readable JSON: {exc}") from None
+        if is_mds_index(index):
+            return "mds"
+        if is_litdata_index(index):
+            return "litdata"
+    return None
+
+
 def open_source(
-    src: str | Path | Sequence[str | Path], kind: str | None = None, *, on_error: str = "raise"
+    src: str | Path | Sequence[str | Path] | Any,
+    kind: str | None = None,
+    *,
+    on_error: str = "raise",
+    media_root: str | Path | None = None,
 ) -> Source:
-    """A ``Source`` for a path (file, directory or glob) or list of paths; ``kind`` is one of
-    ``SOURCE_KINDS`` or ``None`` to detect it."""
+    """A ``Source`` for a path (file, directory or glob), a list of paths, or a ``datasets``
+    ``Dataset`` / ``IterableDataset``; ``kind`` is one of ``SOURCE_KINDS`` or ``None`` to detect
+    it. ``media_root``: for a ``datasets`` object, the directory its path-only ``Image()`` /
+    ``Audio()`` cells are relative to."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+    if isinstance(src, Source):
+        return src
+    if is_hf_dataset(src):
+        return source_for_hf_object(src, media_root=media_root, on_error=on_error)
     if isinstance(src, (str, Path)):
         paths = _expand(str(src))
     else:
@@ -95,11 +145,17 @@ def open_source(
     kind = kind or detect_kind(paths)
     if kind not in SOURCE_KINDS:
         raise SourceError(f"unknown source kind {kind!r}; choose one of {', '.join(SOURCE_KINDS)}")
-    if kind in ("imagefolder", "files"):
+    if kind in _DIRECTORY_KINDS:
         if len(paths) != 1 or not Path(paths[0]).is_dir():
             raise SourceError(f"a {kind} source is one directory, got {paths}")
-        cls = ImageFolderSource if kind == "imagefolder" else GroupedFilesSource
-        return cls(paths[0], on_error=on_error)
+        return _DIRECTORY_KINDS[kind](paths[0], on_error=on_error)
+    if kind == "hf":
+        if len(paths) == 1 and Path(paths[0]).is_dir():
+            return open_hf_dir(paths[0], on_error=on_error)
+        kinds = {TABLE_SUFFIXES.get(Path(p).suffix.lower()) for p in paths}
+        if len(kinds) != 1 or not kinds <= {"arrow", "parquet"}:
+            raise SourceError(f"an hf source is a save_to_disk directory or .arrow / .parquet files, got {paths[:3]}")
+        return hf_table_source(paths, str(kinds.pop()), on_error=on_error, always=True)
     if len(paths) == 1 and Path(paths[0]).is_dir():
         suffixes = (".tar",) if kind == "tar" else tuple(s for s, k in TABLE_SUFFIXES.items() if k == kind)
         paths = sorted(str(p) for p in Path(paths[0]).iterdir() if p.suffix.lower() in suffixes)
@@ -110,15 +166,19 @@ def open_source(
         raise SourceError(f"source file {missing[0]} does not exist")
     if kind == "tar":
         return TarSource(paths, on_error=on_error)
-    return TableSource(paths, kind, on_error=on_error)
+    return hf_table_source(paths, kind, on_error=on_error)
 
 
 __all__ = [
     "IMAGE_EXTENSIONS",
     "KEY_COLUMNS",
+    "LitDataSource",
+    "MDSSource",
     "SOURCE_KINDS",
     "TABLE_SUFFIXES",
     "GroupedFilesSource",
+    "HFDatasetSource",
+    "HFTableSource",
     "ImageFolderSource",
     "Item",
     "Source",

@@ -396,6 +396,7 @@ def test_a_killed_runs_temp_files_are_removed_by_the_next_run(tmp_path: Path, wo
         "1",
         "--workers",
         workers,
+        "--no-shuffle",  # the FIFO b.bin must be the second shard
         "--no-progress",
     ]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -49,7 +49,7 @@ def folder(tmp_path_factory) -> Path:
 
 
 def test_imagefolder_to_tar_exact_samples_bytes_and_classes(folder: Path, tmp_path: Path) -> None:
-    summary = shard_dataset(open_source(folder), str(tmp_path / "out"), max_samples=4)
+    summary = shard_dataset(open_source(folder), str(tmp_path / "out"), max_samples=4, shuffle_seed=None)
     samples = dataset_samples(tmp_path / "out")
     expected = [
         {"__key__": f"{c.name}/{p.stem}", "cls": str(i).encode(), "jpg": p.read_bytes()}
@@ -97,7 +97,7 @@ def test_max_bytes_boundaries_are_greedy_and_exact_for_tar(folder: Path, tmp_pat
     items = source.items()
     limit = 12_000
     plan = plan_shards(items, "tar", max_bytes=limit)
-    summary = shard_dataset(source, str(tmp_path / "out"), max_bytes=limit)
+    summary = shard_dataset(source, str(tmp_path / "out"), max_bytes=limit, shuffle_seed=None)
     sizes = [s.bytes for s in summary.manifest.shards]
     assert [s.samples for s in summary.manifest.shards] == [len(p) for p in plan]
     for shard, nbytes in zip(plan, sizes, strict=True):
@@ -257,7 +257,7 @@ def test_shard_bytes_and_hash_match_plain_tar_writer(
 
     monkeypatch.setattr(parallel, "_OVERLAP_HASH", overlap)
     source = open_source(folder)
-    summary = shard_dataset(source, str(tmp_path / "ours"), max_bytes=10**9)
+    summary = shard_dataset(source, str(tmp_path / "ours"), max_bytes=10**9, shuffle_seed=None)
     with TarShardWriter(str(tmp_path / "plain.tar")) as w:
         for sample in source.read_many(source.items()):
             w.write(sample)
@@ -321,3 +321,44 @@ def test_bad_settings_are_rejected_before_writing(folder: Path, tmp_path: Path) 
         with pytest.raises(ValueError, match=message):
             shard_dataset(open_source(folder), str(tmp_path / "out"), **kwargs)
     assert not (tmp_path / "out").exists()
+
+
+def test_grouped_sources_are_shuffled_by_default_and_the_seed_recorded(folder: Path, tmp_path: Path) -> None:
+    """Issue 19.4: class-sorted shards (shard 0 = one class) gave in-order readers (WebDataset,
+    DALI) near-single-class batches. ImageFolder now shards shuffled unless told not to."""
+    default = shard_dataset(open_source(folder), str(tmp_path / "default"), max_samples=5)
+    seeded = shard_dataset(open_source(folder), str(tmp_path / "seed0"), max_samples=5, shuffle_seed=0)
+    plain = shard_dataset(open_source(folder), str(tmp_path / "plain"), max_samples=5, shuffle_seed=None)
+    assert tree(tmp_path / "default") == tree(tmp_path / "seed0")  # the default is seed 0, exactly
+    assert default.manifest.extra["shuffle_seed"] == 0 and default.to_json()["shuffle_seed"] == 0
+    assert json.loads((tmp_path / "plain" / "manifest.json").read_text())["shuffle_seed"] is None
+    assert seeded.samples == plain.samples == 15
+    first = [s["cls"] for s in dataset_samples(tmp_path / "default")[:5]]
+    assert len(set(first)) > 1  # shard 0 holds more than one class
+    in_order = [s["cls"] for s in dataset_samples(tmp_path / "plain")]
+    assert in_order == sorted(in_order)
+    keys = sorted(s["__key__"] for s in dataset_samples(tmp_path / "default"))
+    assert keys == [s["__key__"] for s in dataset_samples(tmp_path / "plain")]
+
+
+def test_tables_keep_their_order_by_default(tmp_path: Path) -> None:
+    rows = [{"__key__": f"r{i:03d}", "v": i} for i in range(12)]
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summary = shard_dataset(open_source(tmp_path / "rows.jsonl"), str(tmp_path / "out"), max_samples=5)
+    assert [s["__key__"] for s in dataset_samples(tmp_path / "out")] == [r["__key__"] for r in rows]
+    assert summary.manifest.extra["shuffle_seed"] is None
+    shard_dataset(open_source(tmp_path / "rows.jsonl"), str(tmp_path / "mixed"), shuffle_seed=4)
+    assert json.loads((tmp_path / "mixed" / "manifest.json").read_text())["shuffle_seed"] == 4
+    with pytest.raises(ValueError, match="shuffle_seed must be an int, None or 'auto'"):
+        shard_dataset(open_source(tmp_path / "rows.jsonl"), str(tmp_path / "bad"), shuffle_seed="7")
+
+
+def test_cli_no_shuffle_and_shuffle_seed(folder: Path, tmp_path: Path) -> None:
+    from stallfree.cli import main
+
+    assert main(["shard", str(folder), str(tmp_path / "n"), "--no-shuffle", "--no-progress"]) == 0
+    assert main(["shard", str(folder), str(tmp_path / "s"), "--shuffle-seed", "5", "--no-progress"]) == 0
+    assert json.loads((tmp_path / "n" / "manifest.json").read_text())["shuffle_seed"] is None
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["shuffle_seed"] == 5
+    with pytest.raises(SystemExit):
+        main(["shard", str(folder), str(tmp_path / "x"), "--no-shuffle", "--shuffle-seed", "1"])

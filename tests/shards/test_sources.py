@@ -220,7 +220,16 @@ def test_detection_and_bad_sources(tmp_path: Path) -> None:
 def test_every_name_still_imports_from_sources():
     """``sources`` is split into one module per kind; the old import path keeps every name, and
     they are the very objects the kind modules define (pickles and isinstance checks agree)."""
-    from stallfree.shards import source_base, source_files, source_tables, source_tar, sources
+    from stallfree.shards import (
+        source_base,
+        source_files,
+        source_hf,
+        source_litdata,
+        source_mds,
+        source_tables,
+        source_tar,
+        sources,
+    )
 
     home = {
         "Item": source_base,
@@ -236,6 +245,10 @@ def test_every_name_still_imports_from_sources():
         "TABLE_SUFFIXES": source_tables,
         "KEY_COLUMNS": source_tables,
         "TarSource": source_tar,
+        "HFTableSource": source_hf,
+        "HFDatasetSource": source_hf,
+        "MDSSource": source_mds,
+        "LitDataSource": source_litdata,
     }
     for name, module in home.items():
         assert getattr(sources, name) is getattr(module, name), name

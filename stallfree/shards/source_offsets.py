@@ -1,0 +1,217 @@
+"""Shard files laid out as one offset table then the samples: a little-endian ``uint32`` count N,
+``uint32`` offsets ``[N + 1]`` (absolute byte positions; sample ``i`` is ``[off[i], off[i+1])``),
+then the sample bytes. MosaicML MDS shards (``shard.00000.mds``, a JSON config between table and
+data) and LitData chunks (``chunk-0-0.bin``) both use it; ``source_mds`` and ``source_litdata``
+say how a sample's bytes split into fields.
+
+Listing reads only each file's table (4 * (N + 2) bytes), so planning a big dataset is cheap;
+reading a shard's samples opens its file once and reads each sample's span. A compressed file
+(MDS ``zip_data``) is decompressed whole, once per file, when its first sample is read.
+"""
+
+from __future__ import annotations
+
+import bz2
+import gzip
+import logging
+import os
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
+from stallfree.shards.source_tables import row_sample
+
+log = logging.getLogger(__name__)
+
+# Compression names both formats use, by what Python can undo without extra packages.
+DECOMPRESSORS = {"gz": gzip.decompress, "bz2": bz2.decompress}
+
+
+@dataclass(frozen=True)
+class ShardFile:
+    """One file of the dataset: its path, the sample count its index promises, and the
+    compression of the file on disk (None: stored raw)."""
+
+    path: str
+    samples: int
+    compression: str | None = None
+
+
+def decompressor(name: str | None, where: str):
+    """The function that undoes ``name`` (``gz``, ``bz2``, ``gz:9``...), or None for none;
+    SourceError naming the codec for one we cannot undo (zstd, brotli, snappy)."""
+    if not name:
+        return None
+    base = name.split(":", 1)[0]
+    fn = DECOMPRESSORS.get(base)
+    if fn is None:
+        raise SourceError(
+            f"{where}: compression {name!r} is not supported (supported: {', '.join(DECOMPRESSORS)}); "
+            "re-export the dataset uncompressed"
+        )
+    return fn
+
+
+def parse_table(head: bytes, path: str, file_size: int, expected: int | None) -> list[int]:
+    """The offsets of a file whose first bytes are ``head``; SourceReadError (with the byte offset)
+    when the table is cut short, not increasing, past the end, or disagrees with the index."""
+    if len(head) < 4:
+        raise SourceReadError("shorter than its 4-byte sample count", path=path, offset=0)
+    (n,) = struct.unpack_from("<I", head, 0)
+    if expected is not None and n != expected:
+        raise SourceReadError(f"holds {n} samples, its index.json says {expected}", path=path, offset=0)
+    need = 4 * (n + 2)
+    if len(head) < need:
+        raise SourceReadError(f"offset table cut short ({len(head)} of {need} bytes)", path=path, offset=4)
+    offsets = list(struct.unpack_from(f"<{n + 1}I", head, 4))
+    for i in range(n):
+        if offsets[i + 1] < offsets[i]:
+            raise SourceReadError(f"sample {i}: offsets decrease", path=path, offset=4 + 4 * i)
+    if offsets and (offsets[0] < need or offsets[-1] > file_size):
+        raise SourceReadError(
+            f"sample offsets [{offsets[0]}, {offsets[-1]}) fall outside the file ({file_size} bytes)",
+            path=path,
+            offset=4,
+        )
+    return offsets
+
+
+class OffsetTableSource(Source):
+    """Base for datasets of offset-table files. Subclasses set ``files`` (a ``ShardFile`` list in
+    dataset order) and implement ``decode(fi, data, where) -> dict`` for one sample's bytes
+(``fi``: the number of its file in ``files``)."""
+
+    files: list[ShardFile]
+
+    def __init__(self, root: str, *, on_error: str = "raise") -> None:
+        super().__init__()
+        self.root = str(root)
+        self.on_error = on_error
+        self._blob: tuple[int, bytes] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_blob"] = None
+        return state
+
+    def decode(self, fi: int, data: bytes, where: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _list(self) -> list[Item]:
+        items: list[Item] = []
+        for fi, shard in enumerate(self.files):
+            try:
+                offsets = self._offsets(fi)
+            except SourceReadError as exc:
+                self._skip_or_raise(self.on_error, shard.path, exc)
+                continue
+            base = len(items)
+            items.extend(
+                Item(f"{shard.path} sample {r}", (offsets[r + 1] - offsets[r],), (fi, r, offsets[r], offsets[r + 1], base + r))
+                for r in range(len(offsets) - 1)
+            )
+        return items
+
+    def _offsets(self, fi: int) -> list[int]:
+        shard = self.files[fi]
+        try:
+            if shard.compression:
+                blob = self._file_bytes(fi)
+                return parse_table(blob, shard.path, len(blob), shard.samples)
+            size = os.path.getsize(shard.path)
+            with open(shard.path, "rb") as f:
+                head = f.read(4)
+                n = struct.unpack("<I", head)[0] if len(head) == 4 else 0
+                head += f.read(4 * (n + 1))
+            return parse_table(head, shard.path, size, shard.samples)
+        except OSError as exc:
+            raise SourceReadError(f"{type(exc).__name__}: {exc.strerror or exc}", path=shard.path) from None
+
+    def _file_bytes(self, fi: int) -> bytes:
+        """The whole (decompressed) file ``fi``, the last one kept."""
+        if self._blob is not None and self._blob[0] == fi:
+            return self._blob[1]
+        shard = self.files[fi]
+        undo = decompressor(shard.compression, shard.path)
+        with open(shard.path, "rb") as f:
+            data = f.read()
+        if undo is not None:
+            try:
+                data = undo(data)
+            except (OSError, EOFError, ValueError) as exc:
+                raise SourceReadError(f"cannot decompress ({shard.compression}): {exc}", path=shard.path) from None
+        self._blob = (fi, data)
+        return data
+
+    def read(self, item: Item) -> dict[str, Any]:
+        got = next(iter(self.read_many([item])))
+        if isinstance(got, SourceReadError):
+            raise got
+        return got
+
+    def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
+        handles: dict[int, Any] = {}
+        try:
+            for item in items:
+                fi, row, begin, end, number = item.ref
+                shard = self.files[fi]
+                where = f"{shard.path} sample {row}"
+                try:
+                    if shard.compression:
+                        data = self._file_bytes(fi)[begin:end]
+                    else:
+                        f = handles.get(fi)
+                        if f is None:
+                            f = handles[fi] = open(shard.path, "rb")  # noqa: SIM115 - closed below
+                        data = os.pread(f.fileno(), end - begin, begin)
+                    if len(data) != end - begin:
+                        raise SourceReadError(
+                            f"sample {row} cut short ({len(data)} of {end - begin} bytes)", path=shard.path, offset=begin
+                        )
+                    try:
+                        fields = self.decode(fi, data, where)
+                    except (ValueError, struct.error, IndexError) as exc:
+                        raise SourceReadError(f"sample {row}: {exc}", path=shard.path, offset=begin) from None
+                    yield row_sample(fields, number, shard.path)
+                except OSError as exc:
+                    yield SourceReadError(f"{type(exc).__name__}: {exc.strerror or exc}", path=shard.path, offset=begin)
+                except SourceReadError as exc:
+                    yield exc
+        finally:
+            for f in handles.values():
+                f.close()
+
+
+def inside(root: str, name: Any, where: str) -> str:
+    """``root/name`` for a file name an index lists, refused if it is not a plain relative path
+    inside ``root`` (an index is data from elsewhere: it must not send us reading other files)."""
+    if not isinstance(name, str) or not name:
+        raise SourceError(f"{where}: a shard entry has no file name")
+    norm = os.path.normpath(name)
+    if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
+        raise SourceError(f"{where}: shard file {name!r} is outside the dataset directory")
+    return os.path.join(root, norm)
+
+
+def image_array(data: bytes, where: str):
+    """A PIL-raw cell (``[width u32][height u32][mode length u32][mode][pixels]``, what MDS's
+    ``pil`` and LitData's PIL serializer store) as a uint8 array, HxW or HxWxC."""
+    import numpy as np
+
+    if len(data) < 12:
+        raise ValueError(f"{where}: raw image cell shorter than its header")
+    width, height, mode_len = struct.unpack_from("<III", data, 0)
+    mode = data[12 : 12 + mode_len].decode("ascii", "replace")
+    channels = {"L": 1, "RGB": 3, "RGBA": 4, "CMYK": 4, "YCbCr": 3, "LA": 2}.get(mode)
+    if channels is None:
+        raise ValueError(f"{where}: raw image mode {mode!r} is not supported")
+    pixels = np.frombuffer(data, np.uint8, offset=12 + mode_len)
+    if pixels.size != width * height * channels:
+        raise ValueError(f"{where}: raw {mode} image {width}x{height} holds {pixels.size} bytes")
+    shape = (height, width) if channels == 1 else (height, width, channels)
+    return pixels.reshape(shape).copy()
+
+
+__all__ = ["DECOMPRESSORS", "OffsetTableSource", "ShardFile", "decompressor", "image_array", "inside", "parse_table"]
