@@ -5,7 +5,8 @@ saves (``save_to_disk``: Arrow IPC stream files; ``to_parquet``: Parquet), our o
 Each record batch's list column is one piece: its child values are the batch's documents back to
 back, so the whole dataset is a short list of flat arrays. Local Arrow files (IPC file or stream
 format) are memory-mapped and read zero-copy; Parquet (compressed) and remote Arrow files are
-read into memory once per process, the column only.
+read into memory once per process, the column only, remote ones through ``shards/remote.py``
+(every read's length checked, short or failed reads retried).
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from stallfree.shards import remote
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, join
-from stallfree.tokens.base import fingerprint_of
+from stallfree.tokens.base import file_size, fingerprint_of, read_whole
 
 _SUFFIXES = (".arrow", ".parquet")
 
@@ -31,7 +33,7 @@ _SUFFIXES = (".arrow", ".parquet")
 def resolve_files(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, list[str]]:
     """The data files of ``url`` in dataset order: a file, a glob, or a directory holding our
     ``manifest.json``, a Hugging Face ``save_to_disk`` ``state.json``, or ``.arrow``/``.parquet`` files."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs, path = remote.url_to_fs(url, **storage_options)
     if any(c in path for c in "*?["):
         files = sorted(p for p in fs.glob(path) if p.endswith(_SUFFIXES))
     elif path.endswith(_SUFFIXES):
@@ -48,7 +50,7 @@ def resolve_files(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFile
 
 
 def _dir_files(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[str]:
-    if fs.exists(join(root, MANIFEST_NAME)):
+    if remote.exists(fs, join(root, MANIFEST_NAME), shard=url):
         manifest = Manifest.load(join(root, MANIFEST_NAME), fs=fs)
         if manifest.format != "arrow":
             raise ShardError(
@@ -56,9 +58,11 @@ def _dir_files(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[str]:
             )
         return [join(root, s.path) for s in manifest.shards]
     state = join(root, "state.json")
-    if fs.exists(state):
+    if remote.exists(fs, state, shard=url):
         try:
-            files = [join(root, f["filename"]) for f in json.loads(fs.cat_file(state))["_data_files"]]
+            files = [
+                join(root, f["filename"]) for f in json.loads(read_whole(fs, state, state))["_data_files"]
+            ]
         except (ValueError, KeyError, TypeError) as exc:
             raise ShardError(f"unreadable Hugging Face state.json: {exc}", shard=state) from None
         return files
@@ -67,13 +71,21 @@ def _dir_files(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[str]:
     return arrows or names
 
 
+def _parquet_file(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Any:
+    """A Parquet file to read: the local file, or ranged reads through ``shards/remote.py``
+    (lengths checked, retried) for a remote one."""
+    if is_local(fs):
+        return fs.open(path, "rb")
+    return pa.PythonFile(remote.RangeFile(fs, path, file_size(fs, path, name), shard=name), mode="r")
+
+
 def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: str) -> list[pa.Array]:
     """The ``field`` column of every record batch (or Parquet chunk) of one file, in order."""
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
 
-            with fs.open(path, "rb") as f:
+            with _parquet_file(fs, path, name) as f:
                 pf = pq.ParquetFile(f)
                 if field not in pf.schema_arrow.names:
                     raise ShardError(
@@ -82,7 +94,7 @@ def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: st
                     )
                 table = pf.read(columns=[field])
             return list(table.column(field).chunks)
-        source = pa.memory_map(path, "r") if is_local(fs) else pa.BufferReader(fs.cat_file(path))
+        source = pa.memory_map(path, "r") if is_local(fs) else pa.BufferReader(read_whole(fs, path, name))
         try:
             reader = ipc.open_file(source)
             batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
@@ -135,7 +147,7 @@ class ArrowTokenSource:
         self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self._owner = np.asarray(owner, np.int64)  # file number of each piece
         self._first = np.searchsorted(self._owner, np.arange(len(self.files)))  # each file's first piece
-        self._sizes = [int(fs.size(f)) for f in self.files]
+        self._sizes = [file_size(fs, f, f) for f in self.files]
         self._fingerprint = fingerprint_of(
             "arrow", url, field, self.files, self._sizes, int(self._starts[-1])
         )
@@ -159,7 +171,7 @@ class ArrowTokenSource:
         v = self._values[p]
         if v is None:
             if self._fs is None:
-                self._fs = fsspec.core.url_to_fs(self.url, **self.storage_options)[0]
+                self._fs = remote.url_to_fs(self.url, **self.storage_options)[0]
             f = int(self._owner[p])
             path = self.files[f]
             got = self._file_pieces(self._fs, path)
@@ -192,6 +204,11 @@ class ArrowTokenSource:
             parts.append(self._piece(p)[lo:hi])
             start, p = starts[p] + hi, p + 1
         return np.concatenate(parts)
+
+    def locate(self, token: int) -> tuple[str, int | None]:
+        """(file, None) of token ``token`` (Arrow keeps no simple byte offset), for error messages."""
+        p = min(int(np.searchsorted(self._starts, token, "right")) - 1, len(self._owner) - 1)
+        return self.files[int(self._owner[p])], None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -33,8 +33,15 @@ import fsspec
 import numpy as np
 
 from stallfree.shards.atomic import AtomicFile, CommitOnExit
-from stallfree.shards.errors import CorruptShardError, IndexMismatchError, ShardError, WriteError
-from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, token_dtype
+from stallfree.shards.errors import (
+    CorruptShardError,
+    IndexMismatchError,
+    MissingShardError,
+    ShardError,
+    WriteError,
+)
+from stallfree.shards.remote import url_to_fs
+from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole, token_dtype
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -141,12 +148,12 @@ class MegatronSource:
         self.storage_options = storage_options
         self.bin_url, self.idx_url = self.prefix + ".bin", self.prefix + ".idx"
         self.name = posixpath.basename(self.prefix)
-        fs, idx_path = fsspec.core.url_to_fs(self.idx_url, **storage_options)
-        bin_path = fsspec.core.url_to_fs(self.bin_url, **storage_options)[1]
+        fs, idx_path = url_to_fs(self.idx_url, **storage_options)
+        bin_path = url_to_fs(self.bin_url, **storage_options)[1]
         size = file_size(fs, bin_path, self.bin_url)
         try:
-            data = fs.cat_file(idx_path)
-        except FileNotFoundError:
+            data = read_whole(fs, idx_path, self.idx_url)
+        except MissingShardError:
             raise ShardError(
                 "no .idx beside the .bin (a Megatron dataset needs both)", shard=self.idx_url
             ) from None
@@ -185,6 +192,12 @@ class MegatronSource:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         return self._flat.read(start, stop)
+
+    def read_runs(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        return self._flat.read_runs(starts, counts)
+
+    def locate(self, token: int) -> tuple[str, int | None]:
+        return self._flat.locate(token)
 
     def __repr__(self) -> str:
         return f"MegatronSource({self.prefix!r}, dtype={self.dtype}, sequences={len(self.doc_lengths)})"

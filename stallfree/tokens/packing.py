@@ -10,6 +10,11 @@ varlen packing do) they also start at 0 at the window's start, since the model s
 document before its window; ``positions="document"`` gives the offset from the document's true
 start instead.
 
+Bounds: a corpus of ``seq_len`` tokens or fewer holds no window, and is a ValueError naming its
+size and ``seq_len`` (checked before anything ``seq_len`` long is allocated, so a huge one fails at
+once). Windows are int64: a uint64 id >= 2**63 is rejected when read, with an error naming the
+file, document and id, never wrapped negative.
+
 Why it is fast: a window reads only its own bytes (document starts are one cumulative array; two
 ``searchsorted`` per window find its documents), and a batch is assembled with a handful of numpy
 operations over the whole ``(batch, seq_len + 1)`` block, never per token in Python.
@@ -24,9 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from stallfree.shards.errors import CorruptShardError
 from stallfree.tokens.base import TokenSource, check_lengths, fingerprint_of
 
 POSITIONS = ("window", "document")
+_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 def open_tokens(
@@ -40,16 +47,15 @@ def open_tokens(
     """The token source ``source`` names: a Megatron prefix (``x/name`` for ``name.bin`` +
     ``name.idx``, or either file), a raw ``.bin`` (``dtype=`` required), or an Arrow/Parquet
     dataset (file, directory, glob) with column ``field``."""
-    import fsspec
-
+    from stallfree.shards import remote
     from stallfree.tokens.megatron import MegatronSource, prefix_of
 
-    fs, path = fsspec.core.url_to_fs(source, **storage_options)
+    fs, path = remote.url_to_fs(source, **storage_options)
     prefix = prefix_of(path)
     if path.endswith(".idx") or (
         not path.endswith((".arrow", ".parquet"))
-        and fs.exists(prefix + ".idx")
-        and fs.exists(prefix + ".bin")
+        and remote.exists(fs, prefix + ".idx", shard=source)
+        and remote.exists(fs, prefix + ".bin", shard=source)
     ):
         return MegatronSource(prefix_of(source), dtype=dtype, **storage_options)
     if path.endswith(".bin"):
@@ -85,8 +91,8 @@ class TokenDataset:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
-        if eos is not None and (not isinstance(eos, (int, np.integer)) or eos < 0):
-            raise ValueError(f"eos must be a non-negative token id, got {eos!r}")
+        if eos is not None and (not isinstance(eos, (int, np.integer)) or not 0 <= eos <= _INT64_MAX):
+            raise ValueError(f"eos must be a token id in [0, 2**63), got {eos!r}")
         if isinstance(source, str):
             source = open_tokens(source, dtype=dtype, field=field, eos=eos, **storage_options)
         self.source = source
@@ -103,9 +109,14 @@ class TokenDataset:
             stream[:-1] += 1  # the eos after every document but the last
         self.doc_starts = np.concatenate([[0], np.cumsum(stream)]).astype(np.int64)
         self.tokens = int(self.doc_starts[-1])
+        if self.tokens <= seq_len:  # checked before anything seq_len long is allocated
+            raise ValueError(
+                f"seq_len {seq_len} is too long for {source.name}: its {self.tokens} tokens "
+                f"({len(lengths)} documents{', eos between them' if self._sep else ''}) hold no "
+                f"window; a window reads seq_len + 1 = {seq_len + 1} tokens (labels are inputs shifted by one)"
+            )
         self._inner = self.doc_starts[1:-1]  # where documents 1.. start
-        self._len = max(0, (self.tokens - 1) // seq_len)
-        self._arange = np.arange(seq_len + 1, dtype=np.int64)
+        self._len = (self.tokens - 1) // seq_len
 
     @property
     def fingerprint(self) -> str:
@@ -166,7 +177,6 @@ class TokenDataset:
         if self.positions == "document":
             base = flat_start - (a[row] + col - starts[seg_doc])  # a first segment starts mid-document
         position = (np.arange(rows * L) - np.repeat(base, seg_len)).reshape(rows, L)
-        read = self.source.read
         lo = a - d0 * sep  # flat index of the first non-eos token at or after the window's start
         if sep:
             # the eos after document d sits just before document d+1 starts
@@ -176,15 +186,51 @@ class TokenDataset:
             is_eos[row[hit] * width + at[hit]] = True
             count = width - np.bincount(row[hit], minlength=rows)
             tokens = np.full((rows, width), self.eos, np.int64)
-            chunks = [read(int(s), int(s + c)) for s, c in zip(lo, count, strict=True)]
-            tokens.reshape(-1)[~is_eos] = np.concatenate(chunks) if chunks else np.zeros(0, np.int64)
+            tokens.reshape(-1)[~is_eos] = self._gather(lo, count)
             inputs, labels = np.ascontiguousarray(tokens[:, :L]), np.ascontiguousarray(tokens[:, 1:])
         else:
-            inputs, labels = np.empty((rows, L), np.int64), np.empty((rows, L), np.int64)
-            for r, s in enumerate(lo.tolist()):
-                t = read(s, s + width)
-                inputs[r], labels[r] = t[:L], t[1:]
+            tokens = self._gather(lo, np.full(rows, width, np.int64)).reshape(rows, width)
+            inputs = np.ascontiguousarray(tokens[:, :L], np.int64)
+            labels = np.ascontiguousarray(tokens[:, 1:], np.int64)
         return {"input_ids": inputs, "labels": labels, "position_ids": position, "doc_ids": doc_ids}
+
+    def _gather(self, lo: np.ndarray, count: np.ndarray) -> np.ndarray:
+        """Source tokens ``[lo[r], lo[r] + count[r])`` for every ``r``, back to back, in the
+        source's dtype: one ``read_runs`` where the source has it (a local file: one ``pread``
+        per window straight into one buffer; a remote one: one concurrent request), else each
+        run read and joined."""
+        src = self.source
+        runs = getattr(src, "read_runs", None)
+        if runs is not None:
+            flat = runs(lo, count)
+        else:
+            chunks = [src.read(s, s + c) for s, c in zip(lo.tolist(), count.tolist(), strict=True)]
+            flat = np.concatenate(chunks) if chunks else np.zeros(0, src.dtype)
+        if flat.dtype == np.uint64:
+            self._reject_wide(flat, lo, count)
+        return flat
+
+    def _reject_wide(self, flat: np.ndarray, lo: np.ndarray, count: np.ndarray) -> None:
+        """uint64 ids >= 2**63 would wrap negative in the int64 windows: an error naming the
+        file, document, id and (where known) byte offset instead. Rejected, not carried: torch
+        has no uint64 arithmetic for embeddings, and no vocabulary has 2**63 entries, so such an
+        id is a misread file (wrong dtype, or bytes that are not tokens)."""
+        big = np.flatnonzero(flat > _INT64_MAX)
+        if not len(big):
+            return
+        p = int(big[0])
+        ends = np.cumsum(count)
+        r = int(np.searchsorted(ends, p, "right"))
+        token = int(lo[r]) + p - int(ends[r] - count[r])  # index in the source's flat run
+        doc = int(np.searchsorted(np.cumsum(self.doc_lengths), token, "right"))
+        locate = getattr(self.source, "locate", None)
+        file, offset = locate(token) if locate is not None else (self.source.name, None)
+        raise CorruptShardError(
+            f"document {doc} holds token id {int(flat[p])} (token {token} of the source): uint64 ids "
+            f"must be below 2**63 to fit the int64 windows (is the dtype right?)",
+            shard=file,
+            offset=offset,
+        )
 
     def __repr__(self) -> str:
         return (

@@ -12,10 +12,10 @@ from __future__ import annotations
 import posixpath
 from typing import Any
 
-import fsspec
 import numpy as np
 
 from stallfree.shards.errors import CorruptShardError
+from stallfree.shards.remote import url_to_fs
 from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, token_dtype
 
 _SCAN_TOKENS = 1 << 24  # tokens per chunk of the boundary scan
@@ -30,7 +30,7 @@ class RawBinSource:
         self.url = url
         self.name = posixpath.basename(url)
         self.dtype = token_dtype(dtype, url)
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        fs, path = url_to_fs(url, **storage_options)
         size = file_size(fs, path, url)
         item = self.dtype.itemsize
         if size % item:
@@ -65,6 +65,12 @@ class RawBinSource:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         return self._flat.read(start, stop)
+
+    def read_runs(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        return self._flat.read_runs(starts, counts)
+
+    def locate(self, token: int) -> tuple[str, int | None]:
+        return self._flat.locate(token)
 
     def __repr__(self) -> str:
         return f"RawBinSource({self.url!r}, dtype={self.dtype}, tokens={self._flat.count})"

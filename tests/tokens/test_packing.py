@@ -45,9 +45,27 @@ def test_last_partial_window_dropped_and_bounds(tmp_path):
     assert ds[-1]["labels"].tolist() == [7, 8, 9]
     with pytest.raises(IndexError, match="window 3 out of range"):
         ds[3]
-    assert len(TokenDataset(str(tmp_path / "c"), 9)) == 1 and len(TokenDataset(str(tmp_path / "c"), 10)) == 0
+    assert len(TokenDataset(str(tmp_path / "c"), 9)) == 1
     with pytest.raises(ValueError, match="seq_len"):
         TokenDataset(str(tmp_path / "c"), 0)
+
+
+@pytest.mark.parametrize("seq_len", [10, 11, 2**62, 2**200])
+def test_seq_len_at_or_over_the_corpus_is_an_error_naming_both(tmp_path, seq_len):
+    """It was 0 windows, silently (and a huge seq_len tried to allocate seq_len + 1 int64s)."""
+    write_megatron(tmp_path / "c", [list(range(4)), list(range(6))], "int32")
+    with pytest.raises(ValueError) as exc:
+        TokenDataset(str(tmp_path / "c"), seq_len)
+    assert str(exc.value) == (
+        f"seq_len {seq_len} is too long for c: its 10 tokens (2 documents) hold no window; "
+        f"a window reads seq_len + 1 = {seq_len + 1} tokens (labels are inputs shifted by one)"
+    )
+    with pytest.raises(ValueError, match=r"its 11 tokens \(2 documents, eos between them\) hold no window"):
+        TokenDataset(str(tmp_path / "c"), 11, eos=0)
+    assert (
+        len(TokenDataset(str(tmp_path / "c"), 9)) == 1
+        and len(TokenDataset(str(tmp_path / "c"), 10, eos=0)) == 1
+    )
 
 
 def test_get_many_equals_getitem_and_pickles(tmp_path):

@@ -1,0 +1,88 @@
+"""A token ``.bin`` cut short in place while a job reads it (re-running nanoGPT's ``prepare.py``
+during training does exactly this) is an error naming the file, the byte offset and both sizes,
+in the main process and through workers; through a memory map it was a SIGBUS (rc -7, or
+``WorkerDiedError ... exit code -7``). Each run is a subprocess with a timeout: a regression
+kills that process, not the test session."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from stallfree.shards.errors import CorruptShardError
+from stallfree.tokens.packing import TokenDataset
+from stallfree.tokens.rawbin import RawBinSource
+from tests.tokens.helpers import write_megatron
+
+TIMEOUT = 120
+SEQ, BATCH, CUT = 64, 4, 1000  # the first batch's windows hold bytes 0..1028 of int32 tokens
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    import stallfree
+    from stallfree.shards.errors import CorruptShardError
+
+    source, bin_path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    ds = stallfree.TokenDataset(source, {seq}, dtype="int32")
+    loader = stallfree.DataLoader(ds, batch_size={batch}, num_workers=workers, timeout=60)
+    it = iter(loader)
+    next(it)  # every process that reads has opened the file and read from it
+    os.truncate(bin_path, {cut})
+    try:
+        n = sum(1 for _ in it)
+    except CorruptShardError as exc:
+        print(json.dumps({{"shard": exc.shard, "offset": exc.offset, "message": str(exc)}}))
+        sys.exit(3)
+    print("NO ERROR after", n, "batches")
+    """
+).format(seq=SEQ, batch=BATCH, cut=CUT)
+
+
+def _corpus(tmp_path, layout):
+    docs = [list(range(d * 1000, d * 1000 + 97)) for d in range(200)]  # 19,400 tokens, 303 windows
+    if layout == "megatron":
+        write_megatron(tmp_path / "c", docs, "int32")
+        return str(tmp_path / "c"), str(tmp_path / "c.bin")
+    np.asarray([t for d in docs for t in d], np.int32).tofile(tmp_path / "train.bin")
+    return str(tmp_path / "train.bin"), str(tmp_path / "train.bin")
+
+
+@pytest.mark.parametrize(("layout", "workers"), [("megatron", 0), ("raw", 0), ("megatron", 2)])
+def test_cut_short_under_the_loader_is_an_error_naming_the_file(tmp_path, layout, workers):
+    source, bin_path = _corpus(tmp_path, layout)
+    r = subprocess.run(
+        [sys.executable, "-c", _SCRIPT, source, bin_path, str(workers)],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-3000:])  # -7 was SIGBUS
+    err = json.loads(r.stdout.splitlines()[-1])
+    assert f"the file is now {CUT} bytes" in err["message"]
+    assert f"(shard {bin_path}, byte offset {CUT})" in err["message"]  # where the bytes now end
+    if not workers:  # (a worker's error is re-raised from its message, torch's way: text only)
+        assert err["shard"] == bin_path and err["offset"] == CUT
+
+
+def test_cut_short_read_names_the_range(tmp_path):
+    source, bin_path = _corpus(tmp_path, "raw")
+    src = RawBinSource(source, "int32")
+    assert src.read(0, 5).tolist() == [0, 1, 2, 3, 4]
+    with open(bin_path, "r+b") as f:
+        f.truncate(CUT)
+    assert src.read(0, CUT // 4).tolist() == np.fromfile(bin_path, np.int32).tolist()  # what is left
+    with pytest.raises(CorruptShardError) as exc:
+        src.read(200, 300)  # bytes 800..1200: 200 of the 400 are still there
+    err = exc.value
+    assert err.shard == bin_path and err.offset == CUT
+    assert str(err).startswith(
+        f"cut short after it was opened: tokens [200, 300) are bytes 800..1200, the file is now {CUT} bytes"
+    )
+    with pytest.raises(CorruptShardError, match="the file is now 1000 bytes"):
+        TokenDataset(src, SEQ)[10]
