@@ -31,15 +31,22 @@ class ShardInfo:
     """One shard: ``path`` (relative to the manifest's directory), sample count, size, sha256 hex.
 
     ``sha256`` is None when unknown (a dataset indexed on the fly, without reading whole shards).
+    ``stamp`` is what identifies the content of a shard indexed on the fly without a sha256: the
+    store's version of the file and its index's hash (``stamps.py``); it is part of the dataset's
+    fingerprint, so a shard changed in place changes it. None (and not written) otherwise.
     """
 
     path: str
     samples: int
     bytes: int
     sha256: str | None = None
+    stamp: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
+        out = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
+        if self.stamp is not None:
+            out["stamp"] = self.stamp
+        return out
 
     @classmethod
     def from_json(cls, obj: Any, where: str = "manifest") -> ShardInfo:
@@ -59,7 +66,10 @@ class ShardInfo:
                 )
         if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
             raise ManifestError(f"{where}: shard {path}: sha256 must be 64 hex digits or null: {sha!r}")
-        return cls(path, samples, size, sha)
+        stamp = obj.get("stamp")
+        if stamp is not None and not isinstance(stamp, str):
+            raise ManifestError(f"{where}: shard {path}: stamp must be a string or null: {stamp!r}")
+        return cls(path, samples, size, sha, stamp)
 
 
 @dataclass
@@ -93,7 +103,8 @@ class Manifest:
 
     @property
     def fingerprint(self) -> str:
-        """Stable hex id of the content: format, fields and every shard's path, count, size, hash."""
+        """Stable hex id of the content: format, fields and every shard's path, count, size, hash
+        (and stamp, for shards indexed on the fly: ``ShardInfo.stamp``)."""
         body = {
             "version": self.version,
             "format": self.format,

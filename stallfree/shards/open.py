@@ -22,7 +22,7 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import remote
+from stallfree.shards import remote, stamps
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import MissingShardError, ShardError, ShardReadError
 from stallfree.shards.hf import columns_of_schema
@@ -115,17 +115,20 @@ def _manifest_for_files(
 ) -> tuple[Manifest, list[list[IdxSample]] | None]:
     tars = [p for p in paths if p.endswith(".tar")]
     if tars and len(tars) == len(paths):
-        return manifest_for_tars(fs, root, paths)
+        return manifest_for_tars(fs, root, paths, stamp_shards=True)
     arrows = [p for p in paths if p.endswith(TABLE_SUFFIXES)]
     if len(arrows) != len(paths):
         raise ShardError(
             f"a dataset without a manifest must be all .tar or all .arrow / .parquet files: {paths[:5]}"
         )
-    shards, fields = [], {}
+    shards, fields, unversioned = [], {}, []
     first: tuple[str, Any] | None = None
     for path in arrows:
         reader = ArrowShardReader(fs, path, relative(root, path))
         reader.close()  # what is needed was read when it opened
+        size, version = stamps.store_version(fs, path, relative(root, path))
+        if version is None:
+            unversioned.append(relative(root, path))
         if first is None:
             first = (relative(root, path), reader.schema)
         else:
@@ -133,7 +136,9 @@ def _manifest_for_files(
         for name in reader.schema.names:
             if name != "__key__":
                 fields.setdefault(name, None)
-        shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None))
+        mark = stamps.stamp(size, version, str(reader.schema))  # the fingerprint follows content
+        shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None, stamp=mark))
+    stamps.warn_unversioned(fs.unstrip_protocol(root or "/"), unversioned)
     columns = columns_of_schema(first[1]) if first is not None else None  # HF ClassLabel -> classes
     extra = {"class_field": columns.class_field} if columns is not None and columns.class_field else {}
     classes = columns.classes if columns is not None else None

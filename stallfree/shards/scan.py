@@ -20,10 +20,10 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import remote
+from stallfree.shards import remote, stamps
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
-from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
+from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx, render_idx
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
 from stallfree.shards.tar_walk import RangeReader, group_samples, walk_tar
 
@@ -197,28 +197,41 @@ def manifest_for_tars(
     hashes: bool = False,
     use_idx: bool = True,
     progress: Callable[[str, int], None] | None = None,
+    stamp_shards: bool = False,
 ) -> tuple[Manifest, list[list[IdxSample]]]:
     """Manifest (+ each shard's samples) for existing tars; an ``.idx`` beside a tar is trusted
-    when ``use_idx`` (it is checked against the tar on first use), else headers are scanned."""
-    shards, indices, fields = [], [], {}
+    when ``use_idx`` (it is checked against the tar on first use), else headers are scanned.
+    ``stamp_shards`` records each shard's ``stamps.stamp`` (the store's version of the file and
+    its index's hash), so the fingerprint of a dataset opened without a manifest changes when a
+    shard changes in place (a manifest written to disk does without: its sha256 say it)."""
+    shards, indices, fields, unversioned = [], [], {}, []
     for path in paths:
         rel = relative(root, path)
-        samples = None
+        samples = idx_bytes = None
         if use_idx:
             try:
-                samples = parse_idx(remote.read_file(fs, idx_path_for(path), shard=rel), rel)
+                idx_bytes = remote.read_file(fs, idx_path_for(path), shard=rel)
+                samples = parse_idx(idx_bytes, rel)
             except MissingShardError:
                 samples = None
         if samples is None:
             samples = scan_tar(fs, path, rel)
-        size = file_size(fs, path, rel)
+        mark = None
+        if stamp_shards:
+            size, version = stamps.store_version(fs, path, rel)
+            if version is None:
+                unversioned.append(rel)
+            mark = stamps.stamp(size, version, idx_bytes if idx_bytes is not None else render_idx(samples))
+        else:
+            size = file_size(fs, path, rel)
         for s in samples:
             for m in s.members:
                 fields.setdefault(m[0], None)
         sha = sha256_of(fs, path, size=size, shard=rel) if hashes else None
-        shards.append(ShardInfo(rel, len(samples), size, sha))
+        shards.append(ShardInfo(rel, len(samples), size, sha, stamp=mark))
         indices.append(samples)
         if progress is not None:
             progress(rel, size)
+    stamps.warn_unversioned(fs.unstrip_protocol(root or "/"), unversioned)
     manifest = Manifest(FORMAT_VERSION, "tar", list(fields), shards)
     return manifest, indices
