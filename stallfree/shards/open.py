@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import shlex
 import threading
 from bisect import bisect_right
 from collections.abc import Iterator, Sequence
@@ -63,23 +64,29 @@ def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: An
             url,
             len(manifest.shards),
             manifest.samples,
-            _advice(url, manifest.format),
+            _advice(url, manifest.format, is_local(fs)),
         )
     fs_url = fs.unstrip_protocol(root or "/")
     return ShardedDataset(url, manifest, root, fs_url, storage_options, verify_hashes, scanned, fs=fs)
 
 
-def _advice(url: str, fmt: str) -> str:
+def _advice(url: str, fmt: str, local: bool) -> str:
     """How to open it instantly next time, by format: ``stallfree index`` writes a manifest beside
-    tar shards only (for tables it stops with "no .tar shards"); tables get one by re-sharding."""
+    tar shards only (for tables it stops with "no .tar shards"); tables get one by re-sharding,
+    and ``stallfree shard`` reads local files."""
+    src = shlex.quote(url)
     if fmt == "tar":
         return (
-            f"Write one with `stallfree index {url}` (or re-shard with `stallfree shard`) "
+            f"Write one with `stallfree index {src}` (or re-shard with `stallfree shard`) "
             "to open it instantly."
         )
+    if not local:
+        src = "LOCAL_COPY"
     return (
-        f"To open it instantly, re-shard it once with `stallfree shard {url} DST --format arrow` "
-        "(SRC must be a local path: copy remote files first) and open DST, which has a manifest."
+        "To open it instantly, "
+        + ("copy it to a local path, then " if not local else "")
+        + f"re-shard it once with `stallfree shard {src} DST --format arrow` and open DST "
+        "(it has a manifest)."
     )
 
 
