@@ -124,6 +124,7 @@ class DaliDecoder:
                 axis_names="WH",
                 normalized_anchor=False,
                 normalized_shape=False,
+                adjust_orientation=False,  # the stored pixels, as every backend (see select.py)
                 **decode_args,
             )
             img = fn.resize(img, size=(self.size, self.size), interp_type=types.INTERP_LINEAR, antialias=True)

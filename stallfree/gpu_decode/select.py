@@ -12,6 +12,13 @@ Backend choice (``backend="auto"``):
    auto-picked. Whether the GPU backends beat it is measured by benchmarks/gpu_check.sh where a
    GPU is lent; on a GPU the rule assumes they do (they also free the CPU for the training step).
 ``stats()["backend"]`` and ``stats()["reason"]`` say which ran and why.
+
+What an image is, the same for every backend: its pixels as stored, the size ``header.probe``
+reads, on which ``augment.py`` draws the box. EXIF orientation is not applied (DALI is told not
+to, ``adjust_orientation=False``; nvImageCodec ``apply_exif_orientation=False``; PIL and the C
+decoder never do), as torchvision's ``ImageFolder`` and ``decode_jpeg`` do by default. Applying it
+in one backend only drew boxes on one size and cropped another: DALI failed orientations 5-8 on
+every image and cropped 2-4 differently from the CPU (tests/gpu_decode/test_orientation.py).
 """
 
 from __future__ import annotations
