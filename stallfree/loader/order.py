@@ -1,5 +1,11 @@
 """Epoch order as a pure function of (seed, epoch, dataset length), and each rank's slice of it.
 
+An order is a function, never an array: ``order.at(positions)`` gives the sample indices at
+those positions of the epoch (a keyed bijection of ``range(n)``, mix/permute.py), so an epoch of
+10^9 samples costs its keys (O(1) memory; O(shards) for block order) and each batch's indices
+are computed when the batch is dispatched. The arrays the functions below return are the same
+orders materialised, for tests and small datasets.
+
 The global order never depends on the world size: rank ``r`` of ``W`` takes positions
 ``r, r+W, r+2W, ...`` of what is left of the epoch. After every rank has received ``k`` samples
 (ranks run in lockstep), exactly the first ``k*W`` remaining positions are consumed, so a job can
@@ -14,43 +20,165 @@ last ``len % W`` positions (a few samples are skipped in that epoch).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from stallfree.mix import permute as perm
+
 ORDERS = ("global", "block", "sequential")
 UNEVEN = ("pad", "drop")
+CHUNK = 1 << 15  # positions computed per call when walking a share: numpy's per-call cost amortised
 
 
-def _rng(seed: int, epoch: int, salt: int = 0) -> np.random.Generator:
-    return np.random.Generator(
-        np.random.PCG64(np.random.SeedSequence([int(seed) & (2**63 - 1), int(epoch), salt]))
-    )
+@runtime_checkable
+class Order(Protocol):
+    """An epoch order: ``at(positions)`` -> sample indices, a bijection of ``range(n)``."""
+
+    n: int
+
+    def at(self, positions: np.ndarray) -> np.ndarray: ...
+
+
+def _positions(positions: np.ndarray | Sequence[int], n: int) -> np.ndarray:
+    pos = np.asarray(positions, np.int64).reshape(-1)
+    if len(pos) and (pos.min() < 0 or pos.max() >= n):
+        raise IndexError(f"order position out of range for an epoch of {n} samples")
+    return pos
+
+
+@dataclass(frozen=True)
+class Sequential:
+    """Positions are the indices."""
+
+    n: int
+
+    def at(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        return _positions(positions, self.n).copy()
+
+
+@dataclass(frozen=True)
+class Shuffled:
+    """A keyed pseudo-random permutation of ``range(n)`` (Feistel network, cycle walking),
+    keyed by (seed, epoch): position ``p`` maps to its index on its own."""
+
+    seed: int
+    epoch: int
+    n: int
+    _keys: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_keys", perm.keys(self.seed, self.epoch, 0))
+
+    def at(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        return perm.permute(_positions(positions, self.n), self.n, self._keys)
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """Shards in a keyed order; inside each run of ``window`` consecutive shards of that order,
+    the run's samples in a keyed order of their own. Readers of a remote object store then touch
+    only ``window`` shards at a time (long ranged reads, a warm cache) while the order stays random
+    enough for SGD. Memory: a few int64 per shard."""
+
+    seed: int
+    epoch: int
+    shard_sizes: tuple[int, ...]
+    window: int = 8
+    n: int = field(init=False)
+    _perm: np.ndarray = field(init=False, repr=False, compare=False)  # k-th shard of the order
+    _starts: np.ndarray = field(init=False, repr=False, compare=False)  # first index of each shard
+    _pstarts: np.ndarray = field(init=False, repr=False, compare=False)  # k-th shard's first position
+    _wstarts: np.ndarray = field(init=False, repr=False, compare=False)  # window w's first position
+    _keys: np.ndarray = field(init=False, repr=False, compare=False)  # the windows' round keys
+    _tweak: np.ndarray = field(init=False, repr=False, compare=False)  # window w's tweak of them
+    _wsize: np.ndarray = field(init=False, repr=False, compare=False)  # window w's samples
+    _wbits: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.window < 1:
+            raise ValueError(f"window must be >= 1, got {self.window}")
+        sizes = np.asarray(self.shard_sizes, np.int64).reshape(-1)
+        if len(sizes) and sizes.min() < 0:
+            raise ValueError("shard sizes must be >= 0")
+        s = len(sizes)
+        shard_perm = perm.permute(np.arange(s), s, perm.keys(self.seed, self.epoch, 1)) if s else sizes[:0]
+        pstarts = np.concatenate([[0], np.cumsum(sizes[shard_perm])])
+        put = object.__setattr__
+        put(self, "n", int(pstarts[-1]))
+        put(self, "_perm", shard_perm)
+        put(self, "_starts", np.concatenate([[0], np.cumsum(sizes)[:-1]]) if s else sizes[:0])
+        put(self, "_pstarts", pstarts)
+        wstarts = pstarts[:: self.window] if s else pstarts
+        wsize = np.diff(np.concatenate([wstarts, [pstarts[-1]]])) if s else sizes[:0]
+        put(self, "_wstarts", wstarts)
+        put(self, "_wsize", wsize)
+        put(self, "_wbits", perm.widths_of(wsize))
+        put(self, "_keys", perm.keys(self.seed, self.epoch, 2))
+        put(self, "_tweak", perm.tweaks(self._keys, np.arange(len(wsize))))
+
+    def at(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        pos = _positions(positions, self.n)
+        w = np.searchsorted(self._wstarts, pos, side="right") - 1
+        first = self._wstarts[w]
+        bits = (self._wbits[0][w], self._wbits[1][w])
+        g = first + perm.permute_each(pos - first, self._wsize[w], self._keys, self._tweak[w], bits)
+        k = np.searchsorted(self._pstarts, g, side="right") - 1  # 'right': skips empty shards
+        return self._starts[self._perm[k]] + (g - self._pstarts[k])
+
+
+@dataclass(frozen=True)
+class Explicit:
+    """An order given as an array (a caller's own, or a materialised one)."""
+
+    array: np.ndarray
+
+    @property
+    def n(self) -> int:
+        return len(self.array)
+
+    def at(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        return np.asarray(self.array, np.int64)[_positions(positions, self.n)]
+
+
+def materialise(order: Order) -> np.ndarray:
+    return order.at(np.arange(order.n, dtype=np.int64)).astype(np.int64)
+
+
+def make_order(
+    seed: int,
+    epoch: int,
+    n: int,
+    *,
+    mode: str = "global",
+    shard_sizes: Sequence[int] | None = None,
+    window: int = 8,
+) -> Order:
+    """The epoch's order as a function (``mode`` is global, block or sequential)."""
+    if mode == "sequential":
+        return Sequential(n)
+    if mode == "global":
+        return Shuffled(int(seed), int(epoch), int(n))
+    if mode == "block":
+        if shard_sizes is None:
+            raise ValueError("block order needs the dataset's shard_sizes")
+        sizes = tuple(int(s) for s in shard_sizes)
+        if sum(sizes) != n:
+            raise ValueError(f"shard_sizes sum to {sum(sizes)} but the dataset has {n} samples")
+        return Blocked(int(seed), int(epoch), sizes, window)
+    raise ValueError(f"order must be one of {ORDERS}, got {mode!r}")
 
 
 def global_order(seed: int, epoch: int, n: int) -> np.ndarray:
-    """A full permutation of ``range(n)``; random access datasets read in this order."""
-    return _rng(seed, epoch).permutation(n).astype(np.int64)
+    """A full permutation of ``range(n)`` (``Shuffled`` materialised)."""
+    return materialise(Shuffled(int(seed), int(epoch), int(n)))
 
 
 def block_order(seed: int, epoch: int, shard_sizes: Sequence[int], window: int = 8) -> np.ndarray:
-    """Shuffle shards, then shuffle samples inside each run of ``window`` consecutive shards.
-
-    Readers of a remote object store then touch only ``window`` shards at a time (long ranged
-    reads, a warm cache) while the order stays random enough for SGD.
-    """
-    if window < 1:
-        raise ValueError(f"window must be >= 1, got {window}")
-    sizes = np.asarray(shard_sizes, dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]) if len(sizes) else np.zeros(0, np.int64)
-    rng = _rng(seed, epoch, salt=1)
-    shard_perm = rng.permutation(len(sizes))
-    parts = []
-    for w in range(0, len(shard_perm), window):
-        group = shard_perm[w : w + window]
-        idx = np.concatenate([np.arange(starts[s], starts[s] + sizes[s]) for s in group])
-        parts.append(rng.permutation(idx))
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    """``Blocked`` materialised: shards shuffled, samples shuffled inside runs of ``window`` shards."""
+    return materialise(Blocked(int(seed), int(epoch), tuple(int(s) for s in shard_sizes), window))
 
 
 def epoch_order(
@@ -62,41 +190,82 @@ def epoch_order(
     shard_sizes: Sequence[int] | None = None,
     window: int = 8,
 ) -> np.ndarray:
-    """The epoch's global order of sample indices (``mode`` is global, block or sequential)."""
-    if mode == "sequential":
-        return np.arange(n, dtype=np.int64)
-    if mode == "global":
-        return global_order(seed, epoch, n)
-    if mode == "block":
-        if shard_sizes is None:
-            raise ValueError("block order needs the dataset's shard_sizes")
-        if sum(shard_sizes) != n:
-            raise ValueError(f"shard_sizes sum to {sum(shard_sizes)} but the dataset has {n} samples")
-        return block_order(seed, epoch, shard_sizes, window)
-    raise ValueError(f"order must be one of {ORDERS}, got {mode!r}")
+    """The epoch's global order of sample indices, materialised (see ``make_order``)."""
+    return materialise(make_order(seed, epoch, n, mode=mode, shard_sizes=shard_sizes, window=window))
 
 
-def remaining_for_world(order: np.ndarray, start: int, world_size: int, uneven: str = "pad") -> np.ndarray:
+@dataclass(frozen=True)
+class RankShare:
+    """What rank ``rank`` of ``world_size`` reads of ``order`` from global position ``start``,
+    computed from positions, never stored.
+
+    The remaining positions ``start..n-1``, padded (``pad``: with the epoch's positions ``0, 1, ...``
+    cycled) or cut (``drop``) to a multiple of ``world_size``, form one sequence ``q``; the rank
+    takes ``q[rank], q[rank + W], ...``. That sequence is one fixed function of (order, start,
+    world_size), so a resume on the same world size continues it exactly, and on another world
+    size starts a new split of exactly what is left."""
+
+    order: Order
+    start: int
+    rank: int
+    world_size: int
+    uneven: str = "pad"
+
+    def __post_init__(self) -> None:
+        if self.uneven not in UNEVEN:
+            raise ValueError(f"uneven must be one of {UNEVEN}, got {self.uneven!r}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+
+    @property
+    def rest(self) -> int:
+        """Positions left of the epoch from ``start``."""
+        return self.order.n - min(max(self.start, 0), self.order.n)
+
+    def __len__(self) -> int:
+        rest, w = self.rest, self.world_size
+        return -(-rest // w) if self.uneven == "pad" else rest // w
+
+    def at(self, k: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Sample indices of this rank's ``k``-th reads (vectorised)."""
+        k = np.asarray(k, np.int64).reshape(-1)
+        if len(k) and (k.min() < 0 or k.max() >= len(self)):
+            raise IndexError(f"read {int(k.max())} outside this rank's share of {len(self)}")
+        q = self.rank + k * self.world_size
+        rest, n = self.rest, self.order.n
+        begin = n - rest
+        # Pad from the epoch's first positions, not the resume point's: the padded sequence is then
+        # one fixed function of (order, world_size), and a resume continues it exactly.
+        pos = np.where(q < rest, begin + q, (q - rest) % max(n, 1))
+        return self.order.at(pos)
+
+    def slice(self, lo: int, hi: int) -> np.ndarray:
+        return self.at(np.arange(max(lo, 0), min(hi, len(self)), dtype=np.int64))
+
+
+def remaining_for_world(order: np.ndarray | Order, start: int, world_size: int, uneven: str = "pad") -> np.ndarray:
     """Positions ``start:`` of ``order``, padded (from the epoch's start) or cut so ``world_size``
-    ranks get equal counts."""
-    if uneven not in UNEVEN:
-        raise ValueError(f"uneven must be one of {UNEVEN}, got {uneven!r}")
-    rest = order[min(max(start, 0), len(order)) :]
-    extra = len(rest) % world_size
-    if extra == 0 or len(rest) == 0:
-        return rest
-    if uneven == "drop":
-        return rest[: len(rest) - extra]
-    # Pad from the epoch's first positions, not the resume point's: the padded sequence is then
-    # one fixed function of (order, world_size), and a resume continues it exactly.
-    return np.concatenate([rest, np.resize(order, world_size - extra)])
+    ranks get equal counts, materialised in position order."""
+    o = _as_order(order)
+    shares = [RankShare(o, start, r, world_size, uneven) for r in range(world_size)]
+    per = len(shares[0])
+    out = np.empty(per * world_size, np.int64)
+    for r, share in enumerate(shares):
+        out[r::world_size] = share.slice(0, per)
+    return out
 
 
-def rank_share(order: np.ndarray, start: int, rank: int, world_size: int, uneven: str = "pad") -> np.ndarray:
-    """The sample indices rank ``rank`` reads this epoch, continuing from global position ``start``."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank {rank} outside world of size {world_size}")
-    return remaining_for_world(order, start, world_size, uneven)[rank::world_size]
+def _as_order(order: np.ndarray | Order | Sequence[int]) -> Order:
+    return order if isinstance(order, Order) else Explicit(np.asarray(order, np.int64))
+
+
+def rank_share(
+    order: np.ndarray | Order, start: int, rank: int, world_size: int, uneven: str = "pad"
+) -> np.ndarray:
+    """The sample indices rank ``rank`` reads this epoch, continuing from global position ``start``
+    (materialised; the loader walks a ``RankShare`` batch by batch instead)."""
+    share = RankShare(_as_order(order), start, rank, world_size, uneven)
+    return share.slice(0, len(share))
 
 
 def consumed_after(start: int, received_on_rank: int, world_size: int, n: int) -> int:
@@ -104,11 +273,41 @@ def consumed_after(start: int, received_on_rank: int, world_size: int, n: int) -
     return min(start + received_on_rank * world_size, n)
 
 
-def batches(share: np.ndarray, batch_size: int, drop_last: bool) -> list[np.ndarray]:
-    """Cut a rank's share into batches (the last one short unless ``drop_last``)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    out = [share[i : i + batch_size] for i in range(0, len(share), batch_size)]
-    if drop_last and out and len(out[-1]) < batch_size:
-        out.pop()
-    return out
+class Batches(Sequence[np.ndarray]):
+    """A rank's share cut into batches (the last one short unless ``drop_last``), each computed
+    when asked; iterating computes ``CHUNK`` positions at a time and slices them."""
+
+    def __init__(self, share: RankShare | np.ndarray, batch_size: int, drop_last: bool) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.share = share if isinstance(share, RankShare) else RankShare(_as_order(share), 0, 0, 1)
+        self.batch_size = batch_size
+        total = len(self.share)
+        self._n = total // batch_size if drop_last else -(-total // batch_size)
+        self.samples = min(total, self._n * batch_size)  # what the batches hold together
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, b):  # type: ignore[override]
+        if isinstance(b, slice):
+            return [self[i] for i in range(*b.indices(self._n))]
+        if b < 0:
+            b += self._n
+        if not 0 <= b < self._n:
+            raise IndexError(f"batch {b} out of range ({self._n} batches)")
+        return self.share.slice(b * self.batch_size, (b + 1) * self.batch_size)
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        bs = self.batch_size
+        per_chunk = max(1, CHUNK // bs) * bs
+        for lo in range(0, self.samples, per_chunk):
+            hi = min(lo + per_chunk, self.samples)
+            chunk = self.share.slice(lo, hi)
+            for i in range(0, hi - lo, bs):
+                yield chunk[i : i + bs]
+
+
+def batches(share: RankShare | np.ndarray, batch_size: int, drop_last: bool) -> Batches:
+    """Cut a rank's share into batches (the last one short unless ``drop_last``), lazily."""
+    return Batches(share, batch_size, drop_last)

@@ -71,8 +71,9 @@ class OrderIndices:
         share = -(-n // w) if self.uneven == "pad" else n // w  # equal per rank: padded or cut
         return share // bs if self.drop_last else -(-share // bs)
 
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        return order_mod.epoch_order(
+    def epoch_order(self, epoch: int) -> order_mod.Order:
+        """The epoch's order as a function (order.py): O(1) memory in the dataset's length."""
+        return order_mod.make_order(
             self.seed,
             epoch,
             len(self.dataset),
@@ -84,9 +85,9 @@ class OrderIndices:
     def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
         start = min(resume_from, len(self.dataset))  # a saved end-of-epoch state: nothing left
         w = self.world
-        share = order_mod.rank_share(self.epoch_order(epoch), start, w.rank, w.size, self.uneven)
-        plan = order_mod.batches(share, self.batch_size, self.drop_last)
-        samples = sum(len(b) for b in plan)
+        share = order_mod.RankShare(self.epoch_order(epoch), start, w.rank, w.size, self.uneven)
+        plan = order_mod.batches(share, self.batch_size, self.drop_last)  # each batch computed when dispatched
+        samples = plan.samples
         progress = EpochProgress(epoch, self.unit, start=start, planned=samples, samples=samples)
         base_seed = _derived_seed(self.seed, epoch, w.rank, 7)
         return EpochIndices(plan, len(plan), progress, base_seed)
