@@ -120,6 +120,8 @@ class DataLoader(tud.DataLoader[T_co]):
         autotune: bool = False,
         memory_budget: int = 1 << 30,
     ) -> None:
+        if collate_fn is None and batch_size is not None and orders_itself(dataset):
+            collate_fn = getattr(dataset, "collate", None)  # a mixture batches its sources (mix/collate.py)
         super().__init__(
             dataset,
             batch_size,

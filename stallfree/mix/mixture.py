@@ -2,8 +2,8 @@
 already interleaved in the weights' shares, so a loader must read them in order (``ordered``).
 
 Position ``i`` of epoch ``e`` maps to (source, index) in O(1): the schedule (``schedule.py``,
-computed once, independent of seed and epoch) gives the source and the occurrence number ``j`` of
-that source so far; ``j // len(source)`` is the cycle through the source, and a fresh seeded
+independent of seed and epoch; laid out for short epochs, a function of position in O(sources)
+memory for long ones) gives the source and the occurrence number ``j`` of that source so far; ``j // len(source)`` is the cycle through the source, and a fresh seeded
 permutation per (seed, epoch, source, cycle) (``permute.py``) picks the sample. Each sample of a
 source appears ``floor`` or ``ceil`` of ``quota / len`` times per epoch. Everything is a pure
 function of (seed, epoch, position): world size and worker count play no part.
@@ -20,8 +20,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from stallfree.mix import collate as collate_mod
 from stallfree.mix import permute as perm_mod
 from stallfree.mix import schedule as sched_mod
+from stallfree.mix.collate import collate_by_source
+
+__all__ = ["Mixture", "MixtureMismatch", "Ordered", "collate_by_source", "mix"]
 
 STATE_FORMAT = "stallfree.mix.state"
 STATE_VERSION = 1
@@ -43,24 +47,6 @@ class MixtureMismatch(ValueError):
     """A saved mixture state does not describe this mixture (weights, lengths, seed or size)."""
 
 
-def collate_by_source(batch: Sequence[Any]) -> dict[str, Any]:
-    """``collate_fn`` for mixtures whose sources' samples differ in shape (images and tokens):
-    ``{"__source__": [name per sample], name: default_collate(that source's samples), ...}``.
-    torch's ``default_collate`` needs every sample of a batch to have the same keys."""
-    from torch.utils.data import default_collate
-
-    groups: dict[str, list[Any]] = {}
-    names = []
-    for sample in batch:
-        name = sample["__source__"]
-        names.append(name)
-        groups.setdefault(name, []).append(sample)
-    out: dict[str, Any] = {"__source__": names}
-    for name, samples in groups.items():
-        out[name] = default_collate(samples)
-    return out
-
-
 class Mixture:
     """See the module docstring; build with ``mix``."""
 
@@ -73,6 +59,7 @@ class Mixture:
         *,
         samples_per_epoch: int | None = None,
         seed: int = 0,
+        decode: Mapping[str, Any] | None = None,
     ) -> None:
         if not datasets:
             raise ValueError("mix() needs at least one dataset")
@@ -87,6 +74,19 @@ class Mixture:
         for n, w in self.weights.items():
             if not math.isfinite(w) or w < 0:
                 raise ValueError(f"weight of {n!r} must be a finite number >= 0, got {weights[n]!r}")
+        self.decode = dict(decode or {})
+        unknown = sorted(set(self.decode) - set(self.names))
+        if unknown:
+            raise ValueError(f"decode= names sources {unknown} that are not in the mixture {self.names}")
+        for n, dec in self.decode.items():
+            if not (hasattr(dec, "decode_batch") or callable(dec)):
+                raise TypeError(f"decode[{n!r}] must have decode_batch or be callable, got {type(dec).__name__}")
+            if hasattr(dec, "runs_in_workers") and not dec.runs_in_workers:
+                raise ValueError(
+                    f"decode[{n!r}] cannot run in the loader's worker processes, where a mixture's "
+                    "per-source decode runs (e.g. ImageDecode on DALI): give it backend='cpu', or "
+                    "decode whole batches with DataLoader(decode=...)"
+                )
         self.lengths = {n: len(ds) for n, ds in self.datasets.items()}
         empty = [n for n in self.names if self.weights[n] > 0 and self.lengths[n] == 0]
         if empty:
@@ -99,8 +99,7 @@ class Mixture:
         self.epoch = 0
         counts = sched_mod.quotas(total, [self.weights[n] for n in self.names])
         self.quotas = {n: int(c) for n, c in zip(self.names, counts, strict=True)}
-        self._schedule = sched_mod.interleave(counts)
-        self._occ = sched_mod.occurrences(self._schedule, len(self.names))
+        self._schedule = sched_mod.make(counts)  # laid out when short, a function of position when long
         self._lens = np.array([self.lengths[n] for n in self.names], np.int64)
         self._salt = [zlib.crc32(n.encode()) for n in self.names]  # adding a source keeps the others' order
         self._keys: dict[tuple[int, int, int], np.ndarray] = {}
@@ -134,8 +133,7 @@ class Mixture:
         """(source numbers into ``names``, sample indices in those sources) for positions."""
         e = self.epoch if epoch is None else int(epoch)
         pos = self._positions(indices)
-        src = self._schedule[pos].astype(np.int64)
-        occ = self._occ[pos]
+        src, occ = self._schedule.locate(pos)
         lens = self._lens[src]
         cycle, off = occ // lens, occ % lens
         out = np.empty(len(pos), np.int64)
@@ -160,13 +158,20 @@ class Mixture:
 
     def source_of(self, index: int) -> str:
         """The source filling ``index`` (the same in every epoch)."""
-        return self.names[int(self._schedule[self._positions([index])[0]])]
+        return self.names[int(self._schedule.locate(self._positions([index]))[0][0])]
 
     def counts(self, start: int, stop: int) -> dict[str, int]:
         """Samples of each source among positions ``[start, stop)`` (for ``stats()["mix"]``)."""
-        part = self._schedule[max(0, start) : max(0, min(stop, self.samples_per_epoch))]
-        got = np.bincount(part, minlength=len(self.names))
-        return {n: int(got[s]) for s, n in enumerate(self.names)}
+        lo = min(max(0, start), self.samples_per_epoch)
+        hi = min(max(lo, stop), self.samples_per_epoch)
+        a, b = self._schedule.prefix(lo), self._schedule.prefix(hi)
+        return {n: int(b[s] - a[s]) for s, n in enumerate(self.names)}
+
+    def window_bound(self, name: str) -> float:
+        """The most ``name``'s count in any window of ``B`` positions may differ from ``B`` times
+        its share (schedule.py: below 2 for epochs laid out by Tijdeman's algorithm; split.py for
+        longer ones; exactly 1 with two sources either way)."""
+        return self._schedule.window_bounds()[self.names.index(name)]
 
     # -- samples --------------------------------------------------------------------------
     def __getitem__(self, index: int) -> Any:
@@ -186,6 +191,21 @@ class Mixture:
             for p, sample in zip(where.tolist(), samples, strict=True):
                 out[p] = {**sample, "__source__": name} if isinstance(sample, Mapping) else sample
         return out
+
+    def collate(self, batch: Sequence[Any]) -> Any:
+        """The loader's collate for this mixture when none is given (collate.py): by source, with
+        the per-source decoders, when ``decode=`` was given; otherwise ``default_collate``, with a
+        clear error when the batch's sources differ in their fields."""
+        if self.decode:
+            return collate_by_source(batch, self.decode, seed=self._decode_seed)
+        return collate_mod.collate_mixed(batch)
+
+    def collate_by_source(self, batch: Sequence[Any]) -> dict[str, Any]:
+        """``stallfree.mix.collate_by_source`` with this mixture's per-source decoders."""
+        return collate_by_source(batch, self.decode, seed=self._decode_seed)
+
+    def _decode_seed(self, name: str) -> int:
+        return collate_mod.source_seed(self.seed, self.epoch, name)
 
     # -- resume ---------------------------------------------------------------------------
     @property
@@ -248,12 +268,17 @@ def mix(
     *,
     samples_per_epoch: int | None = None,
     seed: int = 0,
+    decode: Mapping[str, Any] | None = None,
 ) -> Mixture:
     """A map-style dataset mixing ``datasets`` (name -> any map-style dataset) in ``weights``'
     shares (relative; ``samples_per_epoch`` defaults to the sources' total length). Read its
     positions in order (``shuffle=False``); dict samples gain ``"__source__": name``.
 
+    ``decode``: name -> decoder for that source only (``ImageDecode(..., backend="cpu")`` or a
+    per-sample callable); the loader then batches by source (collate.py):
+    ``batch["images"]["image"]``, ``batch["tokens"]["input_ids"]``, ``batch["__source__"]``.
+
     >>> ds = stallfree.mix({"web": web, "code": code}, {"web": 0.7, "code": 0.3}, seed=1)
     >>> loader = stallfree.DataLoader(ds, batch_size=16, shuffle=False)
     """
-    return Mixture(datasets, weights, samples_per_epoch=samples_per_epoch, seed=seed)
+    return Mixture(datasets, weights, samples_per_epoch=samples_per_epoch, seed=seed, decode=decode)

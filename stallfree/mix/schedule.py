@@ -9,6 +9,10 @@ positions (aligned or not) a count within ``2 - 1/(n-1)`` of ``B*f_s``: within o
 sources, below two for any number. Exactly "within one" for every window is impossible in
 general with three or more sources of distinct shares (Fraenkel's balanced-word problem), so
 this bound is the contract. The schedule depends on the counts only, never on seed or epoch.
+
+Tijdeman's algorithm decides one position after another, so it is laid out (``Table``) only for
+epochs up to ``EXACT_UP_TO`` positions; ``make`` gives longer epochs split.py's schedule, a
+function of position with a per-source bound of its own (exactly 1 for two sources).
 """
 
 from __future__ import annotations
@@ -18,14 +22,20 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from stallfree.mix.split import Split
+
 
 def quotas(total: int, weights: Sequence[float]) -> np.ndarray:
     """Per-source counts summing to ``total`` in proportion to ``weights`` (largest remainder;
     ties go to the earlier source)."""
     w = np.asarray(weights, np.float64)
-    if total < 0 or not len(w) or not np.isfinite(w).all() or (w < 0).any() or w.sum() <= 0:
+    with np.errstate(over="ignore"):
+        w_sum = w.sum()
+    if total < 0 or not len(w) or not np.isfinite(w).all() or (w < 0).any() or w_sum <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all 0 (got {list(weights)}); total >= 0")
-    raw = total * (w / w.sum())
+    if not np.isfinite(w_sum):  # each finite, the sum not: every share would be 0 / inf
+        raise ValueError(f"weights {list(weights)} sum past the largest float; scale them down (only ratios matter)")
+    raw = total * (w / w_sum)
     counts = np.floor(raw).astype(np.int64)
     left = total - int(counts.sum())
     counts[np.argsort(-(raw - counts), kind="stable")[:left]] += 1
@@ -74,3 +84,37 @@ def occurrences(schedule: np.ndarray, n_sources: int) -> np.ndarray:
         where = np.flatnonzero(schedule == s)
         occ[where] = np.arange(len(where))
     return occ
+
+
+EXACT_UP_TO = 1 << 18  # epochs up to this many positions get Tijdeman's schedule (laid out: ~0.2 s)
+
+
+class Table:
+    """Tijdeman's schedule laid out (``interleave``): the tighter window bound, O(positions) to
+    build and hold, so only for epochs up to ``EXACT_UP_TO`` positions (longer ones: split.Split)."""
+
+    def __init__(self, counts: Sequence[int]) -> None:
+        self.counts = [int(c) for c in counts]
+        self._schedule = interleave(self.counts)
+        self._occ = occurrences(self._schedule, len(self.counts))
+
+    def locate(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(source, occurrence of that source before this position) for each position."""
+        return self._schedule[positions].astype(np.int64), self._occ[positions]
+
+    def prefix(self, t: int) -> list[int]:
+        """Positions of each source among the first ``t``."""
+        return np.bincount(self._schedule[:t], minlength=len(self.counts)).tolist()
+
+    def window_bounds(self) -> list[float]:
+        """Per source: the most its count in any window may differ from its share (module doc)."""
+        live = sum(1 for c in self.counts if c > 0)
+        return [bound(live) if c > 0 and live > 1 else 0.0 for c in self.counts]
+
+
+def make(counts: Sequence[int]) -> Table | Split:
+    """The schedule for these per-epoch counts: laid out when short, a function of position
+    when long (split.py), so a mixture of 10^9 samples per epoch builds in O(sources)."""
+    if sum(int(c) for c in counts) <= EXACT_UP_TO:
+        return Table(counts)
+    return Split(counts)
