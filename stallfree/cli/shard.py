@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from stallfree.cli._common import add_storage_option, describe, fail, storage_options
+from stallfree.cli._common import add_storage_option, describe, fail, parse_key_value, storage_options
 
 SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "hf", "mds", "litdata", "tar")
 
@@ -35,11 +35,16 @@ def register(sub: argparse._SubParsersAction) -> None:
             "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json\n"
             "  stallfree shard ./hf-saved-dataset ./hf-shards --max-samples 1000\n"
             "  stallfree shard ./mds-dataset ./shards --no-shuffle\n"
+            "  stallfree shard s3://bucket/hf-dataset ./shards --source-option anon=true\n"
             "  stallfree shard ./imagenet/train ./in1k-320 --max-side 320 --quality 90 --workers 8\n"
             "  stallfree shard 'text/*.jsonl' ./tokens --tokenizer tokenizer.json --token-layout megatron"
         ),
     )
-    p.add_argument("src", help="source: directory, file, or glob pattern (local)")
+    p.add_argument(
+        "src",
+        help="source: directory, file, or glob pattern (local), or a URL of a dataset open_dataset reads "
+        "(tar / Arrow / Parquet shards, a Hugging Face save_to_disk directory; e.g. s3://bucket/ds)",
+    )
     p.add_argument("dst", help="destination directory: a local path or any fsspec URL")
     p.add_argument("--format", choices=("tar", "arrow"), default="tar", help="shard format (default tar)")
     p.add_argument("--source", choices=SOURCE_KINDS, default=None, help="source kind (default: detected)")
@@ -91,6 +96,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="JPEG/WebP quality for images --max-side re-encodes, 1-100 (default 90)",
     )
     add_storage_option(p, "DST")
+    p.add_argument(
+        "--source-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec storage option for a URL SRC (value parsed as JSON when it can be), repeatable",
+    )
     t = p.add_argument_group("token shards (language-model data)")
     t.add_argument(
         "--tokenizer",
@@ -203,6 +215,7 @@ def run_shard(args: argparse.Namespace) -> int:
     try:
         max_bytes = parse_size(args.max_bytes)
         options = storage_options(args)
+        src_options = dict(parse_key_value(pair, "source option") for pair in args.source_option)
         if max_bytes <= 0:
             raise ValueError(f"--max-bytes must be positive, got {args.max_bytes}")
         if args.max_samples is not None and args.max_samples <= 0:
@@ -237,7 +250,7 @@ def run_shard(args: argparse.Namespace) -> int:
             bar[0].update(nbytes)
 
     try:
-        source = open_source(args.src, args.source, on_error=args.on_error)
+        source = open_source(args.src, args.source, on_error=args.on_error, storage_options=src_options)
         summary = shard_dataset(
             source,
             args.dst,

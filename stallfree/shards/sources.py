@@ -10,10 +10,11 @@ object; each kind lives in its own module, and every name is re-exported here:
   ``HFDatasetSource`` (``datasets.Dataset`` objects), ``spool_iterable`` (``IterableDataset``)
 - ``source_mds``: ``MDSSource``; ``source_litdata``: ``LitDataSource``
 - ``source_tar``: ``TarSource``
+- ``source_dataset``: ``DatasetSource``, a URL read as ``open_dataset`` reads it (imported lazily)
 
 Every source lists its items first, cheaply (paths and sizes, no contents), so the sharder can
 plan shard boundaries deterministically before any byte is read; contents are read lazily, in
-any process, through ``read_many`` (sources pickle as their paths and listing). Local paths only.
+any process, through ``read_many`` (sources pickle as their paths and listing).
 """
 
 from __future__ import annotations
@@ -125,17 +126,25 @@ def open_source(
     *,
     on_error: str = "raise",
     media_root: str | Path | None = None,
+    storage_options: dict[str, Any] | None = None,
 ) -> Source:
-    """A ``Source`` for a path (file, directory or glob), a list of paths, or a ``datasets``
-    ``Dataset`` / ``IterableDataset``; ``kind`` is one of ``SOURCE_KINDS`` or ``None`` to detect
-    it. ``media_root``: for a ``datasets`` object, the directory its path-only ``Image()`` /
-    ``Audio()`` cells are relative to."""
+    """A ``Source`` for a path (file, directory or glob), a list of paths, a URL, or a
+    ``datasets`` ``Dataset`` / ``IterableDataset``; ``kind`` is one of ``SOURCE_KINDS`` or
+    ``None`` to detect it. A URL (``s3://...``) is read through ``open_dataset`` with
+    ``storage_options`` (``source_dataset.DatasetSource``). ``media_root``: for a ``datasets``
+    object, the directory its path-only ``Image()`` / ``Audio()`` cells are relative to."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
     if isinstance(src, Source):
         return src
     if is_hf_dataset(src):
         return source_for_hf_object(src, media_root=media_root, on_error=on_error)
+    if isinstance(src, str) and "://" in src and not src.startswith("file://"):
+        if kind is not None:
+            raise SourceError(f"{src}: a URL source is read as open_dataset reads it; the kind {kind!r} does not apply")
+        from stallfree.shards.source_dataset import DatasetSource
+
+        return DatasetSource(src, on_error=on_error, **(storage_options or {}))
     if isinstance(src, (str, Path)):
         paths = _expand(str(src))
     else:
