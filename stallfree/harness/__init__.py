@@ -12,6 +12,8 @@ Programmatic entry::
 Modules: config (BenchConfig), phases (the measured runs, typed), runner (launch on loopback,
 run the phases), errors (RankFailed, one error line), metrics (stall accounting), loaders
 (adapters), steps (the step), datasets / fixtures (bench data), analyze (differential analysis,
-what-if), tune (workers x prefetch sweep), report (table, JSON, PNG). runner imports analyze and
-tune; they import only config and phases.
+what-if), tune (workers x prefetch sweep), report (table, JSON, PNG). runner imports analyze,
+report and tune; at module level analyze and tune import only config and phases, and inside
+functions loaders (loader_available), datasets (analyze) and report (phase_entry); loaders imports
+report for the decode column's recipe label.
 """

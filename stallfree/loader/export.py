@@ -8,7 +8,7 @@ One call in the training loop::
     for step, batch in enumerate(loader, 1):
         ...                      # train
         export.step(step)        # every 100th step: one stats() snapshot to both
-    export.close()
+    export.close()               # and once more for the steps since the last export
 
 ``tensorboard=`` takes a log directory (a ``SummaryWriter`` is opened there and closed by
 ``close()``) or your own ``SummaryWriter``, so the loader's curves sit beside your loss; ``jsonl=``

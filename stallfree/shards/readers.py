@@ -1,7 +1,8 @@
 """Per-shard random access: ``TarShardReader`` (via the ``.idx`` offsets) and ``ArrowShardReader``.
 
-Local files are memory-mapped: a sample is a few slices of the mapping, no system call, no
-filesystem lookup. Remote files (any fsspec URL) are read with ranged requests: one sample is one
+Local tar shards are read with ``os.pread`` (one call per sample, no memory map: see
+``TarShardReader.__init__``); local Arrow files are memory-mapped (zero-copy columns). Remote
+files (any fsspec URL) are read with ranged requests: one sample is one
 ``cat_file(path, start=, end=)`` spanning its members (headers included, so each member's name is
 checked against the index for free); ``get_many`` merges neighbouring samples into one request.
 

@@ -1,0 +1,215 @@
+"""docs/ARCHITECTURE.md names only things that exist (issue 23 item 7): every file path in
+backticks is a file or directory of this repository, and every backticked ``symbol``,
+``module.symbol`` or ``Class.attribute`` is defined in ``stallfree/`` (or, for fixtures the
+document points at, in ``tests/``).
+
+The check is static (the package's ASTs, nothing imported), so it runs in well under a second. It
+catches renames and removals; whether a sentence about a file is still true is for review.
+Names that are not ours (``os.environ``, ``pread``, torch's) are listed in ``EXTERNAL``.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "stallfree"
+DOCS = [ROOT / "docs" / "ARCHITECTURE.md"]
+
+SPAN = re.compile(r"`([^`\n]+)`")
+IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
+DOTTED = re.compile(rf"^{IDENT}(\.{IDENT})*$")
+CALL = re.compile(rf"^(?P<name>{IDENT}(\.{IDENT})*)\(.*\)$")
+KEYWORD = re.compile(rf"^(?P<name>{IDENT})=.*$")
+FILE_SUFFIXES = (".py", ".c", ".md", ".sh", ".toml", ".txt")
+# Not ours: the standard library, torch and tools the document mentions by name.
+EXTERNAL_ROOTS = {
+    "os",
+    "gc",
+    "weakref",
+    "np",
+    "numpy",
+    "torch",
+    "logging",
+    "pyarrow",
+    "fsspec",
+    "lmdb",
+    "redis",
+}
+EXTERNAL = {"pread", "pwrite", "fork", "print", "IterableDataset", "RawArray", "TYPE_CHECKING"}
+
+
+@dataclass
+class Index:
+    """What ``stallfree/`` defines: per module its top-level names, per class its attributes,
+    and every name defined or spelled as a string anywhere (mode names, stage names, ...)."""
+
+    modules: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))  # "shm", "loader.shm", ...
+    classes: dict[str, set[str]] = field(default_factory=lambda: defaultdict(set))
+    names: set[str] = field(default_factory=set)
+
+
+def _target_names(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, (ast.Tuple, ast.List)):
+        return [n for elt in node.elts for n in _target_names(elt)]
+    return []
+
+
+def _defined(node: ast.stmt) -> list[str]:
+    """The names a top-level statement defines."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    if isinstance(node, ast.Assign):
+        return [n for t in node.targets for n in _target_names(t)]
+    if isinstance(node, ast.AnnAssign):
+        return _target_names(node.target)
+    return []
+
+
+def build_index() -> Index:
+    index = Index()
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "tests").rglob("*.py")]:
+        if path.is_relative_to(ROOT / "tests"):  # fixtures and helpers the document points at
+            tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+            index.names.update(n for node in tree.body for n in _defined(node))
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        rel = path.relative_to(PACKAGE).with_suffix("")
+        parts = [p for p in rel.parts if p != "__init__"] or ["stallfree"]
+        keys = {".".join(parts[i:]) for i in range(len(parts))} | {"stallfree." + ".".join(parts)}
+        top: set[str] = set()
+        for node in tree.body:
+            top.update(_defined(node))
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                top.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if path.name == "__init__.py":  # lazy re-exports: the keys of _EXPORTS
+            top.update(
+                c.value for c in ast.walk(tree) if isinstance(c, ast.Constant) and isinstance(c.value, str)
+            )
+        for key in keys:
+            index.modules[key] |= top
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                attrs = index.classes[node.name]
+                for sub in ast.walk(node):
+                    if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                        attrs.add(sub.name)
+                    elif isinstance(sub, ast.Assign):
+                        for target in sub.targets:
+                            attrs.update(_target_names(target))
+                    elif isinstance(sub, ast.AnnAssign):
+                        attrs.update(_target_names(sub.target))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                index.names.add(node.name)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                index.names.update(x.arg for x in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                    index.names.update(_target_names(target))
+            elif isinstance(node, ast.keyword) and node.arg:
+                index.names.add(node.arg)
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and re.fullmatch(IDENT, node.value)
+            ):
+                index.names.add(node.value)
+    return index
+
+
+def is_path(span: str) -> bool:
+    return (
+        " " not in span and not span.startswith((".", "-")) and ("/" in span or span.endswith(FILE_SUFFIXES))
+    )
+
+
+def path_exists(span: str) -> bool:
+    """A path relative to the repository or to ``stallfree/``; a bare file name anywhere in it."""
+    rel = span.rstrip("/")
+    if (ROOT / rel).exists() or (PACKAGE / rel).exists():
+        return True
+    if "/" not in rel:
+        return any(p for p in ROOT.glob(f"**/{rel}") if ".venv" not in p.parts)
+    return False
+
+
+def symbol_problem(span: str, index: Index) -> str | None:
+    """None when ``span`` names something that exists (or is not a name at all), else why not."""
+    m = CALL.match(span) or KEYWORD.match(span)
+    name = m.group("name") if m else span
+    if not DOTTED.match(name):
+        return None  # an expression, a value, a command line: not a name
+    parts = name.split(".")
+    if parts[0] in EXTERNAL_ROOTS or name in EXTERNAL or hasattr(builtins, name) or len(name) == 1:
+        return None
+    if len(parts) == 1:
+        known = name in index.names or name in index.classes or name in index.modules
+        return None if known else f"`{span}`: no {name!r} defined in stallfree/"
+    for split in range(len(parts) - 1, 0, -1):  # the longest prefix that is a module or a class
+        owner, rest = ".".join(parts[:split]), parts[split:]
+        if owner in index.modules:
+            if rest[0] in index.modules[owner] or f"{owner}.{rest[0]}" in index.modules:
+                return None
+            return f"`{span}`: module {owner} defines no {rest[0]!r}"
+        if owner in index.classes:
+            if rest[0] in index.classes[owner]:
+                return None
+            return f"`{span}`: class {owner} has no {rest[0]!r}"
+    return f"`{span}`: {parts[0]!r} is neither a stallfree module nor a class"
+
+
+def spans(path: Path) -> list[tuple[int, str]]:
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        out += [(n, s.strip()) for s in SPAN.findall(line)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def index() -> Index:
+    return build_index()
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_backticked_path_exists(doc: Path):
+    missing = [f"{doc.name}:{n}: `{s}`" for n, s in spans(doc) if is_path(s) and not path_exists(s)]
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_every_backticked_symbol_is_defined(doc: Path, index: Index):
+    problems = [
+        f"{doc.name}:{n}: {why}"
+        for n, s in spans(doc)
+        if not is_path(s) and (why := symbol_problem(s, index)) is not None
+    ]
+    assert not problems, "names that stallfree/ does not define:\n" + "\n".join(problems)
+
+
+def test_the_checker_catches_what_it_is_for(index: Index):
+    assert (
+        path_exists("loader/shm.py") and path_exists("stallfree/loader/") and path_exists("test_imports.py")
+    )
+    assert not path_exists("loader/mmap_reader.py")
+    assert symbol_problem("shm.materialise", index) is None
+    assert symbol_problem("MainPlan.depth", index) is None
+    assert symbol_problem("Task(gen, seq, indices, decode_seed, epoch)", index) is None
+    assert symbol_problem("stallfree.normalize", index) is None
+    assert symbol_problem('uneven="pad"', index) is None
+    assert symbol_problem("os.environ", index) is None
+    assert "no 'materialize'" in symbol_problem("shm.materialize", index)
+    assert "has no 'deepth'" in symbol_problem("MainPlan.deepth", index)
+    assert "no 'NoSuchReader'" in symbol_problem("NoSuchReader", index)
+    assert symbol_problem("v1.2 N", index) is None  # not a name
