@@ -154,9 +154,10 @@ def _manifest_for_files(
 
 def schema_differences(a: Any, b: Any, name_a: str, name_b: str) -> list[str]:
     """How two Arrow schemas differ, field by field (order and metadata aside): fields only one
-    has, and fields whose types differ. Empty when they agree."""
-    types_a = {f.name: f.type for f in a}
-    types_b = {f.name: f.type for f in b}
+    has, and fields whose types differ. Empty when they agree. ``__key__`` is not a field: a
+    file without it gets ``stem/row`` keys, so files with and without it mix."""
+    types_a = {f.name: f.type for f in a if f.name != "__key__"}
+    types_b = {f.name: f.type for f in b if f.name != "__key__"}
     found = []
     for name, t in types_a.items():
         if name not in types_b:

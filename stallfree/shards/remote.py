@@ -396,6 +396,25 @@ def client_retries(fs: fsspec.AbstractFileSystem, exc: BaseException | None) -> 
     return own
 
 
+def open_read(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    size: int,
+    *,
+    shard: str,
+    block_size: int = 0,
+    policy: RetryPolicy | None = None,
+) -> Any:
+    """A read-only file object for ``path`` of ``size`` bytes: the filesystem's own for local
+    files, a ``RangeFile`` (checked, retried reads) for remote ones. For sequential passes
+    (``verify``) and table readers that want a file."""
+    from stallfree.shards.atomic import is_local
+
+    if is_local(fs):
+        return fs.open(path, mode="rb")
+    return RangeFile(fs, path, size, shard=shard, block_size=block_size, policy=policy)
+
+
 def _info(fs: fsspec.AbstractFileSystem, path: str, shard: str, policy: RetryPolicy) -> dict[str, Any] | None:
     """``fs.info(path)``, None for "not there"; transport failures retried, then RemoteReadError."""
     last: BaseException | None = None
@@ -581,6 +600,7 @@ __all__ = [
     "describe",
     "exists",
     "file_size",
+    "open_read",
     "is_transport_error",
     "read_file",
     "read_range",

@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import fsspec
 
+from stallfree.shards import remote
 from stallfree.shards.errors import (
     CorruptShardError,
     DuplicateKeyError,
@@ -181,8 +182,8 @@ def _load_index(
     idx_path = idx_path_for(path)
     name = posixpath.basename(idx_path)
     try:
-        return parse_idx(fs.cat_file(idx_path), shard=name), []
-    except FileNotFoundError:
+        return parse_idx(remote.read_file(fs, idx_path, shard=name), shard=name), []
+    except MissingShardError:
         return None, [IndexMismatchError(f"missing index {name}: no .idx file beside the shard", shard=shard)]
     except IndexMismatchError as exc:
         return None, [exc]
@@ -221,8 +222,9 @@ def verify_tar_shard(
     duplicates: list[DuplicateKeyError] = []
     decoded: list[ShardError] = []
     samples: list[IdxSample] = []
-    with fs.open(path, mode="rb", block_size=1 << 22) as f:
-        reader = _HashingReader(f, file_size(fs, path, shard), progress)
+    size = file_size(fs, path, shard)
+    with remote.open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
+        reader = _HashingReader(f, size, progress)
         members = walk_tar(reader, shard)
         if decode:
             members = _decoding(members, reader, shard, report, decoded)
@@ -339,7 +341,8 @@ def verify_arrow_shard(
 
     shard = info.path
     errors = report.errors
-    with fs.open(path, mode="rb", block_size=1 << 22) as f:
+    size = file_size(fs, path, shard)
+    with remote.open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
         reader = _HashingReader(f, 0, progress)
         reader.read_rest()
     report.bytes += reader.pos
@@ -349,7 +352,7 @@ def verify_arrow_shard(
     layout = "Parquet file" if path.endswith(".parquet") else "Arrow IPC file"
     b = -1
     try:
-        with fs.open(path, mode="rb") as f:
+        with remote.open_read(fs, path, size, shard=shard) as f:
             batches, layout = _table_batches(f, path, shard)
             rows = 0
             seen: set[str] = set()

@@ -55,6 +55,8 @@ def test_schema_differences_word_each_field():
         "'z' only in B",
     ]
     assert schema_differences(a, a, "A", "A") == []
+    keyed = pa.schema([("__key__", pa.string()), ("x", pa.int32()), ("y", pa.string())])
+    assert schema_differences(a, keyed, "A", "K") == []  # the key column is not a field
 
 
 def test_table_warning_advises_what_works(tmp_path, caplog):
