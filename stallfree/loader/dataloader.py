@@ -30,7 +30,7 @@ from stallfree.loader import order as order_mod
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
 from stallfree.loader.plan import MainPlan, WorkerPlan, worker_cores
-from stallfree.loader.prefetch import Assembler, failure_budget
+from stallfree.loader.prefetch import Assembler, check_max_failures, failure_budget
 from stallfree.loader.progress import EpochProgress
 from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices
 from stallfree.loader.state import LoaderState
@@ -74,10 +74,11 @@ class DataLoader(tud.DataLoader[T_co]):
     reads go through it), ``decode`` (object with ``decode_batch``: run in the main process, or
     in the workers when it says ``runs_in_workers`` and accepts ``alloc=``, as ImageDecode's CPU
     decoder does; or a per-sample callable run in workers), ``device`` (copy batches there on a side CUDA stream),
-    ``on_error`` (raise|skip|warn), ``max_failures`` (count, or fraction of the rank's epoch),
-    ``order`` (auto|global|block|sequential), ``world`` (override rank/size), ``uneven`` (pad|drop:
+    ``on_error`` (raise|skip|warn), ``max_failures`` (an int is a count; a float in [0, 1] a
+    fraction of the rank's epoch: 1.0 lets every sample fail), ``order`` (auto|global|block|sequential), ``world`` (override rank/size), ``uneven`` (pad|drop:
     how ranks equalise an uneven tail), ``window`` (shards per block in block order),
-    ``worker_timeout`` (seconds a worker may spend on one batch before it counts as hung),
+    ``worker_timeout`` (seconds a worker may go without any progress, no batch sent and no step to
+    another sample, before it counts as hung; one merely waiting for work is never hung),
     ``decode_threads`` (threads per worker running the per-sample ``decode``; default: the cores
     left per worker, 1 to 4 — PIL-style decoders release the GIL), ``fetch_threads`` (tasks each
     worker reads at once, default 1; more hides remote latency: worth it with a deep prefetch), ``autotune`` (adapt the number
@@ -147,8 +148,7 @@ class DataLoader(tud.DataLoader[T_co]):
             raise ValueError(f"order must be 'auto' or one of {order_mod.ORDERS}, got {order!r}")
         if uneven not in order_mod.UNEVEN:
             raise ValueError(f"uneven must be one of {order_mod.UNEVEN}, got {uneven!r}")
-        if max_failures is not None and max_failures < 0:
-            raise ValueError(f"max_failures must be >= 0, got {max_failures}")
+        check_max_failures(max_failures)
         self._user_collate = collate_fn
         self._cache = cache
         self._decode = decode

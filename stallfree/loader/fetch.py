@@ -28,7 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.loader import lifeline, pipeline
+from stallfree.loader import contracts, lifeline, pipeline
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.messages import Task
 
@@ -288,7 +288,8 @@ def _fetch_getitems(ctx: WorkerContext, task: Task, getitems: Any) -> list:
         return out
     except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
         if ctx.plan.on_error == "raise":
-            failure = pipeline.SampleFailure(indices[0], str(indices[0]), "fetch", exc)
+            key = contracts.failed_key(source_of(ctx), indices[0], exc)
+            failure = pipeline.SampleFailure(indices[0], key, "fetch", exc)
             return [failure] * len(indices)  # the first is the one reported
         logger.debug(
             "__getitems__ of %d samples failed; reading them one by one", len(indices), exc_info=True
@@ -300,7 +301,7 @@ def _read_one(dataset: Any, i: Any) -> Any:
     try:
         return dataset[i]
     except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
-        return pipeline.SampleFailure(i, str(i), "fetch", exc)
+        return pipeline.SampleFailure(i, contracts.failed_key(dataset, i, exc), "fetch", exc)
 
 
 def fetch_streaming(ctx: WorkerContext, task: Task, writer: Any) -> list:

@@ -30,7 +30,7 @@ class FailedSample:
     """A sample skipped under ``on_error`` skip/warn: reported to the main process for stats."""
 
     index: int
-    key: str
+    key: str | None  # the sample's key (None: not known; reported as its index)
     stage: str
     reason: str
 

@@ -13,29 +13,36 @@ from typing import Any
 
 import numpy as np
 
+from stallfree.loader import contracts
 from stallfree.shards.errors import BatchDecodeError
 
 logger = logging.getLogger(__name__)
 
 
 class SampleFailure(Exception):
-    """One sample failed in a stage; carries the index, key and the original exception."""
+    """One sample failed in a stage; carries the index, the sample's key (None: not known) and
+    the original exception."""
 
-    def __init__(self, index: Any, key: str, stage: str, cause: BaseException) -> None:
+    def __init__(self, index: Any, key: str | None, stage: str, cause: BaseException) -> None:
         self.index, self.key, self.stage, self.cause = index, key, stage, cause
-        super().__init__(f"sample {index} (key {key!r}) failed in {stage}: {type(cause).__name__}: {cause}")
+        super().__init__(f"{sample_label(index, key)} failed in {stage}: {type(cause).__name__}: {cause}")
+
+
+def sample_label(index: Any, key: str | None) -> str:
+    """How errors and logs name a sample: by its key where known, always with its index; never
+    an index dressed up as a key (``failed_keys`` once held ``'474'`` for sample ``'000474'``)."""
+    return f"sample {key!r} (index {index})" if key is not None else f"sample at index {index}"
+
+
+def key_or_index(index: Any, key: str | None) -> str:
+    """A failed sample as ``stats()['failed_keys']`` lists it: its key, else ``index N``."""
+    return key if key is not None else f"index {index}"
 
 
 def as_index(i: Any) -> Any:
     """A sampler's index as ``dataset[...]`` gets it: numpy integers become ints; anything else (a
     list of indices for a bulk-reading dataset with ``batch_size=None``, a key) is left as it is."""
     return int(i) if isinstance(i, (int, np.integer)) else i
-
-
-def sample_key(sample: Any, index: Any) -> str:
-    if isinstance(sample, dict) and "__key__" in sample:
-        return str(sample["__key__"])
-    return str(index)
 
 
 def _fetch_batch(
@@ -51,7 +58,7 @@ def _fetch_batch(
         from stallfree.cache.readthrough import read_through
 
         return list(read_through(dataset, indices, cache, stage="raw", stats=read_stats))
-    get_many = getattr(dataset, "get_many", None) or getattr(dataset, "__getitems__", None)
+    get_many = contracts.batch_read_of(dataset)
     if get_many is not None:
         return list(get_many(indices))
     out = []
@@ -89,7 +96,7 @@ def fetch(
         try:
             results.append(_fetch_batch(dataset, [i], cache, on_sample, read_stats)[0])
         except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
-            results.append(SampleFailure(i, str(i), "fetch", exc))
+            results.append(SampleFailure(i, contracts.failed_key(dataset, i, exc), "fetch", exc))
     return results
 
 
@@ -103,7 +110,7 @@ def apply_map(samples: list[Any], indices: Sequence[int], fn: Callable[[Any], An
         try:
             out.append(fn(s))
         except Exception as exc:  # noqa: BLE001 - recorded, the policy decides
-            out.append(SampleFailure(as_index(i), sample_key(s, as_index(i)), "decode", exc))
+            out.append(SampleFailure(as_index(i), contracts.sample_key(s), "decode", exc))
     return out
 
 

@@ -311,12 +311,12 @@ class Assembler:
 
     def _count_failures(self, fails: Sequence[FailedSample]) -> None:
         for f in fails:
-            self._failures.append((f.index, f.key, f"{f.stage}: {f.reason}"))
+            self._failures.append((f.index, pipeline.key_or_index(f.index, f.key), f"{f.stage}: {f.reason}"))
             self.stats.failures += 1
-            self.stats.failed.append((f.index, f.key, f.reason))
+            self.stats.failed.append((f.index, pipeline.key_or_index(f.index, f.key), f.reason))
             if self.plan.on_error == "warn":
                 logger.warning(
-                    "skipping sample %s (key %r): %s failed: %s", f.index, f.key, f.stage, f.reason
+                    "skipping %s: %s failed: %s", pipeline.sample_label(f.index, f.key), f.stage, f.reason
                 )
         budget = self.plan.budget
         if budget is not None and len(self._failures) > budget:
@@ -438,11 +438,27 @@ def record_stream(obj: Any, stream: Any) -> None:
 
 
 def failure_budget(max_failures: int | float | None, rank_samples: int) -> int | None:
-    """The number of failures allowed this epoch: a count, or a fraction of the rank's share."""
+    """The number of failures allowed this epoch. An int is a count; a float in [0, 1] is a
+    fraction of the rank's share, so ``1.0`` allows every sample to fail (it once meant one
+    sample: a float 1.0 fell through to the count branch)."""
+    check_max_failures(max_failures)
     if max_failures is None:
         return None
-    if isinstance(max_failures, float) and 0 <= max_failures < 1:
+    if isinstance(max_failures, float):
         return math.floor(max_failures * rank_samples)
+    return int(max_failures)
+
+
+def check_max_failures(max_failures: Any) -> None:
+    """``max_failures``: None, an int count >= 0, or a float fraction in [0, 1]."""
+    if max_failures is None:
+        return
+    if isinstance(max_failures, bool) or not isinstance(max_failures, (int, float)):
+        raise TypeError(f"max_failures must be an int count or a float fraction, got {max_failures!r}")
+    if isinstance(max_failures, float) and not 0.0 <= max_failures <= 1.0:
+        raise ValueError(
+            f"max_failures={max_failures!r}: a float is a fraction of the epoch, in [0, 1]; "
+            "give a count as an int"
+        )
     if max_failures < 0:
         raise ValueError(f"max_failures must be >= 0, got {max_failures}")
-    return int(max_failures)

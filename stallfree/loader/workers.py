@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import fetch, lifeline, pipeline, rows, shardio, shm
+from stallfree.loader import contracts, fetch, lifeline, pipeline, rows, shardio, shm
 from stallfree.loader import slots as slots_mod
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.fetch import MAP_IDX, MAP_SEQ, Fetched
@@ -59,11 +59,18 @@ def _seed_worker(plan: WorkerPlan, wid: int) -> int:
     return seed
 
 
-def _wrap(exc: BaseException, wid: int, index: Any, key: str | None) -> Any:
+def _wrap(exc: BaseException, wid: int, doing: str | None) -> Any:
     where = f"in DataLoader worker process {wid}"
-    if index is not None:
-        where += f" while loading sample {index} (key {key!r})"
+    if doing:
+        where += f" {doing}"
     return compat.wrap_exception(exc, where)
+
+
+def _batch_stage(stage: str, task: Task, indices: list[Any]) -> str:
+    """What a worker was doing when a whole batch failed (collate, a batch decoder's bug): a
+    batch step, not a sample load (a collate_fn error once read "while loading sample 0")."""
+    first = f", first index {indices[0]}" if indices else ""
+    return f"while {stage} batch {task.seq} ({len(indices)} samples{first})"
 
 
 def _start(ctx: WorkerContext) -> None:
@@ -86,7 +93,7 @@ def _start(ctx: WorkerContext) -> None:
             try:
                 plan.worker_init_fn(ctx.wid)
             except Exception as exc:  # noqa: BLE001 - reported with each task, as torch does
-                ctx.init_error = _wrap(exc, ctx.wid, None, None)
+                ctx.init_error = _wrap(exc, ctx.wid, "in worker_init_fn")
                 return
     if plan.batch_decode is not None and hasattr(plan.batch_decode, "use_threads"):
         plan.batch_decode.use_threads(plan.threads)  # this worker's share of the cores
@@ -262,12 +269,20 @@ def _into_slot(
 
 
 def _failure(
-    ctx: WorkerContext, task: Task, index: Any, key: str | None, exc: BaseException
+    ctx: WorkerContext,
+    task: Task,
+    index: Any,
+    key: str | None,
+    exc: BaseException,
+    doing: str | None = None,
 ) -> WorkerFailure:
+    """A failed task. ``doing``: the batch step that failed; by default loading sample ``index``."""
     # ours travel as themselves (type and failures kept); in-process, the user's exception itself is
     # raised, as by torch's single-process iterator; from a process, torch's wrapper carries it
     own = isinstance(exc, BatchDecodeError) or ctx.plan.in_process
-    error = exc if own else _wrap(exc, ctx.wid, index, key)
+    if doing is None and index is not None:
+        doing = f"while loading {pipeline.sample_label(index, key)}"
+    error = exc if own else _wrap(exc, ctx.wid, doing)
     return WorkerFailure(task.gen, task.seq, ctx.wid, index, key, error)
 
 
@@ -280,8 +295,9 @@ def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batc
     if ctx.plan.use_shm:
         try:
             slot, new_storage, payload = _into_slot(ctx, slots, _Loaded([], timing), [], None, item.batch)
-        except Exception as exc:  # noqa: BLE001 - named by the batch's first sample, as collate errors are
-            return _failure(ctx, task, task.indices[0], None, exc)
+        except Exception as exc:  # noqa: BLE001 - a batch step: named by its batch
+            doing = _batch_stage("writing into shared memory", task, task.indices)
+            return _failure(ctx, task, task.indices[0], None, exc, doing)
     timing["map_s"] = 0.0
     timing["collate_s"] = time.perf_counter() - t1
     return BatchReady(
@@ -323,10 +339,10 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
             slots.unused(slot)
             pos, key, _ = exc.failures[0] if exc.failures else (0, None, None)
             return _failure(ctx, task, good_idx[pos], key, exc)
-        except Exception as exc:  # noqa: BLE001 - a decoder bug: reported with the batch's first sample
+        except Exception as exc:  # noqa: BLE001 - a decoder bug: a batch step, named by its batch
             slots.unused(slot)
-            key = pipeline.sample_key(good[0], good_idx[0])
-            return _failure(ctx, task, good_idx[0], key, exc)
+            doing = _batch_stage("decoding", task, good_idx)
+            return _failure(ctx, task, good_idx[0], contracts.sample_key(good[0]), exc, doing)
         finally:
             timing["decode_batch_s"] = time.perf_counter() - t1
         decoded, good, good_idx = outcome.batch, outcome.samples, outcome.indices
@@ -346,8 +362,8 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
     if not plan.send_raw and good:
         try:
             slot, new_storage, payload = _into_slot(ctx, slots, loaded, good, alloc, decoded)
-        except Exception as exc:  # noqa: BLE001 - a collate error names the batch's first sample
-            return _failure(ctx, task, good_idx[0], None, exc)
+        except Exception as exc:  # noqa: BLE001 - a collate error: a batch step, named by its batch
+            return _failure(ctx, task, good_idx[0], None, exc, _batch_stage("collating", task, good_idx))
     timing["collate_s"] = time.perf_counter() - t1
     return BatchReady(
         gen=task.gen,

@@ -191,7 +191,7 @@ def test_a_failing_get_batch_is_read_again_per_sample(tokens, on_error):
     got, want = list(got_l), list(want_l)
     _same(got, want)
     assert sum(len(b["input_ids"]) for b in got) == len(ds) - 1
-    assert got_l.stats()["failed_keys"] == want_l.stats()["failed_keys"] == ["5"]
+    assert got_l.stats()["failed_keys"] == want_l.stats()["failed_keys"] == ["index 5"]
 
 
 # -- torch's __getitems__ -------------------------------------------------------------------------

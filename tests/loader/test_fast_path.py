@@ -148,7 +148,7 @@ def test_error_raise_names_worker_and_sample(num_workers):
     with pytest.raises(ValueError, match="bad sample 13") as err:
         list(dl)
     if num_workers:
-        assert "in DataLoader worker process" in str(err.value) and "sample 13" in str(err.value)
+        assert "in DataLoader worker process" in str(err.value) and "index 13" in str(err.value)
 
 
 def test_on_error_skip_drops_failed_samples_and_counts_them():
@@ -156,7 +156,7 @@ def test_on_error_skip_drops_failed_samples_and_counts_them():
     got = indices(dl)
     assert sorted(got) == sorted(set(range(20)) - {2, 7})
     st = dl.stats()
-    assert st["failures"] == 2 and sorted(st["failed_keys"]) == ["2", "7"]
+    assert st["failures"] == 2 and sorted(st["failed_keys"]) == ["index 2", "index 7"]  # read failed: no key
 
 
 def test_on_error_warn_logs(caplog):
@@ -164,7 +164,7 @@ def test_on_error_warn_logs(caplog):
     with caplog.at_level(logging.WARNING, logger="stallfree.loader.prefetch"):
         got = indices(dl)
     assert 5 not in got and len(got) == 11
-    assert any("sample 5" in r.getMessage() for r in caplog.records)
+    assert any("sample at index 5" in r.getMessage() for r in caplog.records)
 
 
 @pytest.mark.parametrize("budget, allowed", [(2, 2), (0.1, 3)])  # 0.1 of a 30-sample epoch = 3
@@ -180,7 +180,7 @@ def test_failure_budget_stops_with_failed_keys(budget, allowed):
     with pytest.raises(FailureBudgetExceeded, match="max_failures") as err:
         list(dl)
     assert len(err.value.failed) > allowed and f"allows ({allowed})" in str(err.value)
-    assert all(int(k) in {1, 4, 9, 16, 25} for _, k, _ in err.value.failed)
+    assert all(k in {f"index {i}" for i in (1, 4, 9, 16, 25)} for _, k, _ in err.value.failed)
 
 
 def test_worker_death_is_an_error_naming_worker_and_sample():

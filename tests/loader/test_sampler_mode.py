@@ -46,7 +46,7 @@ def test_sampler_order_and_batches_equal_torch(num_workers):
 
 
 def test_error_names_the_sample_in_sampler_mode():
-    with pytest.raises(ValueError, match=r"worker process \d while loading sample 6"):
+    with pytest.raises(ValueError, match=r"worker process \d while loading sample at index 6"):
         list(DataLoader(Failing(10, {6}), batch_size=2, num_workers=2))
 
 
