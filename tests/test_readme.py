@@ -56,8 +56,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
 # Appended to every `stallfree bench` line (argparse: the last value wins), so a bench of the
 # docs' shape runs in seconds on tiny data.
 TINY_BENCH = (
-    "--nproc 1 --steps 2 --warmup 1 --batch-size 4 --workers 1 --image-size 16 --step-ms 1 --step sleep "
-    "--tune-workers 1 --tune-prefetch 2 --device cpu"
+    "--nproc 1 --steps 2 --warmup 1 --batch-size 4 --workers 0 --image-size 16 --step-ms 1 "
+    "--tune-workers 0 --tune-prefetch 2 --device cpu"
 )
 
 
