@@ -242,7 +242,7 @@ class StallfreeAdapter(Adapter):
             return {"decode_mode": self.decode_mode}
 
     def decode_label(self) -> str:
-        """``ImageDecode <backend>, <where>`` from the loader's own stats, or the recipe's label."""
+        """``ImageDecode <backend> in <workers|main>`` from the loader's own stats, or the recipe's label."""
         if self.decode_mode == "recipe":
             return RECIPE_LABEL
         decode = self.stats().get("decode") or {}
