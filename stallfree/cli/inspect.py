@@ -71,10 +71,11 @@ def run_inspect(args: argparse.Namespace) -> int:
     except ValueError as exc:
         return fail("inspect", exc, 2)
     try:
-        # resolve says whether a manifest.json is there (paths None) or the shards were listed:
-        # open_dataset then indexes them on the fly, and its manifest is made up, version and all.
-        on_disk = resolve(args.dataset, **options)[2] is None
         ds = open_dataset(args.dataset, **options)
+        # resolve says whether a manifest.json is there (paths None) or the shards were listed, so
+        # open_dataset indexed them on the fly and its manifest is made up, version and all. After
+        # open_dataset, so that a missing bucket or a refused read gets its own error.
+        on_disk = resolve(args.dataset, **options)[2] is None
         manifest = ds.manifest
         first = ds[0] if len(ds) else {}
     except (ShardError, OSError, ValueError) as exc:
