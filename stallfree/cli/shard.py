@@ -23,8 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "(one row per sample), a Hugging Face datasets save_to_disk directory or .arrow / .parquet "
             "files (Image/Audio columns as encoded bytes, ClassLabel names as the manifest's classes), "
             "a MosaicML MDS or LitData dataset directory (index.json), or existing tar shards "
-            "(re-shard). ImageFolder and grouped-file sources are shuffled (seed 0, recorded in the "
-            "manifest) unless --no-shuffle: shards in class order give single-class batches to "
+            "(re-shard). ImageFolder and grouped-file sources, and Hugging Face rows sorted by their "
+            "ClassLabel, are shuffled (seed 0, recorded in the manifest) unless --no-shuffle: shards in class order give single-class batches to "
             "readers that stream shards in order. Output is identical for any --workers."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -56,8 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--shuffle-seed",
         type=_seed,
         default="auto",
-        help="shuffle samples with this seed before sharding (default: seed 0 for ImageFolder and "
-        "grouped files, source order for the rest)",
+        help="shuffle samples with this seed before sharding (default: seed 0 for ImageFolder, "
+        "grouped files and class-sorted Hugging Face rows; source order for the rest)",
     )
     order.add_argument(
         "--no-shuffle",
@@ -117,7 +117,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="megatron",
         help="megatron: NAME.bin + NAME.idx; arrow: Arrow shards with an input_ids column (default megatron)",
     )
-    t.add_argument("--token-name", default="tokens", help="file name stem of the token files (default tokens)")
+    t.add_argument(
+        "--token-name", default="tokens", help="file name stem of the token files (default tokens)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
     p.set_defaults(func=run_shard)

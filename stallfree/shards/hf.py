@@ -159,7 +159,9 @@ def read_local_media(base: str, path: str, where: str) -> bytes:
         with open(full, "rb") as f:
             return f.read()
     except OSError as exc:
-        raise ValueError(f"{where}: cannot read media file {path!r} under {base}: {exc.strerror or exc}") from None
+        raise ValueError(
+            f"{where}: cannot read media file {path!r} under {base}: {exc.strerror or exc}"
+        ) from None
 
 
 def media_bytes(value: Any, column: str, where: str, read_path: Callable[[str], bytes]) -> bytes | None:
@@ -228,6 +230,21 @@ def row_media_converter(
     return converted
 
 
+def class_sorted(labels: Any) -> bool:
+    """Labels (an Arrow array or chunked array, or a sequence) in non-decreasing order with more
+    than one class: rows grouped by class, as ``datasets``' imagefolder loader writes them (one
+    class after another). Such a source is sharded shuffled by default, as an ImageFolder is."""
+    import numpy as np
+
+    if hasattr(labels, "to_numpy"):
+        values = np.asarray(labels.fill_null(-1).to_numpy(zero_copy_only=False))
+    else:
+        values = np.asarray([-1 if v is None else v for v in labels])
+    if values.size < 2:
+        return False
+    return bool(np.all(values[1:] >= values[:-1]) and values[0] != values[-1])
+
+
 def binary_schema(schema: Any, columns: HFColumns) -> Any:
     """``schema`` with each media column as ``binary`` (what ``convert_row`` makes of it)."""
     import pyarrow as pa
@@ -246,6 +263,7 @@ __all__ = [
     "HFColumns",
     "SavedDataset",
     "binary_schema",
+    "class_sorted",
     "columns_from_features",
     "columns_of_schema",
     "convert_row",

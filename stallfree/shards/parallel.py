@@ -340,9 +340,9 @@ def shard_dataset(
 ) -> ShardSummary:
     """Shard ``source`` into ``dst`` (any fsspec URL). ``source`` is a ``Source``, or anything
     ``open_source`` takes (a path, a ``datasets.Dataset`` / ``IterableDataset``).
-    ``shuffle_seed``: ``"auto"`` shuffles grouped sources (ImageFolder, grouped files) with
-    ``DEFAULT_SHUFFLE_SEED`` and keeps the order of the rest; an int shuffles with that seed;
-    None keeps source order. The seed used is the manifest's ``shuffle_seed``.
+    ``shuffle_seed``: ``"auto"`` shuffles grouped sources (ImageFolder, grouped files, Hugging
+    Face rows sorted by ClassLabel) with ``DEFAULT_SHUFFLE_SEED`` and keeps the order of the
+    rest; an int shuffles with that seed; None keeps source order. The seed used is the manifest's ``shuffle_seed``.
     ``on_plan(samples, shards, bytes)`` is called once the plan is made; ``progress(samples,
     bytes)`` as samples are written; ``transform`` rewrites each sample before it is written
     (recorded in the manifest)."""

@@ -45,7 +45,9 @@ class DatasetSource(Source):
         for shard in self.dataset.manifest.shards:
             size = shard.bytes // max(shard.samples, 1)
             start = len(items)
-            items.extend(Item(f"{self.url} {shard.path} sample {r}", (size,), start + r) for r in range(shard.samples))
+            items.extend(
+                Item(f"{self.url} {shard.path} sample {r}", (size,), start + r) for r in range(shard.samples)
+            )
         return items
 
     def read(self, item: Item) -> dict[str, Any]:

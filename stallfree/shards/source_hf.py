@@ -21,6 +21,7 @@ from stallfree.shards.hf import (
     DATASET_DICT_FILE,
     HFColumns,
     binary_schema,
+    class_sorted,
     columns_from_features,
     columns_of_schema,
     convert_row,
@@ -29,7 +30,7 @@ from stallfree.shards.hf import (
     splits_of_dataset_dict,
 )
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
-from stallfree.shards.source_tables import TableSource, row_sample
+from stallfree.shards.source_tables import TableSource, _open_ipc, row_sample
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,31 @@ class HFTableSource(TableSource):
         self.columns = columns
         self.classes = columns.classes
         self.class_field = columns.class_field
+        self._grouped: bool | None = None
+
+    @property
+    def grouped(self) -> bool:  # type: ignore[override]
+        """Rows sorted by their ClassLabel (read once: that one column of every file)."""
+        if self._grouped is None:
+            self._grouped = self.class_field is not None and self._labels_sorted(self.class_field)
+        return self._grouped
+
+    def _labels_sorted(self, name: str) -> bool:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        chunks = []
+        try:
+            for path in self.paths:
+                if self.kind == "parquet":
+                    chunks.extend(pq.read_table(path, columns=[name]).column(name).chunks)
+                else:
+                    with _open_ipc(path) as reader:
+                        for b in range(reader.num_record_batches):
+                            chunks.append(reader.get_batch(b).column(name))
+        except (OSError, ValueError, KeyError):
+            return False  # listing reports an unreadable file with the on_error policy
+        return class_sorted(pa.chunked_array(chunks) if chunks else [])
 
     def schema(self):
         schema = super().schema()
@@ -121,7 +147,9 @@ class HFDatasetSource(Source):
 
     kind = "hf"
 
-    def __init__(self, dataset: Any, *, media_root: str | Path | None = None, on_error: str = "raise") -> None:
+    def __init__(
+        self, dataset: Any, *, media_root: str | Path | None = None, on_error: str = "raise"
+    ) -> None:
         super().__init__()
         self.dataset = dataset
         self.on_error = on_error
@@ -131,6 +159,8 @@ class HFDatasetSource(Source):
         if media_root is None and dataset.cache_files:
             media_root = os.path.dirname(dataset.cache_files[0]["filename"])
         self.media_root = None if media_root is None else str(media_root)
+        field = self.class_field
+        self.grouped = field is not None and class_sorted(dataset.with_format("arrow")[field])
 
     def schema(self):
         return binary_schema(self.dataset.features.arrow_schema, self.columns)
@@ -214,7 +244,11 @@ def spool_iterable(
 def _write_rows(sink: Any, writer: Any, rows: list[dict[str, Any]], schema: Any) -> Any:
     import pyarrow as pa
 
-    batch = pa.RecordBatch.from_pylist(rows, schema=schema) if schema is not None else pa.RecordBatch.from_pylist(rows)
+    batch = (
+        pa.RecordBatch.from_pylist(rows, schema=schema)
+        if schema is not None
+        else pa.RecordBatch.from_pylist(rows)
+    )
     if writer is None:
         writer = pa.ipc.new_stream(sink, batch.schema)
     if batch.num_rows:
@@ -250,7 +284,9 @@ class _SpooledSource(HFTableSource):
             raise SourceReadError(str(exc), path=where, key=sample["__key__"]) from None
 
 
-def source_for_hf_object(obj: Any, *, media_root: str | Path | None = None, on_error: str = "raise") -> Source:
+def source_for_hf_object(
+    obj: Any, *, media_root: str | Path | None = None, on_error: str = "raise"
+) -> Source:
     """The source for a ``datasets.Dataset`` or ``IterableDataset``."""
     if type(obj).__name__ == "IterableDataset":
         return spool_iterable(obj, media_root=media_root, on_error=on_error)

@@ -40,7 +40,9 @@ _SCALAR_LEAVES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
 
 
 def is_litdata_index(obj: Any) -> bool:
-    return isinstance(obj, dict) and isinstance(obj.get("chunks"), list) and isinstance(obj.get("config"), dict)
+    return (
+        isinstance(obj, dict) and isinstance(obj.get("chunks"), list) and isinstance(obj.get("config"), dict)
+    )
 
 
 def leaf_names(spec_text: str | None, count: int, where: str) -> list[str]:

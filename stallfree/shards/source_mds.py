@@ -106,7 +106,9 @@ class MDSSource(OffsetTableSource):
         for name, enc in zip(names, encodings, strict=True):
             base = str(enc).split(":", 1)[0]
             if enc in _REFUSED or base in _REFUSED:
-                raise SourceError(f"{where}: column {name!r} ({enc}) holds {_REFUSED.get(enc) or _REFUSED[base]}")
+                raise SourceError(
+                    f"{where}: column {name!r} ({enc}) holds {_REFUSED.get(enc) or _REFUSED[base]}"
+                )
             if base not in (*_SCALARS, *_BYTE_ENCODINGS, "str", "int", "ndarray", "json", "pil",
                             "str_int", "str_float", "str_decimal"):  # fmt: skip
                 raise SourceError(f"{where}: column {name!r} has unknown MDS encoding {enc!r}")

@@ -80,8 +80,8 @@ def parse_table(head: bytes, path: str, file_size: int, expected: int | None) ->
 
 class OffsetTableSource(Source):
     """Base for datasets of offset-table files. Subclasses set ``files`` (a ``ShardFile`` list in
-    dataset order) and implement ``decode(fi, data, where) -> dict`` for one sample's bytes
-(``fi``: the number of its file in ``files``)."""
+        dataset order) and implement ``decode(fi, data, where) -> dict`` for one sample's bytes
+    (``fi``: the number of its file in ``files``)."""
 
     files: list[ShardFile]
 
@@ -109,7 +109,11 @@ class OffsetTableSource(Source):
                 continue
             base = len(items)
             items.extend(
-                Item(f"{shard.path} sample {r}", (offsets[r + 1] - offsets[r],), (fi, r, offsets[r], offsets[r + 1], base + r))
+                Item(
+                    f"{shard.path} sample {r}",
+                    (offsets[r + 1] - offsets[r],),
+                    (fi, r, offsets[r], offsets[r + 1], base + r),
+                )
                 for r in range(len(offsets) - 1)
             )
         return items
@@ -141,7 +145,9 @@ class OffsetTableSource(Source):
             try:
                 data = undo(data)
             except (OSError, EOFError, ValueError) as exc:
-                raise SourceReadError(f"cannot decompress ({shard.compression}): {exc}", path=shard.path) from None
+                raise SourceReadError(
+                    f"cannot decompress ({shard.compression}): {exc}", path=shard.path
+                ) from None
         self._blob = (fi, data)
         return data
 
@@ -168,7 +174,9 @@ class OffsetTableSource(Source):
                         data = os.pread(f.fileno(), end - begin, begin)
                     if len(data) != end - begin:
                         raise SourceReadError(
-                            f"sample {row} cut short ({len(data)} of {end - begin} bytes)", path=shard.path, offset=begin
+                            f"sample {row} cut short ({len(data)} of {end - begin} bytes)",
+                            path=shard.path,
+                            offset=begin,
                         )
                     try:
                         fields = self.decode(fi, data, where)
@@ -176,7 +184,9 @@ class OffsetTableSource(Source):
                         raise SourceReadError(f"sample {row}: {exc}", path=shard.path, offset=begin) from None
                     yield row_sample(fields, number, shard.path)
                 except OSError as exc:
-                    yield SourceReadError(f"{type(exc).__name__}: {exc.strerror or exc}", path=shard.path, offset=begin)
+                    yield SourceReadError(
+                        f"{type(exc).__name__}: {exc.strerror or exc}", path=shard.path, offset=begin
+                    )
                 except SourceReadError as exc:
                     yield exc
         finally:
@@ -214,4 +224,12 @@ def image_array(data: bytes, where: str):
     return pixels.reshape(shape).copy()
 
 
-__all__ = ["DECOMPRESSORS", "OffsetTableSource", "ShardFile", "decompressor", "image_array", "inside", "parse_table"]
+__all__ = [
+    "DECOMPRESSORS",
+    "OffsetTableSource",
+    "ShardFile",
+    "decompressor",
+    "image_array",
+    "inside",
+    "parse_table",
+]

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from stallfree.shards.hf import DATASET_DICT_FILE, is_save_to_disk_dir
 from stallfree.shards.source_base import (
     Item,
     Source,
@@ -35,7 +36,6 @@ from stallfree.shards.source_base import (
     split_key_field,
     walk_files,
 )
-from stallfree.shards.hf import DATASET_DICT_FILE, is_save_to_disk_dir
 from stallfree.shards.source_files import IMAGE_EXTENSIONS, GroupedFilesSource, ImageFolderSource
 from stallfree.shards.source_hf import (
     HFDatasetSource,
@@ -141,7 +141,9 @@ def open_source(
         return source_for_hf_object(src, media_root=media_root, on_error=on_error)
     if isinstance(src, str) and "://" in src and not src.startswith("file://"):
         if kind is not None:
-            raise SourceError(f"{src}: a URL source is read as open_dataset reads it; the kind {kind!r} does not apply")
+            raise SourceError(
+                f"{src}: a URL source is read as open_dataset reads it; the kind {kind!r} does not apply"
+            )
         from stallfree.shards.source_dataset import DatasetSource
 
         return DatasetSource(src, on_error=on_error, **(storage_options or {}))
@@ -163,7 +165,9 @@ def open_source(
             return open_hf_dir(paths[0], on_error=on_error)
         kinds = {TABLE_SUFFIXES.get(Path(p).suffix.lower()) for p in paths}
         if len(kinds) != 1 or not kinds <= {"arrow", "parquet"}:
-            raise SourceError(f"an hf source is a save_to_disk directory or .arrow / .parquet files, got {paths[:3]}")
+            raise SourceError(
+                f"an hf source is a save_to_disk directory or .arrow / .parquet files, got {paths[:3]}"
+            )
         return hf_table_source(paths, str(kinds.pop()), on_error=on_error, always=True)
     if len(paths) == 1 and Path(paths[0]).is_dir():
         suffixes = (".tar",) if kind == "tar" else tuple(s for s, k in TABLE_SUFFIXES.items() if k == kind)

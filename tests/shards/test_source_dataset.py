@@ -76,7 +76,9 @@ def test_cli_shards_from_s3_with_source_options(hf_dirs, tmp_path):
         s3.filesystem().put(str(root / "disk"), "hf-src/disk", recursive=True)
         opts = [arg for k, v in s3.storage_options.items() for arg in ("--source-option", f"{k}={_json(v)}")]
         out = tmp_path / "out"
-        assert main(["shard", "s3://hf-src/disk", str(out), "--max-samples", "5", "--no-progress", *opts]) == 0
+        assert (
+            main(["shard", "s3://hf-src/disk", str(out), "--max-samples", "5", "--no-progress", *opts]) == 0
+        )
     rows = _rows(out)
     assert sorted(r["image"] for r in rows.values()) == sorted(images)
 

@@ -27,7 +27,11 @@ NAMES = ["car", "cat", "dog"]
 
 def _features():
     return datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=NAMES), "caption": datasets.Value("string")}
+        {
+            "image": datasets.Image(),
+            "label": datasets.ClassLabel(names=NAMES),
+            "caption": datasets.Value("string"),
+        }
     )
 
 
@@ -68,6 +72,24 @@ def _tar_rows(root: Path) -> dict[str, dict[str, bytes]]:
     return rows
 
 
+def test_class_sorted_rows_are_shuffled_unless_told_not_to(saved, tmp_path):
+    """datasets' imagefolder loader writes one class after another: the same single-class
+    shards as an ImageFolder source, so the same default."""
+    assert open_source(str(saved)).grouped
+    assert main(["shard", str(saved), str(tmp_path / "s"), "--max-samples", "10", "--no-progress"]) == 0
+    assert (
+        main(
+            ["shard", str(saved), str(tmp_path / "n"), "--max-samples", "10", "--no-progress", "--no-shuffle"]
+        )
+        == 0
+    )
+    with tarfile.open(tmp_path / "s" / "shard-000000.tar") as tf:
+        first = {tf.extractfile(m).read() for m in tf if m.name.endswith(".label")}
+    assert len(first) > 1  # shard 0 holds more than one class
+    assert list(_tar_rows(tmp_path / "n")) == [f"{i:09d}" for i in range(N)]
+    assert json.loads((tmp_path / "n" / "manifest.json").read_text())["shuffle_seed"] is None
+
+
 def test_save_to_disk_dir_shards_its_rows_not_its_files(saved, hf, images, tmp_path):
     """Issue 19.1: the directory sharded as 3 file-samples (.arrow + 2 JSON files), rc 0."""
     out = tmp_path / "out"
@@ -75,7 +97,8 @@ def test_save_to_disk_dir_shards_its_rows_not_its_files(saved, hf, images, tmp_p
     manifest = json.loads((out / "manifest.json").read_text())
     assert sum(s["samples"] for s in manifest["shards"]) == N
     assert manifest["classes"] == NAMES and manifest["class_field"] == "label"
-    assert manifest["shuffle_seed"] is None  # a table keeps its order unless asked
+    # class-sorted rows are sharded shuffled (seed 0), as an ImageFolder is (issue 19.4)
+    assert manifest["shuffle_seed"] == 0
     rows = _tar_rows(out)
     assert sorted(rows) == [f"{i:09d}" for i in range(N)]
     for i in range(N):
@@ -110,7 +133,7 @@ def test_arrow_output_keeps_types_and_classes(saved, images, tmp_path):
     assert summary.manifest.field_types["image"] == "binary"
     assert summary.manifest.classes == NAMES
     ds = open_dataset(str(tmp_path / "a"))
-    assert [ds[i]["image"] for i in range(N)] == images
+    assert {s["__key__"]: s["image"] for s in ds} == {f"{i:09d}": images[i] for i in range(N)}
 
 
 def test_open_dataset_over_saved_dir_gives_image_bytes_for_imagedecode(saved, images):
@@ -205,16 +228,20 @@ def test_audio_column_gives_the_encoded_file(tmp_path):
     )
     hfds = datasets.Dataset(table, info=datasets.DatasetInfo(features=features))  # no audio codec needed
     hfds.save_to_disk(str(tmp_path / "audio"))
-    shard_dataset(str(tmp_path / "audio"), str(tmp_path / "out"))
+    summary = shard_dataset(str(tmp_path / "audio"), str(tmp_path / "out"))
     rows = _tar_rows(tmp_path / "out")
     assert [rows[f"{i:09d}"]["audio"] for i in range(4)] == wavs
+    assert summary.manifest.extra["shuffle_seed"] is None  # labels not class-sorted: order kept
+    assert [k for k in rows] == [f"{i:09d}" for i in range(4)]
 
 
 def test_dataset_and_iterable_dataset_objects(hf, images, tmp_path):
     view = hf.shuffle(seed=1).select(range(12))  # an indices mapping over the table
     summary = shard_dataset(view, str(tmp_path / "view"), max_samples=5)
     rows = _tar_rows(tmp_path / "view")
-    assert [rows[f"{i:09d}"]["image"] for i in range(12)] == [view.with_format("arrow")[i]["image"][0]["bytes"].as_py() for i in range(12)]
+    assert [rows[f"{i:09d}"]["image"] for i in range(12)] == [
+        view.with_format("arrow")[i]["image"][0]["bytes"].as_py() for i in range(12)
+    ]
     assert summary.manifest.classes == NAMES
     summary = shard_dataset(hf.to_iterable_dataset(num_shards=3), str(tmp_path / "iter"), max_samples=9)
     rows = _tar_rows(tmp_path / "iter")

@@ -37,7 +37,11 @@ def _encode(encoding: str, value) -> bytes:
         return np.dtype(encoding).type(value).tobytes()
     if encoding == "ndarray":  # dynamic dtype and shape: dtype code, ndim<<2|shape dtype, dims
         code = {"uint8": 8, "int16": 17, "float32": 34, "int64": 65}[value.dtype.name]
-        return bytes([code, (value.ndim << 2) | 1]) + np.array(value.shape, np.uint16).tobytes() + value.tobytes()
+        return (
+            bytes([code, (value.ndim << 2) | 1])
+            + np.array(value.shape, np.uint16).tobytes()
+            + value.tobytes()
+        )
     raise AssertionError(encoding)
 
 
@@ -57,7 +61,9 @@ def write_mds(root: Path, columns: dict[str, str], samples: list[dict], per_shar
         encoded = []
         for sample in chunk:
             cells = [_encode(e, sample[n]) for n, e in zip(names, encodings, strict=True)]
-            head = np.array([len(c) for c, z in zip(cells, sizes, strict=True) if z is None], np.uint32).tobytes()
+            head = np.array(
+                [len(c) for c, z in zip(cells, sizes, strict=True) if z is None], np.uint32
+            ).tobytes()
             encoded.append(head + b"".join(cells))
         offsets = np.array([0] + [len(e) for e in encoded]).cumsum().astype(np.uint32)
         offsets += 4 + 4 * (len(chunk) + 1) + len(config_bytes)
@@ -176,7 +182,9 @@ def test_truncated_shard_names_file_sample_and_offset(rows, tmp_path):
     path = tmp_path / "ds" / "shard.00000.mds"
     data = path.read_bytes()
     path.write_bytes(data[:-10])
-    with pytest.raises(SourceReadError, match=r"shard.00000.mds: sample offsets .* fall outside the file") as info:
+    with pytest.raises(
+        SourceReadError, match=r"shard.00000.mds: sample offsets .* fall outside the file"
+    ) as info:
         open_source(str(tmp_path / "ds")).items()
     assert info.value.offset == 4
     # A bad cell in one sample: skip drops that sample only, and lists it.
@@ -185,6 +193,8 @@ def test_truncated_shard_names_file_sample_and_offset(rows, tmp_path):
     bad = bytearray(data)
     bad[end[1] : end[1] + 4] = struct.pack("<I", 10**6)  # sample 1's image size runs past its end
     path.write_bytes(bytes(bad))
-    summary = shard_dataset(open_source(str(tmp_path / "ds"), on_error="skip"), str(tmp_path / "o"), on_error="skip")
+    summary = shard_dataset(
+        open_source(str(tmp_path / "ds"), on_error="skip"), str(tmp_path / "o"), on_error="skip"
+    )
     assert summary.samples == 3
     assert "sample 1: column 'image' runs past the sample's end" in summary.skipped[0]["error"]
