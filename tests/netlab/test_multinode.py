@@ -71,13 +71,13 @@ def _listening(lab: NetLab, host: str) -> list[str]:
 
 
 @pytest.fixture
-def job(tmp_path):
-    """The lab with storage and per-node cache servers running; yields a dict of handles."""
+def job(request, tmp_path):
+    """The lab (2 nodes, or ``request.param``) with storage and a cache server per node running."""
     data = tmp_path / "data" / "ds"
     keys, payload = _write_dataset(data)
     password_file = tmp_path / "cache.password"
     ensure_secret_file(password_file)
-    with NetLab(nodes=2) as lab:
+    with NetLab(nodes=getattr(request, "param", 2)) as lab:
         st = lab.storage.address
         storage = lab.popen(
             "storage",
@@ -127,22 +127,25 @@ def job(tmp_path):
         }
 
 
-def _launch(job: dict, out: Path, epochs: int, kill_at_epoch: int = -1) -> list[subprocess.Popen]:
+def _launch(
+    job: dict, out: Path, epochs: int, kill_at_epoch: int = -1, nodes: int | None = None, extra: tuple = ()
+) -> list[subprocess.Popen]:
     lab: NetLab = job["lab"]
-    rdzv = f"{lab.nodes[0].address}:{RDZV_PORT}"
+    hosts = lab.nodes[: nodes or len(lab.nodes)]
+    rdzv = f"{hosts[0].address}:{RDZV_PORT}"
     procs = []
-    for node in lab.nodes:
+    for node in hosts:
         argv = [
-            str(TORCHRUN), "--nnodes", str(len(lab.nodes)), "--nproc-per-node", "1",
+            str(TORCHRUN), "--nnodes", str(len(hosts)), "--nproc-per-node", "1",
             "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv, "--rdzv-id", "netlab-job",
             "--local-addr", node.address, "--max-restarts", "0",
             # the store's host is told, not guessed: torchrun would compare the endpoint with
             # the addresses the hostname resolves to, which are the root namespace's
-            "--rdzv-conf", f"is_host={int(node is lab.nodes[0])}",
+            "--rdzv-conf", f"is_host={int(node is hosts[0])}",
             str(HERE / "multinode_train.py"),
             "--data", job["data_url"], "--stats-url", job["stats_url"],
             "--cache", *job["cache_urls"], "--password-file", str(job["password_file"]),
-            "--epochs", str(epochs), "--kill-at-epoch", str(kill_at_epoch), "--out", str(out),
+            "--epochs", str(epochs), "--kill-at-epoch", str(kill_at_epoch), "--out", str(out), *extra,
         ]  # fmt: skip
         env = {
             "PATH": "/usr/bin:/bin",
@@ -155,7 +158,7 @@ def _launch(job: dict, out: Path, epochs: int, kill_at_epoch: int = -1) -> list[
     return procs
 
 
-def _wait(procs: list[subprocess.Popen], out: Path, timeout: float, on_kill=None) -> None:
+def _wait(procs: list[subprocess.Popen], out: Path, timeout: float, on_kill=None, expect_rc: int = 0) -> None:
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs):
         if on_kill is not None and (out / "kill").exists() and not (out / "killed").exists():
@@ -164,13 +167,14 @@ def _wait(procs: list[subprocess.Popen], out: Path, timeout: float, on_kill=None
         if time.monotonic() > deadline:
             for p in procs:
                 p.kill()
-            logs = "\n".join(
-                (out / f).read_text()[-3000:] for f in ("node0.log", "node1.log") if (out / f).exists()
-            )
+            logs = "\n".join(p.read_text()[-3000:] for p in out.glob("node*.log"))
             raise AssertionError(f"the job did not finish within {timeout}s:\n{logs}")
         time.sleep(0.1)
-    logs = {f: (out / f).read_text() for f in ("node0.log", "node1.log")}
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(v[-3000:] for v in logs.values())
+    logs = {p.name: p.read_text() for p in out.glob("node*.log")}
+    expected = [expect_rc] * len(procs)
+    assert [p.returncode for p in procs] == expected, "\n".join(v[-3000:] for v in logs.values())
+    if expect_rc != 0:  # the job was stopped on purpose: torchrun reports its dead children
+        return
     for text in logs.values():  # a dead cache node is a few warnings, never a traceback storm
         assert not _our_tracebacks(text), text[-3000:]
         assert text.count("unusable") <= 10, text[-3000:]
@@ -183,8 +187,8 @@ def _our_tracebacks(log: str) -> list[str]:
     return [b[:3000] for b in blocks if "/stallfree/" in b.split("\n\n")[0] or "multinode_train" in b[:3000]]
 
 
-def _records(out: Path) -> list[dict]:
-    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(2)]
+def _records(out: Path, world: int = 2) -> list[dict]:
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
 def test_two_nodes_read_storage_once_and_share_one_cluster_cache(job, tmp_path):
@@ -222,3 +226,37 @@ def test_two_nodes_read_storage_once_and_share_one_cluster_cache(job, tmp_path):
     for node in lab.nodes:  # each cache server listens on its node's address, never a wildcard
         cache_listeners = [a for a in listeners[node.name] if a.endswith(f":{CACHE_PORT}")]
         assert cache_listeners == [f"{node.address}:{CACHE_PORT}"], listeners[node.name]
+
+
+def test_a_job_killed_mid_epoch_resumes_exactly_on_fewer_nodes(job, tmp_path):
+    """2 nodes stop after batch 3 of epoch 1 (as a preempted job dies); the same state resumes on
+    1 node: epoch 1 is completed with every sample exactly once, and epoch 2 runs whole."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    _wait(_launch(job, first, epochs=3, extra=("--stop-at", "1", "3")), first, timeout=240, expect_rc=1)
+    state = first / "state.json"
+    assert json.loads(state.read_text())["epoch"] == 1
+    before = [k for r in _records(first) for k in r["epochs"][1]]  # epoch 1 up to the stop
+    assert len(before) == 2 * 4 * 8
+    _wait(_launch(job, second, epochs=3, nodes=1, extra=("--resume", str(state))), second, timeout=240)
+    (resumed,) = _records(second, world=1)
+    assert resumed["world"] == 1
+    epoch1 = before + resumed["epochs"][0]
+    assert len(epoch1) == len(set(epoch1)) == SAMPLES and set(epoch1) == job["keys"]
+    assert sorted(resumed["epochs"][1]) == sorted(job["keys"])
+
+
+@pytest.mark.parametrize("job", [4], indirect=True)
+def test_four_nodes_of_one_rank_each_share_the_cluster_cache(job, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    _wait(_launch(job, out, epochs=2), out, timeout=300)
+    records = _records(out, world=4)
+    for epoch in range(2):
+        got = [k for r in records for k in r["epochs"][epoch]]
+        assert len(got) == len(set(got)) == SAMPLES and set(got) == job["keys"]
+    cold, warm = np.diff([0, *records[0]["storage_bytes"]])
+    print(f"4 nodes: storage bytes per epoch / data: {cold / job['payload']:.3f} {warm / job['payload']:.3f}")
+    assert job["payload"] * 0.9 <= cold <= job["payload"] * 1.2
+    assert warm < 0.05 * job["payload"]
