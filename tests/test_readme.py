@@ -236,16 +236,10 @@ def _drive(plan_path: str) -> None:
 BLOCKS = all_blocks()
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict[str, dict]:
-    base = tmp_path_factory.mktemp("readme")
+def _run_driver(base: Path) -> dict[str, dict]:
     root, results_path = base / "work", base / "results.jsonl"
     root.mkdir()
-    plan = {
-        "root": str(root),
-        "results": str(results_path),
-        "blocks": [b.__dict__ for b in BLOCKS],
-    }
+    plan = {"root": str(root), "results": str(results_path), "blocks": [b.__dict__ for b in BLOCKS]}
     (base / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     code = f"from tests.test_readme import _drive; _drive({str(base / 'plan.json')!r})"
@@ -268,6 +262,25 @@ def results(tmp_path_factory) -> dict[str, dict]:
             found[row["id"]] = row
     found["__tail__"] = {"output": tail}
     return found
+
+
+@pytest.fixture(scope="session")
+def results(tmp_path_factory) -> dict[str, dict]:
+    """The driver's results, computed once per test session: under pytest-xdist the blocks' tests
+    land on several workers, which share one run through a lock in the session's base directory
+    (without the lock each worker would run every block again)."""
+    from filelock import FileLock  # a dependency of torch
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # pytest-N/, above every worker's popen-gwK/
+    done = shared / "readme-results.json"
+    with FileLock(str(shared / "readme-results.lock")):
+        if not done.exists():
+            base = shared / "readme"
+            base.mkdir()
+            done.write_text(json.dumps(_run_driver(base)))
+    return json.loads(done.read_text())
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
