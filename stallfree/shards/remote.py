@@ -106,7 +106,14 @@ def read_range(
         raise ValueError(f"bad range [{start}, {end}) for {path}")
     if start == end:
         return b""
-    return _retrying(fs, path, start, end, shard, key, policy or DEFAULT_POLICY, None)
+    try:  # the common case first, without the retry loop's set-up (~1.5 µs a read)
+        # keywords: s3fs's cat_file takes ``version_id`` second
+        first: Any = fs.cat_file(path, start=start, end=end)
+    except Exception as exc:  # noqa: BLE001 - classified in the loop
+        first = exc
+    if type(first) is bytes and len(first) == end - start:
+        return first
+    return _retrying(fs, path, start, end, shard, key, policy or DEFAULT_POLICY, first)
 
 
 def read_ranges(
