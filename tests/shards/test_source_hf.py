@@ -255,3 +255,11 @@ def test_dataset_dict_dir_names_its_splits(hf, tmp_path):
         open_source(str(tmp_path / "dd"))
     assert main(["shard", str(tmp_path / "dd" / "test"), str(tmp_path / "o"), "--no-progress"]) == 0
     assert json.loads((tmp_path / "o" / "manifest.json").read_text())["classes"] == NAMES
+
+
+def test_same_bytes_for_any_worker_count(saved, tmp_path):
+    """Workers get the source by fork and read their own rows: the output is the same files."""
+    for workers in (1, 2):
+        shard_dataset(open_source(str(saved)), str(tmp_path / f"w{workers}"), max_samples=6, workers=workers)
+    one, two = ({p.name: p.read_bytes() for p in (tmp_path / w).iterdir()} for w in ("w1", "w2"))
+    assert len(one) > 3 and one == two

@@ -198,3 +198,10 @@ def test_truncated_shard_names_file_sample_and_offset(rows, tmp_path):
     )
     assert summary.samples == 3
     assert "sample 1: column 'image' runs past the sample's end" in summary.skipped[0]["error"]
+
+
+def test_same_bytes_for_any_worker_count(mds, tmp_path):
+    for workers in (1, 3):
+        shard_dataset(str(mds), str(tmp_path / f"w{workers}"), max_samples=4, workers=workers)
+    one, three = ({p.name: p.read_bytes() for p in (tmp_path / w).iterdir()} for w in ("w1", "w3"))
+    assert len(one) > 3 and one == three
