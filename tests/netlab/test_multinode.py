@@ -109,6 +109,7 @@ def job(request, tmp_path):
                     "--dir",
                     str(tmp_path / f"cache-{node.name}"),
                 ],  # fmt: skip
+                stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=REPO,
