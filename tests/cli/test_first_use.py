@@ -47,7 +47,8 @@ def test_version_flag_prints_the_package_version():
     assert r.stdout.strip() == f"stallfree {stallfree.__version__}"
 
 
-def test_every_subcommand_has_a_description_and_an_example():
+def test_every_subcommand_has_a_description_and_an_example(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps options to the terminal's width
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     for name, parser in sub.choices.items():
         if name == "cache":  # a group: its own subcommands carry the descriptions
@@ -64,7 +65,9 @@ def test_python_refusal_names_the_argument_and_cli_refusal_names_the_flag(folder
     capsys.readouterr()
     with pytest.raises(DatasetExistsError) as info:
         shard_dataset(open_source(str(folder)), str(dst))
-    assert str(info.value) == f"{dst} already holds a dataset (manifest.json); pass overwrite=True to replace it"
+    assert (
+        str(info.value) == f"{dst} already holds a dataset (manifest.json); pass overwrite=True to replace it"
+    )
     assert isinstance(info.value, WriteError)
     again = pickle.loads(pickle.dumps(info.value))  # errors cross process boundaries
     assert type(again) is DatasetExistsError and str(again) == str(info.value)
