@@ -133,6 +133,14 @@ def _world(cfg: dict[str, Any]) -> int:
     return cfg["nproc"] if cfg.get("rank") is None else cfg.get("world_size") or 1
 
 
+def _rank_label(rank: int, cfg: dict[str, Any]) -> str:
+    """``3`` when every rank is on one node; ``3@node1`` when they span nodes (torchrun numbers
+    each node's ranks contiguously, ``local_size`` per node)."""
+    world = _world(cfg)
+    local = cfg.get("local_size") or world
+    return str(rank) if local >= world else f"{rank}@node{rank // local}"
+
+
 def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
     """A plain-text table: one row per loader (job figures), then per rank when asked."""
     head = [
@@ -151,7 +159,10 @@ def format_table(report: dict[str, Any], per_rank: bool = True) -> str:
         step_p50 = max(r["step_p50_ms"] for r in entry["ranks"])
         rows.append(_cells(name, "job", entry["job"], step_p50, entry.get("decode") or "?"))
         if per_rank and len(entry["ranks"]) > 1:
-            rows += [_cells("", str(r["rank"]), r, r["step_p50_ms"]) for r in entry["ranks"]]
+            rows += [
+                _cells("", _rank_label(r["rank"], report["config"]), r, r["step_p50_ms"])
+                for r in entry["ranks"]
+            ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(head)]
     lines = [_fmt_row(head, widths), "  ".join("-" * w for w in widths)]
     lines += [_fmt_row(r, widths) for r in rows]
