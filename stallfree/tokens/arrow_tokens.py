@@ -3,10 +3,13 @@ saves (``save_to_disk``: Arrow IPC stream files; ``to_parquet``: Parquet), our o
 (``manifest.json``), or any ``.arrow`` / ``.parquet`` file, directory or glob.
 
 Each record batch's list column is one piece: its child values are the batch's documents back to
-back, so the whole dataset is a short list of flat arrays. Local Arrow files (IPC file or stream
-format) are memory-mapped and read zero-copy; Parquet (compressed) and remote Arrow files are
-read into memory once per process, the column only, remote ones through ``shards/remote.py``
-(every read's length checked, short or failed reads retried).
+back, so the whole dataset is a short list of flat arrays. Local Arrow files (IPC file or
+stream format) are memory-mapped only while they are opened, to find where each batch's token ids
+lie; reads are then ``pread`` of those bytes (``tokens/base.py`` ``FlatFile``: a file cut short
+under a job is an error naming it, where a mapping was a SIGBUS). Parquet (compressed), remote
+Arrow files and compressed Arrow buffers are read into memory once per process, the column only,
+remote ones through ``shards/remote.py`` (every read's length checked, short or failed reads
+retried).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from stallfree.shards import remote
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, join
-from stallfree.tokens.base import file_size, fingerprint_of, read_whole
+from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole
 
 _SUFFIXES = (".arrow", ".parquet")
 
@@ -79,8 +82,12 @@ def _parquet_file(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Any:
     return pa.PythonFile(remote.RangeFile(fs, path, file_size(fs, path, name), shard=name), mode="r")
 
 
-def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: str) -> list[pa.Array]:
-    """The ``field`` column of every record batch (or Parquet chunk) of one file, in order."""
+def _open_batches(
+    fs: fsspec.AbstractFileSystem, path: str, name: str, field: str
+) -> tuple[list[pa.Array], tuple[int, int] | None]:
+    """The ``field`` column of every record batch (or Parquet chunk) of one file, in order, and
+    for a local Arrow file the (address, size) of the memory map its columns are views of."""
+    mapped = None
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -93,8 +100,15 @@ def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: st
                         shard=name,
                     )
                 table = pf.read(columns=[field])
-            return list(table.column(field).chunks)
-        source = pa.memory_map(path, "r") if is_local(fs) else pa.BufferReader(read_whole(fs, path, name))
+            return list(table.column(field).chunks), None
+        if is_local(fs):
+            source = pa.memory_map(path, "r")
+            whole = source.read_buffer()  # zero-copy: where the map lies, to find buffers in it
+            mapped = (whole.address, whole.size)
+            del whole
+            source.seek(0)
+        else:
+            source = pa.BufferReader(read_whole(fs, path, name))
         try:
             reader = ipc.open_file(source)
             batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
@@ -111,7 +125,7 @@ def _open_batches(fs: fsspec.AbstractFileSystem, path: str, name: str, field: st
         raise ShardError(
             f"no column {field!r}; the columns are {batches[0].schema.names} (pass field=)", shard=name
         )
-    return [b.column(field) for b in batches]
+    return [b.column(field) for b in batches], mapped
 
 
 def _piece(col: pa.Array, name: str, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -136,35 +150,68 @@ class ArrowTokenSource:
         self.url, self.field, self.storage_options = url, field, storage_options
         self.name = posixpath.basename(url.rstrip("/"))
         fs, self.files = resolve_files(url, **storage_options)
-        pieces, owner = [], []
-        for f, path in enumerate(self.files):
-            got = self._file_pieces(fs, path)
-            pieces += got
-            owner += [f] * len(got)
-        self.dtype = np.result_type(*[p[0].dtype for p in pieces]) if pieces else np.dtype(np.int64)
-        self.doc_lengths = np.concatenate([p[1] for p in pieces]) if pieces else np.zeros(0, np.int64)
-        sizes = np.array([len(p[0]) for p in pieces], np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self._owner = np.asarray(owner, np.int64)  # file number of each piece
-        self._first = np.searchsorted(self._owner, np.arange(len(self.files)))  # each file's first piece
         self._sizes = [file_size(fs, f, f) for f in self.files]
+        values: list[np.ndarray | None] = []
+        lengths, counts, dtypes, owner, at = [], [], [], [], []
+        self._flats: list[FlatFile | None] = []  # each local Arrow file's pread reader
+        for f, path in enumerate(self.files):
+            flat = None
+            for vals, lens, offset in self._file_pieces(fs, path):
+                lengths.append(lens)
+                counts.append(len(vals))
+                dtypes.append(vals.dtype)
+                owner.append(f)
+                item = vals.dtype.itemsize
+                if offset is not None and offset % item == 0 and (flat is None or flat.dtype == vals.dtype):
+                    if flat is None:
+                        size = self._sizes[f]
+                        flat = FlatFile(path, vals.dtype, size // item, 0, {}, fs, path, size=size)
+                    values.append(None)
+                    at.append(offset // item)
+                else:
+                    values.append(vals)
+                    at.append(-1)
+            self._flats.append(flat)
+        # nothing kept above is a view of a map: the files are mapped no longer
+        self.dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.int64)
+        self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(np.asarray(counts, np.int64))]).astype(np.int64)
+        self._owner = np.asarray(owner, np.int64)  # file number of each piece
+        self._at = np.asarray(at, np.int64)  # a piece's first token in its file's FlatFile, or -1
+        self._first = np.searchsorted(self._owner, np.arange(len(self.files)))  # each file's first piece
         self._fingerprint = fingerprint_of(
             "arrow", url, field, self.files, self._sizes, int(self._starts[-1])
         )
         self._fs: fsspec.AbstractFileSystem | None = fs
-        self._values: list[np.ndarray | None] = [p[0] for p in pieces]
+        self._values = values  # in-memory pieces (Parquet, remote, compressed); None: read from the file
         self._pid = os.getpid()
 
-    def _file_pieces(self, fs: fsspec.AbstractFileSystem, path: str) -> list[tuple[np.ndarray, np.ndarray]]:
-        return [
-            _piece(col, path, b)
-            for b, col in enumerate(_open_batches(fs, path, path, self.field))
-            if len(col)
-        ]
+    def _file_pieces(
+        self, fs: fsspec.AbstractFileSystem, path: str
+    ) -> list[tuple[np.ndarray, np.ndarray, int | None]]:
+        """(token ids, document lengths, byte offset in the file or None) of each non-empty piece.
+        A local Arrow file is memory-mapped only while this runs: its pieces give their offsets
+        (buffers that are not plain bytes of the file, compressed ones, are copied out), so no
+        page of the file stays mapped and a file cut short later cannot SIGBUS a reader."""
+        columns, mapped = _open_batches(fs, path, path, self.field)
+        out = []
+        for b, col in enumerate(columns):
+            if not len(col):
+                continue
+            vals, lens = _piece(col, path, b)
+            offset = None
+            if mapped is not None:
+                addr, (base, size) = vals.__array_interface__["data"][0], mapped
+                if len(vals) and base <= addr and addr + vals.nbytes <= base + size:
+                    offset = addr - base
+                else:
+                    vals = vals.copy()  # no view of the map is kept
+            out.append((vals, lens, offset))
+        return out
 
     def _piece(self, p: int) -> np.ndarray:
-        """Piece ``p``'s tokens; in a new process each file is opened when first needed (a worker
-        reading a few windows of a 1,000-file dataset opens a few files, not all)."""
+        """In-memory piece ``p``'s tokens; in a new process each file is opened when first needed
+        (a worker reading a few windows of a 1,000-file dataset opens a few files, not all)."""
         if self._pid != os.getpid() or self._values is None:
             self._values = [None] * len(self._owner)
             self._fs, self._pid = None, os.getpid()
@@ -179,17 +226,26 @@ class ArrowTokenSource:
             expect = self._starts[first + 1 : first + len(got) + 1] - self._starts[first : first + len(got)]
             if len(got) != int((self._owner == f).sum()) or [len(g[0]) for g in got] != expect.tolist():
                 raise CorruptShardError("the file changed since the dataset was opened", shard=path)
-            for k, (values, _) in enumerate(got):
-                self._values[first + k] = values
+            for k, (values, _, _) in enumerate(got):
+                if self._at[first + k] < 0:
+                    self._values[first + k] = values
             v = self._values[p]
         return v  # type: ignore[return-value]
+
+    def _read_piece(self, p: int, lo: int, hi: int) -> np.ndarray:
+        """Tokens ``[lo, hi)`` of piece ``p``: a ``pread`` of a local file's bytes, or a slice."""
+        at = int(self._at[p])
+        if at >= 0:
+            return self._flats[int(self._owner[p])].read(at + lo, at + hi)  # type: ignore[union-attr]
+        return self._piece(p)[lo:hi]
 
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
 
     def read(self, start: int, stop: int) -> np.ndarray:
-        """Tokens ``[start, stop)``: a view when inside one piece, else the pieces joined."""
+        """Tokens ``[start, stop)``: read (or a view of an in-memory piece) when inside one piece,
+        else the pieces joined."""
         starts, pieces = self._starts, len(self._owner)
         if not 0 <= start <= stop <= starts[-1]:
             raise IndexError(f"token range [{start}, {stop}) outside [0, {starts[-1]}) of {self.url}")
@@ -197,11 +253,11 @@ class ArrowTokenSource:
             return np.zeros(0, self.dtype)
         p = min(int(np.searchsorted(starts, start, "right")) - 1, pieces - 1)
         if stop <= starts[p + 1]:
-            return self._piece(p)[start - starts[p] : stop - starts[p]]
+            return self._read_piece(p, start - starts[p], stop - starts[p])
         parts = []
         while start < stop:
             lo, hi = start - starts[p], min(stop, starts[p + 1]) - starts[p]
-            parts.append(self._piece(p)[lo:hi])
+            parts.append(self._read_piece(p, lo, hi))
             start, p = starts[p] + hi, p + 1
         return np.concatenate(parts)
 

@@ -81,8 +81,10 @@ class FlatFile:
         storage_options: dict[str, Any] | None = None,
         fs: fsspec.AbstractFileSystem | None = None,
         path: str | None = None,
+        size: int | None = None,
     ) -> None:
         self.url, self.dtype, self.count, self.offset = url, np.dtype(dtype), int(count), int(offset)
+        self.size = size  # the file's size when its source was opened (None: not known)
         self.storage_options = dict(storage_options or {})
         self._fs, self._path = fs, path
         self._file: Any = None  # the local file, unbuffered; closed when collected
@@ -115,6 +117,14 @@ class FlatFile:
                 f"the file is now {size} bytes (was it rewritten under the reader?)",
                 shard=self.url,
                 offset=size,
+            )
+        if self.size is not None and size != self.size:  # its index no longer describes it
+            f.close()
+            raise CorruptShardError(
+                f"changed after it was opened: it was {self.size} bytes, it is now {size} "
+                f"(was it rewritten under the reader?)",
+                shard=self.url,
+                offset=min(size, self.size),
             )
         self._file = f  # a racing thread's own copy is simply collected: pread has no position
         return f
@@ -183,7 +193,7 @@ class FlatFile:
             )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in ("url", "dtype", "count", "offset", "storage_options")}
+        return {k: getattr(self, k) for k in ("url", "dtype", "count", "offset", "storage_options", "size")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(**state)  # type: ignore[misc]

@@ -182,7 +182,7 @@ class MegatronSource:
         self.doc_lengths = index.lengths
         self.documents = np.asarray(index.doc_index)
         self._flat = FlatFile(
-            self.bin_url, self.dtype, int(index.lengths.sum()), 0, storage_options, fs, bin_path
+            self.bin_url, self.dtype, int(index.lengths.sum()), 0, storage_options, fs, bin_path, size
         )
         self._fingerprint = fingerprint_of("megatron", self.prefix, size, len(data), data[:64], data[-64:])
 

@@ -42,7 +42,7 @@ class RawBinSource:
                 offset=whole,
             )
         count = size // item
-        self._flat = FlatFile(url, self.dtype, count, 0, storage_options, fs, path)
+        self._flat = FlatFile(url, self.dtype, count, 0, storage_options, fs, path, size)
         self.eos = eos
         self.doc_lengths = self._boundaries(count, eos)
         self._fingerprint = fingerprint_of("rawbin", url, size, self.dtype.name, eos)

@@ -7,15 +7,19 @@ kills that process, not the test session."""
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
 import pytest
 
 from stallfree.shards.errors import CorruptShardError
-from stallfree.tokens.packing import TokenDataset
+from stallfree.tokens.packing import TokenDataset, open_tokens
 from stallfree.tokens.rawbin import RawBinSource
 from tests.tokens.helpers import write_megatron
 
@@ -49,11 +53,19 @@ def _corpus(tmp_path, layout):
     if layout == "megatron":
         write_megatron(tmp_path / "c", docs, "int32")
         return str(tmp_path / "c"), str(tmp_path / "c.bin")
+    if layout == "arrow":  # record batches of 20 documents, as a datasets.map(tokenize) cache
+        table = pa.table({"input_ids": pa.array(docs, pa.list_(pa.int32()))})
+        with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, ipc.new_stream(sink, table.schema) as w:
+            for batch in table.to_batches(max_chunksize=20):
+                w.write_batch(batch)
+        return str(tmp_path / "t.arrow"), str(tmp_path / "t.arrow")
     np.asarray([t for d in docs for t in d], np.int32).tofile(tmp_path / "train.bin")
     return str(tmp_path / "train.bin"), str(tmp_path / "train.bin")
 
 
-@pytest.mark.parametrize(("layout", "workers"), [("megatron", 0), ("raw", 0), ("megatron", 2)])
+@pytest.mark.parametrize(
+    ("layout", "workers"), [("megatron", 0), ("raw", 0), ("arrow", 0), ("megatron", 2), ("arrow", 2)]
+)
 def test_cut_short_under_the_loader_is_an_error_naming_the_file(tmp_path, layout, workers):
     source, bin_path = _corpus(tmp_path, layout)
     r = subprocess.run(
@@ -64,7 +76,7 @@ def test_cut_short_under_the_loader_is_an_error_naming_the_file(tmp_path, layout
     )
     assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-3000:])  # -7 was SIGBUS
     err = json.loads(r.stdout.splitlines()[-1])
-    assert f"the file is now {CUT} bytes" in err["message"]
+    assert f"the file is now {CUT} bytes" in err["message"] or f"it is now {CUT}" in err["message"]
     assert f"(shard {bin_path}, byte offset {CUT})" in err["message"]  # where the bytes now end
     if not workers:  # (a worker's error is re-raised from its message, torch's way: text only)
         assert err["shard"] == bin_path and err["offset"] == CUT
@@ -86,3 +98,33 @@ def test_cut_short_read_names_the_range(tmp_path):
     )
     with pytest.raises(CorruptShardError, match="the file is now 1000 bytes"):
         TokenDataset(src, SEQ)[10]
+
+
+def _mapped(path):
+    target = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + target) for line in f)
+
+
+@pytest.mark.parametrize("layout", ["megatron", "raw", "arrow"])
+def test_nothing_of_the_file_stays_mapped(tmp_path, layout):
+    source, bin_path = _corpus(tmp_path, layout)
+    ds = TokenDataset(source, SEQ, dtype="int32")
+    batch = ds.get_batch(list(range(len(ds))))
+    want = [t for d in range(200) for t in range(d * 1000, d * 1000 + 97)]
+    assert batch["input_ids"].reshape(-1).tolist() == want[: len(ds) * SEQ]
+    assert not _mapped(bin_path)
+
+
+@pytest.mark.parametrize("layout", ["megatron", "raw", "arrow"])
+def test_a_file_grown_after_open_is_an_error_where_it_is_next_opened(tmp_path, layout):
+    """Its index (document lengths, batch offsets) describes the old file: windows would be wrong."""
+    source, bin_path = _corpus(tmp_path, layout)
+    copy = pickle.loads(pickle.dumps(open_tokens(source, dtype="int32")))  # as a worker gets it
+    size = os.path.getsize(bin_path)
+    with open(bin_path, "ab") as f:
+        f.write(bytes(64))
+    with pytest.raises(CorruptShardError) as exc:
+        copy.read(0, 10)
+    assert exc.value.shard == bin_path and exc.value.offset == size
+    assert f"changed after it was opened: it was {size} bytes, it is now {size + 64}" in str(exc.value)
