@@ -64,7 +64,12 @@ def main(argv: list[str] | None = None) -> int:
     def theirs() -> tud.DataLoader:
         return tud.DataLoader(ds, batch_size=args.batch, num_workers=1)
 
-    times: dict[str, list[float]] = {"pool, dropped": [], "pool, kept": [], "handover, kept": [], "torch, kept": []}
+    times: dict[str, list[float]] = {
+        "pool, dropped": [],
+        "pool, kept": [],
+        "handover, kept": [],
+        "torch, kept": [],
+    }
     for _ in range(args.rounds):
         times["pool, dropped"].append(_run(ours, keep=False))
         times["pool, kept"].append(_run(ours, keep=True))

@@ -277,7 +277,22 @@ _TORCH_PRIVATE_ATTRS = {
     "_shutdown_workers",
     "_timeout",
     "_utils",
+    "_iterator",
 }
+
+
+def _string_probe(node: ast.AST) -> str | None:
+    """The name in ``getattr(obj, "name", ...)`` / ``hasattr(obj, "name")``, else None."""
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in ("getattr", "hasattr", "setattr")
+        and len(node.args) >= 2
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return node.args[1].value
+    return None
 
 
 def test_torch_internals_are_touched_only_by_the_compat_module():
@@ -296,6 +311,8 @@ def test_torch_internals_are_touched_only_by_the_compat_module():
                 names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.Attribute) and node.attr in _TORCH_PRIVATE_ATTRS:
                 names = [f"torch._ (private attribute .{node.attr})"]
+            elif _string_probe(node) in _TORCH_PRIVATE_ATTRS:  # getattr(loader, "_iterator", None)
+                names = [f"torch._ (private attribute {_string_probe(node)!r} by name)"]
             for name in names:
                 if name.startswith(_TORCH_PRIVATE):
                     offenders.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {name}")

@@ -180,9 +180,7 @@ class TorchAdapter(Adapter):
         return iter(self.loader)
 
     def close(self) -> None:
-        iterator = getattr(self.loader, "_iterator", None)
-        if iterator is not None:
-            compat.shutdown_torch_iterator(iterator)
+        compat.shutdown_persistent_workers(self.loader)
         super().close()
 
 

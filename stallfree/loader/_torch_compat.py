@@ -169,6 +169,15 @@ def set_iterator_timeout(iterator: Any, seconds: float) -> None:
         iterator._timeout = seconds
 
 
+def shutdown_persistent_workers(loader: tud.DataLoader) -> None:
+    """Stop the workers a torch DataLoader keeps between epochs (``persistent_workers``) now.
+    Why private: torch keeps that iterator only as ``loader._iterator`` and ends its workers when
+    the loader is garbage collected; a benchmark comparing loaders must end them before the next."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None:
+        shutdown_torch_iterator(iterator)
+
+
 def shutdown_torch_iterator(iterator: Any) -> None:
     """Stop a torch iterator's worker processes now (torch otherwise waits for the iterator's GC)."""
     fn = getattr(iterator, "_shutdown_workers", None)

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from stallfree.loader.plan import WorkerPlan
+from stallfree.loader.plan import ReadPath, WorkerPlan
 
 
 @dataclass
@@ -16,6 +16,7 @@ class WorkerContext:
     wid: int
     plan: WorkerPlan
     progress: Any  # shared with the main process: which batch/sample each stage is on (fetch.py)
+    path: ReadPath  # the plan's read stage (plan.read_path), chosen once when the worker starts
     source: Any = None  # what the read stage reads: the dataset, or a ConcurrentShards over it
     read_stats: Any = None  # stallfree.cache.readthrough.ReadStats, made in the worker
     cache_baseline: dict | None = None  # cache counters at the worker's last report

@@ -114,12 +114,46 @@ class EpochAware(Protocol):
 
 
 @runtime_checkable
-class WarmsAhead(Protocol):
-    """A read source that opens the shards of queued tasks before their turn (shardio.py)."""
+class ConcurrentShardSource(Protocol):
+    """A sharded dataset that opens and reads its shards concurrently on a pool it is lent
+    (``stallfree.shards.open.ShardedDataset``; the loader's shardio.py lends each worker one)."""
 
-    def warm(self, shards: Sequence[int]) -> None: ...
+    fs: Any
+
+    def warm(self, shards: Sequence[int], executor: Any) -> None: ...
 
     def shards_of(self, indices: Sequence[int]) -> list[int]: ...
+
+    def get_many(self, indices: Sequence[int], executor: Any = None) -> list[Any]: ...
+
+
+@runtime_checkable
+class Collates(Protocol):
+    """A dataset with its own collate (a mixture batches by source: mix/collate.py)."""
+
+    def collate(self, samples: list[Any]) -> Any: ...
+
+
+@runtime_checkable
+class WrapsSampler(Protocol):
+    """A batch sampler over a sampler (torch's BatchSampler)."""
+
+    sampler: Any
+
+
+def own_collate_of(dataset: Any) -> Callable[[list[Any]], Any] | None:
+    return dataset.collate if isinstance(dataset, Collates) else None
+
+
+def samplers_of(sampler: Any, batch_sampler: Any) -> list[Any]:
+    """The sampler and the batch sampler's own sampler (each may need ``set_epoch``)."""
+    inner = batch_sampler.sampler if isinstance(batch_sampler, WrapsSampler) else None
+    return [s for s in (sampler, inner) if s is not None]
+
+
+def is_namedtuple(obj: Any) -> bool:
+    """A namedtuple in a batch (default_collate rebuilds those by their fields)."""
+    return isinstance(obj, tuple) and hasattr(obj, "_fields")
 
 
 def is_sharded(dataset: Any) -> bool:
@@ -214,10 +248,6 @@ def mixture_state(dataset: Any) -> dict[str, Any] | None:
 
 def mixture_counts(dataset: Any) -> Callable[[int, int], Any] | None:
     return dataset.counts if orders_itself(dataset) and isinstance(dataset, CountsSources) else None
-
-
-def warms_ahead(source: Any) -> bool:
-    return isinstance(source, WarmsAhead)
 
 
 # -- decoders ---------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import torch
 import torch.utils.data as tud
 
 from stallfree.loader import _torch_compat as compat
+from stallfree.loader import contracts
 from stallfree.loader import order as order_mod
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
@@ -36,31 +37,10 @@ from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices
 from stallfree.loader.state import LoaderState
 from stallfree.loader.stats import LoaderStats
 from stallfree.loader.world import World, resolve_world
-from stallfree.shards.atomic import is_local
 
 logger = logging.getLogger(__name__)
 
 ON_ERROR = ("raise", "skip", "warn")
-
-
-def is_sharded(dataset: Any) -> bool:
-    """A stallfree sharded dataset (or anything offering the same batched-read contract)."""
-    return (
-        hasattr(dataset, "shard_sizes") and hasattr(dataset, "fingerprint") and hasattr(dataset, "get_many")
-    )
-
-
-def orders_itself(dataset: Any) -> bool:
-    """A dataset whose positions are already in its epoch's order (a mixture: ``ordered`` and
-    ``set_epoch``): the loader reads them in sequence, split over ranks, and sets the epoch in
-    every process that reads."""
-    return bool(getattr(dataset, "ordered", False)) and callable(getattr(dataset, "set_epoch", None))
-
-
-def _is_remote(dataset: Any) -> bool:
-    """A sharded dataset on anything but the local filesystem (the one rule: shards.atomic.is_local)."""
-    fs = getattr(dataset, "fs", None)
-    return fs is not None and not is_local(fs)
 
 
 T_co = TypeVar("T_co", covariant=True)
@@ -121,8 +101,8 @@ class DataLoader(tud.DataLoader[T_co]):
         autotune: bool = False,
         memory_budget: int = 1 << 30,
     ) -> None:
-        if collate_fn is None and batch_size is not None and orders_itself(dataset):
-            collate_fn = getattr(dataset, "collate", None)  # a mixture batches its sources (mix/collate.py)
+        if collate_fn is None and batch_size is not None and contracts.orders_itself(dataset):
+            collate_fn = contracts.own_collate_of(dataset)  # a mixture batches its sources (mix/collate.py)
         super().__init__(
             dataset,
             batch_size,
@@ -151,7 +131,6 @@ class DataLoader(tud.DataLoader[T_co]):
         check_max_failures(max_failures)
         self._user_collate = collate_fn
         self._cache = cache
-        self._decode = decode
         self._on_error = on_error
         self._max_failures = max_failures
         self._uneven = uneven
@@ -172,20 +151,21 @@ class DataLoader(tud.DataLoader[T_co]):
         self._device = self._resolve_device(device)
         ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
         iterable = isinstance(dataset, tud.IterableDataset)
-        self._ordered = orders_itself(dataset)
+        self._ordered = contracts.orders_itself(dataset)
         self._fast = (
             not iterable
             and sampler is None
             and batch_sampler is None
             and batch_size is not None
-            and (bool(shuffle) or is_sharded(dataset) or ours or self._ordered)
+            and (bool(shuffle) or contracts.is_sharded(dataset) or ours or self._ordered)
         )
         # fast: our order and rank split; sampler: the user's (or torch's default) sampler through our
         # workers; iterable: torch's own machinery (the dataset decides what each worker yields)
         self._mode = "fast" if self._fast else ("iterable" if iterable else "sampler")
         if iterable and (cache is not None or decode is not None):
             raise ValueError("cache= and decode= need a map-style dataset (one with __getitem__ and __len__)")
-        if decode is not None and hasattr(decode, "decode_batch") and batch_size is None:
+        self._placement = contracts.place_decode(decode, num_workers)
+        if self._placement.batch and batch_size is None:
             raise ValueError("a decode_batch decoder needs batch_size set (it decodes whole batches)")
         if self._ordered:
             if cache is not None:
@@ -197,11 +177,11 @@ class DataLoader(tud.DataLoader[T_co]):
             order = "sequential"  # its positions are already interleaved and shuffled per epoch
         elif order == "auto":
             order = (
-                ("block" if is_sharded(dataset) and _is_remote(dataset) else "global")
+                ("block" if contracts.is_sharded(dataset) and contracts.is_remote(dataset) else "global")
                 if shuffle
                 else "sequential"
             )
-        elif not shuffle and order != "sequential" and self._fast and not is_sharded(dataset):
+        elif not shuffle and order != "sequential" and self._fast and not contracts.is_sharded(dataset):
             logger.info("order=%r with shuffle=%r: using the requested order", order, shuffle)
         self._order = order
         self._seed = self._resolve_seed(seed, generator) if self._fast else int(seed or 0)
@@ -251,9 +231,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """Start the next iteration at the beginning of ``epoch`` (also passed on to a sampler with set_epoch)."""
         self._next_epoch, self._resume_from = int(epoch), 0
         if not self._fast:
-            for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
-                if hasattr(s, "set_epoch"):
-                    s.set_epoch(epoch)
+            contracts.set_sampler_epoch(contracts.samplers_of(self.sampler, self.batch_sampler), epoch)
 
     def __len__(self) -> int:
         if not self._fast:
@@ -284,7 +262,7 @@ class DataLoader(tud.DataLoader[T_co]):
             mode=self._mode,
             batches=0 if self._fast else resume,
             world_size=self._world.size,
-            dataset=self.dataset.state() if self._ordered and hasattr(self.dataset, "state") else None,
+            dataset=contracts.mixture_state(self.dataset),
         ).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_reweight: bool = False) -> None:
@@ -298,7 +276,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if st.mode != mode:
             raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
         reweighted = False
-        if self._ordered and hasattr(self.dataset, "check_state"):
+        if self._ordered and isinstance(self.dataset, contracts.ResumableMixture):
             if st.dataset is None:
                 raise ValueError("state has no mixture description; it was saved by another dataset")
             self.dataset.check_state(st.dataset, allow_reweight=allow_reweight)
@@ -314,8 +292,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _mix_stats(self) -> dict[str, Any] | None:
         """Samples delivered per source this epoch (all ranks' positions consumed so far)."""
-        counts, p = getattr(self.dataset, "counts", None), self._progress
-        if not self._ordered or counts is None or p is None:
+        counts, p = contracts.mixture_counts(self.dataset), self._progress
+        if counts is None or p is None:
             return None
         stop = len(self.dataset) if p.done else self._order_indices().consumed(p)
         return {"epoch": p.epoch, "positions": [p.start, stop], "delivered": counts(p.start, stop)}
@@ -340,14 +318,11 @@ class DataLoader(tud.DataLoader[T_co]):
                 "memory_budget": self._memory_budget,
                 "history": list(self._tuner.history[-20:]),
             }
-        dec = getattr(self._decode, "stats", None)
-        if callable(dec):
-            try:
-                out["decode"] = dec()
-            except Exception:  # noqa: BLE001 - stats are informational
-                out["decode"] = None
-        if isinstance(out.get("decode"), dict) and hasattr(self._decode, "decode_batch"):
-            in_workers = self._decode_in_workers()
+        placement = self._placement
+        if placement.where != "none" and isinstance(placement.decoder, contracts.ReportsStats):
+            out["decode"] = placement.stats()
+        if isinstance(out.get("decode"), dict) and placement.batch:
+            in_workers = placement.where == "workers"
             out["decode"]["where"] = "workers" if in_workers else "main"
             if in_workers:  # the main process's copy decoded nothing: count here
                 decode_s = self._stats.stages.get("decode_batch_s", 0.0)
@@ -386,24 +361,10 @@ class DataLoader(tud.DataLoader[T_co]):
             drop_last=self.drop_last,
         )
 
-    def _decode_in_workers(self) -> bool:
-        """A batch decoder that says it can (``runs_in_workers``: a CPU decoder, picklable) runs in
-        the worker processes: each decodes the batches it reads, straight to shared memory, and the
-        main process keeps its cores for training. GPU decoders stay in the main process."""
-        dec = self._decode
-        return (
-            self.num_workers > 0
-            and hasattr(dec, "decode_batch")
-            and bool(getattr(dec, "runs_in_workers", False))
-        )
-
     def _worker_plan(self, base_seed: int) -> WorkerPlan:
-        dec = self._decode
-        batch_decoder = dec is not None and hasattr(dec, "decode_batch")
-        in_workers = self._decode_in_workers()
-        stage = getattr(dec, "cache_stage", None) if (dec is not None and not batch_decoder) else None
-        fingerprint = getattr(self.dataset, "fingerprint", None)
-        if self._cache is not None and not (isinstance(fingerprint, str) and fingerprint):
+        placement = self._placement
+        fingerprint = contracts.fingerprint_of(self.dataset)
+        if self._cache is not None and fingerprint is None:
             raise ValueError(
                 "cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)"
             )
@@ -412,11 +373,11 @@ class DataLoader(tud.DataLoader[T_co]):
             num_workers=self.num_workers,
             collate_fn=None if self.collate_fn is tud.default_collate else self.collate_fn,
             auto_collation=compat.auto_collation(self),
-            map_fn=None if batch_decoder else dec,
-            batch_decode=dec if in_workers else None,
-            send_raw=batch_decoder and not in_workers,
+            map_fn=placement.map_fn,
+            batch_decode=placement.in_workers,
+            send_raw=placement.send_raw,
             cache=self._cache,
-            cache_stage=stage if self._cache is not None else None,
+            cache_stage=placement.cache_stage if self._cache is not None else None,
             fingerprint=fingerprint,
             on_error=self._on_error,
             worker_init_fn=self.worker_init_fn,
@@ -428,16 +389,16 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _main_plan(self, n_workers: int, samples: int) -> MainPlan:
         pf = self.prefetch_factor or 2
-        in_workers = self._decode_in_workers()
+        placement = self._placement
         return MainPlan(
             depth=max(1, pf) * n_workers,  # like torch: prefetch_factor x workers batches in flight
             prefetch_factor=pf,
             in_order=self.in_order,
             pin_memory=self.pin_memory and torch.cuda.is_available(),
             device=self._device,
-            decode_batch=self._decode if hasattr(self._decode, "decode_batch") and not in_workers else None,
-            worker_decode=in_workers,
-            finish=self._decode.finish if getattr(self._decode, "needs_finish", False) else None,
+            decode_batch=placement.in_main,
+            worker_decode=placement.where == "workers",
+            finish=placement.finish,
             on_error=self._on_error,
             budget=failure_budget(self._max_failures, samples) if self._on_error != "raise" else None,
             timeout=self.timeout or 0,
@@ -514,7 +475,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """Decode threads per worker: as asked, else the cores left per worker (1 to 4)."""
         if self._decode_threads is not None:
             return self._decode_threads
-        if self._decode is None or hasattr(self._decode, "decode_batch"):
+        if self._placement.where != "sample":
             return 1  # no per-sample decode of ours to spread
         return worker_cores(self.num_workers)
 

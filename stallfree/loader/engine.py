@@ -121,7 +121,7 @@ class Engine:
         return tuple(self.progress[wid][:])
 
     def pid(self, wid: int) -> int | None:
-        return getattr(self.procs[wid], "pid", None)
+        return None if self.in_process else self.procs[wid].pid
 
     def dead(self, wid: int) -> tuple[bool, int | None]:
         p = self.procs[wid]
@@ -189,7 +189,8 @@ def _start_worker(p: Any) -> None:
 
 
 def _alive(p: Any) -> bool:
-    return getattr(p, "pid", 0) is not None and p.is_alive()
+    """A thread, or a process that was started, still running."""
+    return p.is_alive() if isinstance(p, threading.Thread) else p.pid is not None and p.is_alive()
 
 
 def _shutdown_all_at_exit() -> None:

@@ -9,11 +9,14 @@ Batched fetches. torch's ``__getitems__`` hook is honoured as torch's fetcher do
 batching it is called once per batch and its list of samples goes to the collate function. A
 dataset that also offers a collated ``get_batch(indices)`` (next to ``get_many``: the stallfree
 batched-read protocol, so an unrelated ``get_batch`` of a torch Dataset is never called) is asked
-for each batch once where the default collate is the only stage after the read (``batch_reader``):
+for each batch once where the default collate is the only stage after the read (``Read.COLLATED``):
 its ``(B, ...)`` tensors then go into the slot with one write each instead of one per row per
 field (``TokenDataset``: 64 row writes per batch before). It must return what
 ``default_collate(get_many(indices))`` returns; if it raises, the batch is read again per sample,
 so ``on_error`` sees the same failures either way.
+
+Which of these reads a worker does, and on which thread, is chosen once (``plan.read_path``);
+here each :class:`~stallfree.loader.plan.Read` is one function (``_FETCH``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +34,7 @@ from typing import Any
 from stallfree.loader import contracts, lifeline, pipeline
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.messages import Task
+from stallfree.loader.plan import Read
 
 logger = logging.getLogger(__name__)
 
@@ -123,80 +127,82 @@ def follow_epoch(ctx: WorkerContext, task: Task) -> None:
         ctx.epoch = task.epoch
 
 
-def batch_reader(ctx: WorkerContext) -> Any:
-    """The source's ``get_batch`` where calling it is exactly the per-sample path: the default
-    collate straight after the read (no collate_fn, per-sample decode, batch decoder, cache, raw
-    hand-over) under automatic batching, on a source that speaks the batched-read protocol
-    (``get_many`` and ``get_batch``). None otherwise."""
-    plan = ctx.plan
-    if (
-        not plan.auto_collation
-        or plan.collate_fn is not None
-        or plan.map_fn is not None
-        or plan.batch_decode is not None
-        or plan.cache is not None
-        or plan.send_raw
-    ):
-        return None
-    source = source_of(ctx)
-    get_batch = getattr(source, "get_batch", None)
-    return get_batch if callable(get_batch) and callable(getattr(source, "get_many", None)) else None
-
-
-def _fetch_collated(ctx: WorkerContext, task: Task, get_batch: Any) -> Fetched | None:
-    """The task's batch from ``get_batch`` in one call; None if it raised (read per sample then)."""
+def _on_sample(ctx: WorkerContext) -> Callable[[Any], None]:
     progress = ctx.progress
+
+    def on_sample(i: Any) -> None:
+        progress[FETCH_IDX] = i if isinstance(i, int) else -1
+
+    return on_sample
+
+
+def _read_batched(ctx: WorkerContext, indices: list[Any]) -> list[Any]:
+    plan = ctx.plan
+    return pipeline.fetch(source_of(ctx), indices, plan.cache, _on_sample(ctx), ctx.read_stats)
+
+
+def _read_per_sample(ctx: WorkerContext, indices: list[Any]) -> list[Any]:
+    source, on_sample = source_of(ctx), _on_sample(ctx)
+    out = []
+    for i in indices:
+        on_sample(i)
+        out.append(_read_one(source, pipeline.as_index(i)))
+    return out
+
+
+def _fetch_plain(read: Callable[[WorkerContext, list[Any]], list[Any]]) -> Callable[..., Fetched]:
+    def fetch(ctx: WorkerContext, task: Task) -> Fetched:
+        t0 = time.perf_counter()
+        items = read(ctx, task.indices)
+        return Fetched(task, items, {"fetch_s": time.perf_counter() - t0}, False)
+
+    return fetch
+
+
+def _fetch_stage_cached(ctx: WorkerContext, task: Task) -> Fetched:
+    items, timing = map_with_stage_cache(ctx, task.indices, lambda idx: _read_batched(ctx, idx))
+    return Fetched(task, items, timing, True)
+
+
+def _fetch_collated(ctx: WorkerContext, task: Task) -> Fetched:
+    """The task's batch from ``get_batch`` in one call; read per sample if it raised."""
+    if not task.indices:
+        return _FETCH[Read.BATCHED](ctx, task)
     t0 = time.perf_counter()
-    progress[FETCH_SEQ] = task.seq
-    progress[FETCH_IDX] = task.indices[0] if task.indices and isinstance(task.indices[0], int) else -1
+    progress = ctx.progress
+    progress[FETCH_IDX] = task.indices[0] if isinstance(task.indices[0], int) else -1
+    get_batch = contracts.collated_read_of(source_of(ctx))
     try:
         batch = get_batch([pipeline.as_index(i) for i in task.indices])
     except Exception:  # noqa: BLE001 - the per-sample read finds (and names) the bad sample
         logger.debug(
             "get_batch of %d samples failed; reading them one by one", len(task.indices), exc_info=True
         )
-        return None
-    if progress[FETCH_SEQ] == task.seq:
-        progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
+        return _FETCH[Read.BATCHED](ctx, task)
     return Fetched(task, [], {"fetch_s": time.perf_counter() - t0}, False, batch)
 
 
+# A fetch-stage read (plan.Read) -> the function that reads one task that way. The inline reads
+# (STREAMED, GETITEMS) write rows as they go and are ``fetch_streaming``'s.
+_FETCH: dict[Read, Callable[[WorkerContext, Task], Fetched]] = {
+    Read.COLLATED: _fetch_collated,
+    Read.STAGE_CACHED: _fetch_stage_cached,
+    Read.BATCHED: _fetch_plain(_read_batched),
+    Read.PER_SAMPLE: _fetch_plain(_read_per_sample),
+}
+
+
 def fetch_task(ctx: WorkerContext, task: Task) -> Fetched:
-    """Read one task's raw samples (or, with a stage cache, its cached/decoded samples; or, on the
-    batched path, its collated batch)."""
+    """Read one task the way the worker's read path says: its raw samples, or its cached/decoded
+    samples (stage cache), or its collated batch (``get_batch``)."""
     follow_epoch(ctx, task)
-    plan, progress = ctx.plan, ctx.progress
-    get_batch = batch_reader(ctx) if task.indices else None
-    if get_batch is not None:
-        fetched = _fetch_collated(ctx, task, get_batch)
-        if fetched is not None:
-            return fetched
-    t0 = time.perf_counter()
+    progress = ctx.progress
     progress[FETCH_SEQ] = task.seq
-
-    def on_sample(i: Any) -> None:
-        progress[FETCH_IDX] = i if isinstance(i, int) else -1
-
-    def read(idx: list[int]) -> list[Any]:
-        source = source_of(ctx)
-        if plan.cache is None and getitems_of(ctx, source) is None and hasattr(source, "__getitems__"):
-            # without automatic batching torch reads dataset[index], never __getitems__
-            out = []
-            for i in idx:
-                on_sample(i)
-                out.append(_read_one(source, pipeline.as_index(i)))
-            return out
-        return pipeline.fetch(source, idx, plan.cache, on_sample, ctx.read_stats)
-
-    if plan.stage_cached:
-        items, timing = map_with_stage_cache(ctx, task.indices, read)
-        mapped = True
-    else:
-        items = read(task.indices)
-        timing, mapped = {"fetch_s": time.perf_counter() - t0}, False
-    if progress[FETCH_SEQ] == task.seq:
-        progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
-    return Fetched(task, items, timing, mapped)
+    try:
+        return _FETCH[ctx.path.read](ctx, task)
+    finally:
+        if progress[FETCH_SEQ] == task.seq:
+            progress[FETCH_SEQ], progress[FETCH_IDX] = -1, -1
 
 
 def _next_task(ctx: WorkerContext, task_q: Any, timeout: float) -> Any:
@@ -228,7 +234,7 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
     plan = ctx.plan
     if plan.fetch_threads <= 1:
         # open queued tasks' shards ahead; not with a cache: hits need no shard (opening costs requests)
-        ahead = ctx.source if hasattr(ctx.source, "warm") and plan.cache is None else None
+        ahead = ctx.source if ctx.path.warm_ahead else None
         backlog: deque = deque()
         warmed: set = set()
         done = False
@@ -268,13 +274,6 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
     ready.put(None)
 
 
-def getitems_of(ctx: WorkerContext, dataset: Any) -> Any:
-    """The dataset's ``__getitems__`` where torch's fetcher would call it: automatic batching on
-    and the attribute set (torch tests its truth, so ``__getitems__ = None`` turns it off)."""
-    getitems = getattr(dataset, "__getitems__", None)
-    return getitems if ctx.plan.auto_collation and getitems else None
-
-
 def _fetch_getitems(ctx: WorkerContext, task: Task, getitems: Any) -> list:
     """A task's samples from one ``__getitems__`` call, as torch's fetcher reads them. If it
     raises, under ``on_error="raise"`` the batch fails with that error (as in torch: it is named
@@ -311,8 +310,8 @@ def fetch_streaming(ctx: WorkerContext, task: Task, writer: Any) -> list:
     progress = ctx.progress
     progress[FETCH_SEQ] = task.seq
     follow_epoch(ctx, task)
-    dataset = source_of(ctx)  # a plain map-style dataset (plan.reads_inline): no batched reads
-    getitems = getitems_of(ctx, dataset) if task.indices else None
+    dataset = source_of(ctx)  # a plain map-style dataset (Where.INLINE): no batched reads of ours
+    getitems = contracts.getitems_of(dataset) if ctx.path.read is Read.GETITEMS and task.indices else None
     if getitems is not None:
         progress[FETCH_IDX] = task.indices[0] if isinstance(task.indices[0], int) else -1
         out = _fetch_getitems(ctx, task, getitems)

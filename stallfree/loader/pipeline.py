@@ -154,7 +154,9 @@ def decode_dropping_failures(
             if on_error == "raise" or not exc.failures:
                 raise
             bad = {pos for pos, _, _ in exc.failures}
-            failures += [SampleFailure(indices[pos], key, "decode_batch", cause) for pos, key, cause in exc.failures]
+            failures += [
+                SampleFailure(indices[pos], key, "decode_batch", cause) for pos, key, cause in exc.failures
+            ]
             samples = [s for p, s in enumerate(samples) if p not in bad]
             indices = [i for p, i in enumerate(indices) if p not in bad]
     return DecodeOutcome(None, [], [], failures)

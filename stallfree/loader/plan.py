@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
+
+from stallfree.loader import contracts, shardio
 
 
 @dataclass(frozen=True)
@@ -63,22 +66,79 @@ class WorkerPlan:
         return self.use_shm and self.auto_collation and self.collate_fn is None
 
     @property
-    def reads_inline(self) -> bool:
-        """Whether a worker reads its samples itself, one by one, instead of on a fetch thread.
+    def read_path(self) -> ReadPath:
+        return read_path(self)
 
-        For a plain map-style dataset (torch's Dataset, decode in ``__getitem__``) there is no raw
-        read to overlap with a decode step: a fetch thread would only hold whole batches of decoded
-        samples ahead (measured: +35 MiB per worker of 19 MB batches). Read inline, each sample goes
-        into its batch row as soon as ``__getitem__`` returns, and only that sample is alive."""
-        return (
-            not self.in_process
-            and self.map_fn is None
-            and self.batch_decode is None
-            and self.cache is None
-            and not self.send_raw
-            and self.fetch_threads <= 1
-            and not hasattr(self.dataset, "get_many")
-        )
+
+class Where(str, Enum):
+    """Which thread of a worker reads a task."""
+
+    INLINE = "inline"  # the worker's main thread, sample by sample, each straight into its row
+    MAIN = "main"  # the worker's main thread, one task at a time, then map and collate
+    AHEAD = "ahead"  # a fetch thread, the worker's next tasks ahead of its main thread
+    POOLED = "pooled"  # a fetch thread with ``fetch_threads`` tasks read at once (remote latency)
+
+
+class Read(str, Enum):
+    """How one task's samples are read (fetch.py maps each to its function)."""
+
+    STREAMED = "streamed"  # dataset[i] one by one, each into its batch row (Where.INLINE)
+    GETITEMS = "getitems"  # torch's __getitems__, once per batch (Where.INLINE)
+    COLLATED = "collated"  # get_batch: the collated batch in one call; per sample if it raises
+    STAGE_CACHED = "stage_cached"  # decoded samples from the cache; misses read, mapped and stored
+    BATCHED = "batched"  # pipeline.fetch: read_through the cache, get_many or __getitems__
+    PER_SAMPLE = "per_sample"  # dataset[i] one by one (a __getitems__ torch would not call)
+
+
+@dataclass(frozen=True)
+class ReadPath:
+    """A worker's read stage, chosen once per pool (:func:`read_path`), never per batch."""
+
+    where: Where
+    read: Read
+    concurrent: bool = False  # a remote sharded dataset: its shards opened and read concurrently
+    warm_ahead: bool = False  # open the shards of queued tasks before their turn (Where.AHEAD)
+
+
+def read_path(plan: WorkerPlan) -> ReadPath:
+    """The read stage for ``plan``: the one place it is chosen (before: five places).
+
+    - A plain map-style dataset in worker processes (no decode, cache or batched reads of ours)
+      is read inline: there is no raw read to overlap with a decode step, and a fetch thread
+      would only hold whole batches of decoded samples ahead (measured: +35 MiB per worker of
+      19 MB batches). Each sample goes into its row as soon as ``__getitem__`` returns; a
+      ``__getitems__`` torch would call is called once per batch instead.
+    - A collated ``get_batch`` with nothing after it but the default collate is read on the
+      worker's main thread: read and write are one short step, and a fetch thread ahead would
+      add a thread hand-over per batch and win no overlap (with ``fetch_threads`` > 1 the pool
+      still calls it).
+    - Otherwise a fetch thread reads ahead, several tasks at once with ``fetch_threads`` > 1.
+    """
+    ds = plan.dataset
+    torch_batches = plan.auto_collation and contracts.getitems_of(ds) is not None  # torch calls it
+    plain = plan.map_fn is None and plan.batch_decode is None and plan.cache is None and not plan.send_raw
+    if plain and not plan.in_process and plan.fetch_threads <= 1 and not contracts.reads_batches(ds):
+        return ReadPath(Where.INLINE, Read.GETITEMS if torch_batches else Read.STREAMED)
+    if (
+        plain
+        and plan.auto_collation
+        and plan.collate_fn is None
+        and contracts.collated_read_of(ds) is not None
+    ):
+        read = Read.COLLATED
+    elif plan.stage_cached:
+        read = Read.STAGE_CACHED
+    elif plan.cache is None and contracts.defines_getitems(ds) and not torch_batches:
+        read = Read.PER_SAMPLE  # torch reads dataset[index] then, never __getitems__
+    else:
+        read = Read.BATCHED
+    concurrent = shardio.wants_concurrency(ds)
+    if plan.fetch_threads > 1:
+        return ReadPath(Where.POOLED, read, concurrent)
+    if read is Read.COLLATED:
+        return ReadPath(Where.MAIN, read, concurrent)
+    # not with a cache: hits need no shard (opening one costs requests)
+    return ReadPath(Where.AHEAD, read, concurrent, warm_ahead=concurrent and plan.cache is None)
 
 
 @dataclass(frozen=True)
@@ -101,5 +161,8 @@ class MainPlan:
 
 def worker_cores(num_workers: int) -> int:
     """The cores each worker may use for its decode threads (1 to 4)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity mask
+        cores = os.cpu_count() or 1
     return max(1, min(4, cores // max(1, num_workers)))

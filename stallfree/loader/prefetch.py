@@ -16,6 +16,7 @@ import itertools
 import logging
 import math
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -141,7 +142,7 @@ class Assembler:
                     # torch's message; what each worker was doing goes into a note (shown with the
                     # traceback, not part of the message scripts match against)
                     err = RuntimeError(f"DataLoader timed out after {timeout} seconds")
-                    if hasattr(err, "add_note"):
+                    if sys.version_info >= (3, 11):  # exception notes are 3.11's
                         err.add_note(f"stallfree: {self._waiting_on()}")
                     return Failed(err)
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from stallfree.loader import shm
+from stallfree.loader import contracts, shm
 
 Path = tuple[Any, ...]
 
@@ -40,7 +40,7 @@ class Row:
 
 
 def _is_namedtuple(obj: Any) -> bool:
-    return isinstance(obj, tuple) and hasattr(obj, "_fields")
+    return contracts.is_namedtuple(obj)
 
 
 def _leaves(obj: Any, path: Path = ()) -> list[tuple[Path, Any]]:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import _torch_compat as compat
+from stallfree.loader import contracts
 
 ALIGN = 64
 STAGE_BYTES = 1 << 20  # rows are stacked privately in runs of up to this much, one write per run
@@ -45,7 +46,11 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return fn
 
 
-_MADVISE = _madvise() if hasattr(mmap, "MADV_DONTNEED") else None
+try:
+    _DONTNEED: int | None = mmap.MADV_DONTNEED
+except AttributeError:  # no madvise on this platform (Windows)
+    _DONTNEED = None
+_MADVISE = _madvise() if _DONTNEED is not None else None
 
 
 def release_pages(storage: torch.UntypedStorage | None) -> bool:
@@ -75,10 +80,16 @@ def release_range(addr: int, nbytes: int) -> bool:
     end = (addr + nbytes) // PAGE * PAGE
     if end <= start:
         return True
-    if _MADVISE(start, end - start, mmap.MADV_DONTNEED) != 0:
+    if _MADVISE(start, end - start, _DONTNEED) != 0:
         logger.debug("madvise(MADV_DONTNEED) failed: errno %d", ctypes.get_errno())
         return False
     return True
+
+
+try:
+    _PWRITE: Callable[[int, Any, int], int] | None = os.pwrite
+except AttributeError:  # not on Windows: slots are written through their mapping there
+    _PWRITE = None
 
 
 class SlotFile:
@@ -100,7 +111,7 @@ class SlotFile:
     def of(cls, storage: torch.UntypedStorage) -> SlotFile | None:
         import torch.multiprocessing as tmp
 
-        if not hasattr(os, "pwrite") or tmp.get_sharing_strategy() != "file_descriptor":
+        if _PWRITE is None or tmp.get_sharing_strategy() != "file_descriptor":
             return None
         shared = compat.shared_fd(storage)
         if shared is None:
@@ -118,7 +129,7 @@ class SlotFile:
     def write(self, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
         while len(view):
-            n = os.pwrite(self.fd, view, offset)
+            n = _PWRITE(self.fd, view, offset)
             view, offset = view[n:], offset + n
 
     def write_tensor(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -218,7 +229,7 @@ def map_leaves(obj: Any, kinds: type | tuple[type, ...], leaf: Callable[[Any], A
         return leaf(obj)
     if isinstance(obj, dict):
         return {k: map_leaves(v, kinds, leaf) for k, v in obj.items()}
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+    if contracts.is_namedtuple(obj):
         return type(obj)(*(map_leaves(v, kinds, leaf) for v in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_leaves(v, kinds, leaf) for v in obj)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import _torch_compat as compat
+from stallfree.loader import contracts
 from stallfree.loader import order as order_mod
 from stallfree.loader.progress import EpochProgress
 from stallfree.loader.world import World
@@ -78,7 +79,7 @@ class OrderIndices:
             epoch,
             len(self.dataset),
             mode=self.order,
-            shard_sizes=getattr(self.dataset, "shard_sizes", None),
+            shard_sizes=contracts.shard_sizes_of(self.dataset),
             window=self.window,
         )
 

@@ -61,6 +61,7 @@ class LoaderStats:
         self.first_batch_s: float | None = None
         self.started: float | None = None
         self.last_return: float | None = None
+        self._iter_started: float | None = None
         self.occupancy_sum = 0
         self.occupancy_n = 0
         self.queue_capacity = 0
@@ -90,7 +91,7 @@ class LoaderStats:
         now = time.perf_counter()
         self.wait_s += now - t0
         if self.first_batch_s is None:
-            self.first_batch_s = now - getattr(self, "_iter_started", t0)
+            self.first_batch_s = now - (self._iter_started if self._iter_started is not None else t0)
         self.batches += 1
         self.samples += samples
         self.last_return = now

@@ -36,7 +36,7 @@ from stallfree.loader import slots as slots_mod
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.fetch import MAP_IDX, MAP_SEQ, Fetched
 from stallfree.loader.messages import BatchReady, FailedSample, Task, WorkerFailure
-from stallfree.loader.plan import WorkerPlan
+from stallfree.loader.plan import Where, WorkerPlan
 from stallfree.loader.returns import SlotReturns
 from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
 from stallfree.shards.errors import BatchDecodeError
@@ -95,9 +95,9 @@ def _start(ctx: WorkerContext) -> None:
             except Exception as exc:  # noqa: BLE001 - reported with each task, as torch does
                 ctx.init_error = _wrap(exc, ctx.wid, "in worker_init_fn")
                 return
-    if plan.batch_decode is not None and hasattr(plan.batch_decode, "use_threads"):
+    if isinstance(plan.batch_decode, contracts.ThreadedDecoder):
         plan.batch_decode.use_threads(plan.threads)  # this worker's share of the cores
-    ctx.source = shardio.ConcurrentShards(plan.dataset) if shardio.wants_concurrency(plan.dataset) else None
+    ctx.source = shardio.ConcurrentShards(plan.dataset) if ctx.path.concurrent else None
     if plan.cache is not None:
         from stallfree.cache.readthrough import ReadStats
 
@@ -112,7 +112,7 @@ def worker_main(
     if not plan.in_process:
         # results still buffered when told to stop are not needed: never wait on the pipe at exit
         result_q.cancel_join_thread()
-    ctx = WorkerContext(wid, plan, progress)
+    ctx = WorkerContext(wid, plan, progress, plan.read_path)
     _start(ctx)
     if ctx.init_error is not None:
         for task in fetch.tasks_of(ctx, task_q):
@@ -121,11 +121,10 @@ def worker_main(
     stop = threading.Event()
     ready: queue.Queue = queue.Queue(maxsize=2)
     reader = None
-    if plan.reads_inline:
+    where = ctx.path.where  # chosen once: plan.read_path
+    if where is Where.INLINE:  # _load reads each task itself, straight into the rows
         tasks: Iterator[Fetched] = (Fetched(t, None, {}, False) for t in fetch.tasks_of(ctx, task_q))
-    elif plan.fetch_threads <= 1 and fetch.batch_reader(ctx) is not None:
-        # collated batches (get_batch): read and write are one short step, so a fetch thread
-        # ahead would add a thread hand-over per batch and win no overlap
+    elif where is Where.MAIN:
         tasks = (fetch.fetch_task(ctx, t) for t in fetch.tasks_of(ctx, task_q))
     else:
         reader = threading.Thread(
@@ -142,7 +141,9 @@ def worker_main(
             result_q.put(msg)
             if isinstance(msg, BatchReady) and msg.handover:
                 slots.handed_over(msg.slot)  # the consumer's now: this worker lets go of it
-            elif isinstance(msg, BatchReady) and msg.slot is not None and not _unmapped(item, slots, msg.slot):
+            elif (
+                isinstance(msg, BatchReady) and msg.slot is not None and not _unmapped(item, slots, msg.slot)
+            ):
                 shm.release_pages(slots.storages[msg.slot])  # the main process's until it returns
     except KeyboardInterrupt:
         return
@@ -209,7 +210,7 @@ def _load(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> _Loaded:
     writer = slot = None
     items, timing = item.items, dict(item.timing)
     map_s = 0.0
-    if items is None:  # an inline task (plan.reads_inline): read here, straight into the rows
+    if items is None:  # an inline task (Where.INLINE): read here, straight into the rows
         if plan.streams_rows:
             slot, writer = _row_writer(slots, len(task.indices))
         items = fetch.fetch_streaming(ctx, task, writer)
@@ -311,7 +312,7 @@ def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batc
         handover=slot is not None and slots.is_handover(slot),
         failures=(),
         timing=timing,
-        cache_stats=None,  # no cache on this path (fetch.batch_reader)
+        cache_stats=None,  # no cache on this path (Read.COLLATED)
         dropped_slots=tuple(slots.take_dropped()) if ctx.plan.use_shm else (),
     )
 

@@ -109,7 +109,9 @@ def test_failure_budget(max_failures, samples, allowed):
     assert failure_budget(max_failures, samples) == allowed
 
 
-@pytest.mark.parametrize("bad, error", [(2.0, ValueError), (-1, ValueError), (True, TypeError), ("3", TypeError)])
+@pytest.mark.parametrize(
+    "bad, error", [(2.0, ValueError), (-1, ValueError), (True, TypeError), ("3", TypeError)]
+)
 def test_max_failures_rejects_what_it_cannot_mean(bad, error):
     with pytest.raises(error, match="max_failures"):
         DataLoader(Numbers(4), max_failures=bad)

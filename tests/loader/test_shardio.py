@@ -12,7 +12,7 @@ from stallfree.loader import fetch, shardio
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.messages import Task
-from stallfree.loader.plan import WorkerPlan
+from stallfree.loader.plan import Read, ReadPath, Where, WorkerPlan
 from stallfree.shards.errors import ShardError
 
 shards = pytest.importorskip("stallfree.shards.open")
@@ -103,7 +103,8 @@ class _Recorder:
 def test_fetch_thread_warms_every_queued_task_before_reading_the_first():
     src = _Recorder()
     plan = WorkerPlan(dataset=None, num_workers=1, in_process=True)
-    ctx = WorkerContext(0, plan, [-1] * 4, source=src)
+    path = ReadPath(Where.AHEAD, Read.BATCHED, concurrent=True, warm_ahead=True)
+    ctx = WorkerContext(0, plan, [-1] * 4, path, source=src)
     task_q: queue.Queue = queue.Queue()
     for seq, idx in enumerate([[0, 1], [15, 25], [31, 47]]):
         task_q.put(Task(0, seq, idx))

@@ -47,13 +47,13 @@ def test_workers_get_the_same_seeds_and_order_as_the_main_process():
     assert "decode" not in workers_dl.stats() and "decode" not in main_dl.stats()  # no stats() to report
 
 
-def test_a_decoder_error_in_a_worker_names_the_worker_and_sample():
+def test_a_decoder_error_in_a_worker_names_the_worker_and_batch():
     dl = DataLoader(
         Numbers(12), batch_size=4, shuffle=False, seed=0, num_workers=2, decode=SumDecoder(True, fail_on=5)
     )
     with pytest.raises(RuntimeError, match=r"decoder bug at 5") as info:
         list(dl)
-    assert "in DataLoader worker process" in str(info.value) and "sample 4" in str(info.value)
+    assert "in DataLoader worker process" in str(info.value) and "first index 4" in str(info.value)
 
 
 def test_without_workers_the_decoder_runs_in_the_main_process():
