@@ -222,7 +222,7 @@ def test_refused_images_follow_on_error_and_name_the_key(refusals, backend, devi
         assert out["failed_keys"] == sorted(BAD)
         warned = [w for w in out["warnings"] if w.startswith("skipping sample")]
         if on_error == "warn":
-            named = {k for k in BAD for w in warned if f"(key {k!r})" in w and BAD[k] in w}
+            named = {k for k in BAD for w in warned if f"sample {k!r} (index " in w and BAD[k] in w}
             assert named == set(BAD) and len(warned) == len(BAD)
         else:
             assert warned == []
