@@ -1,19 +1,29 @@
 """Image decode + augment for the loader's ``decode=``: DALI (GPU "mixed" or CPU) or a DALI-free CPU path.
 
-``ImageDecode`` (select.py) is the entry point; dali.py and cpu.py are the backends, augment.py
-draws the crop boxes both share, header.py reads sizes and rejects truncated files.
+``ImageDecode`` (select.py) is the entry point; backend.py is the contract every backend follows
+(``Backend``, ``OutputSpec``, ``BackendOptions``), registry.py finds them by name
+(``register_backend`` adds one); dali.py, nvimgcodec.py and cpu.py are the built-in backends,
+augment.py draws the crop boxes they share, header.py reads sizes and refuses what no decoder
+should see.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
-__all__ = ["ImageDecode"]
+__all__ = ["Backend", "BackendOptions", "ImageDecode", "OutputSpec", "register_backend"]
+
+_LAZY = {  # lazy: importing the package must not import torch or DALI
+    "ImageDecode": "stallfree.gpu_decode.select",
+    "Backend": "stallfree.gpu_decode.backend",
+    "BackendOptions": "stallfree.gpu_decode.backend",
+    "OutputSpec": "stallfree.gpu_decode.backend",
+    "register_backend": "stallfree.gpu_decode.registry",
+}
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ImageDecode":  # lazy: importing the package must not import torch or DALI
-        from stallfree.gpu_decode.select import ImageDecode
-
-        return ImageDecode
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'stallfree.gpu_decode' has no attribute {name!r}")

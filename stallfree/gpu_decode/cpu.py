@@ -20,7 +20,7 @@ from __future__ import annotations
 import io
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -28,9 +28,8 @@ import torch
 from PIL import Image
 
 from .augment import Box
-from .buffers import BufferPool
+from .backend import Alloc, BackendBase, BackendOptions, Failures, OutputSpec
 from .header import BadImageError, ImageInfo
-from .normalize import check_output
 
 try:  # optional: ``pip install stallfree[fast]``
     import simplejpeg
@@ -50,22 +49,18 @@ def turbo_available() -> bool:
     return _turbo is not None
 
 
-class CpuDecoder:
-    """Decodes a batch of encoded images into a normalised ``[N, 3, size, size]`` tensor on the CPU."""
+class CpuDecoder(BackendBase):
+    """Decodes a batch of encoded images into a normalised ``[N, 3, size, size]`` tensor on the CPU.
 
-    def __init__(
-        self,
-        size: int,
-        *,
-        mean: Sequence[float],
-        std: Sequence[float],
-        dtype: torch.dtype = torch.float32,
-        num_threads: int = 2,
-        jpeg_library: str = "auto",
-        reuse_buffers: int = 4,
-        max_scans: int | None = None,
-        max_memory: int | None = None,
-    ) -> None:
+    The one backend that runs in the loader's workers: picklable (its thread pool is rebuilt on
+    first use), CPU only, and it writes into the worker's shared slot through ``alloc``."""
+
+    name = "cpu"
+    runs_in_workers = True
+
+    def __init__(self, spec: OutputSpec, options: BackendOptions) -> None:
+        super().__init__(spec, options)
+        jpeg_library = options.jpeg_library
         if jpeg_library not in JPEG_LIBRARIES:
             raise ValueError(f"jpeg_library must be one of {', '.join(JPEG_LIBRARIES)}, got {jpeg_library!r}")
         if jpeg_library == "simplejpeg" and simplejpeg is None:
@@ -75,10 +70,7 @@ class CpuDecoder:
                 "jpeg_library='turbo' needs stallfree's C extension, built at install time with a C "
                 "compiler and libjpeg-turbo's headers (Debian: apt-get install gcc libjpeg62-turbo-dev)"
             )
-        check_output(dtype, mean, std)
-        self.size = size
-        self.dtype = dtype
-        self.num_threads = max(1, num_threads)
+        self.num_threads = options.num_threads  # a worker sets its share (use_threads)
         # "auto": the region decoder where built (benchmarks/RESULTS.md, "Decode + augment"), else
         # PIL: simplejpeg measured no faster end to end than PIL with draft (1.27 vs 1.16 ms/image
         # at ImageNet sizes), so it stays an explicit choice.
@@ -87,15 +79,14 @@ class CpuDecoder:
         self.jpeg_library = jpeg_library
         # header.probe has refused what is over these already; the C decoder checks them again
         # while it decodes (its progress monitor, libjpeg's memory limit), 0 meaning none.
-        self._limits = {"max_scans": max_scans or 0, "max_memory": max_memory or 0}
-        self._mean = [float(m) for m in mean]
-        self._inv_std = [1.0 / float(v) for v in std]
-        self._mean_np = np.asarray(mean, np.float32).reshape(3, 1, 1)
-        self._inv_std_np = (1.0 / np.asarray(std, np.float32)).reshape(3, 1, 1)
+        self._limits = {"max_scans": options.max_scans or 0, "max_memory": options.max_memory or 0}
+        self._mean = list(spec.mean)
+        self._inv_std = [1.0 / v for v in spec.std]
+        self._mean_np = np.asarray(spec.mean, np.float32).reshape(3, 1, 1)
+        self._inv_std_np = (1.0 / np.asarray(spec.std, np.float32)).reshape(3, 1, 1)
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._local = threading.local()  # per decode thread: a one-image scratch buffer
-        self.buffers = BufferPool(reuse_buffers)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -119,13 +110,21 @@ class CpuDecoder:
             self._pool.shutdown(wait=True)
             self._pool = None
 
+    def use_threads(self, n: int) -> None:
+        self.close()  # the next batch starts a pool of the new size
+        self.num_threads = max(1, n)
+
+    def stats(self) -> dict:
+        return {**super().stats(), "jpeg_library": self.jpeg_library}
+
     def decode(
         self,
         datas: Sequence[bytes],
         infos: Sequence[ImageInfo],
         boxes: Sequence[Box],
-        alloc: Callable[..., torch.Tensor | None] | None = None,
-    ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
+        *,
+        alloc: Alloc | None = None,
+    ) -> tuple[torch.Tensor, Failures]:
         """(batch, [(position, error)]); failed positions hold zeros. The batch is normalised
         (x - mean) / std in float dtypes, the decoded pixels as they are in uint8.
 
@@ -181,7 +180,16 @@ class CpuDecoder:
     def _turbo_into(self, dst: torch.Tensor, data: bytes, box: Box) -> bool:
         """Decode through the extension; False when it leaves this image to PIL (CMYK)."""
         ok, _denom, _warnings, message = _turbo.decode_into(
-            data, box.x, box.y, box.w, box.h, self.size, box.flip, dst.numpy(), self._mean, self._inv_std,
+            data,
+            box.x,
+            box.y,
+            box.w,
+            box.h,
+            self.size,
+            box.flip,
+            dst.numpy(),
+            self._mean,
+            self._inv_std,
             **self._limits,
         )
         if ok is False:

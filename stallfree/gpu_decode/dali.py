@@ -30,15 +30,11 @@ import numpy as np
 import torch
 
 from .augment import Box
-from .buffers import BufferPool
-from .normalize import check_output
+from .backend import Alloc, BackendBase, BackendOptions, Failures, OutputSpec
+from .header import ImageInfo
+from .registry import DALI_HINT as INSTALL_HINT
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = (
-    "backend='dali' needs NVIDIA DALI: pip install stallfree[dali] (installs nvidia-dali-cuda120; "
-    "use nvidia-dali-cuda110/-cuda130 to match your CUDA)"
-)
 
 
 def dali_available() -> bool:
@@ -51,41 +47,27 @@ def dali_available() -> bool:
         return False
 
 
-class DaliDecoder:
-    """A DALI decode+augment pipeline for one device (``device_id=None``: CPU operators only)."""
+class DaliDecoder(BackendBase):
+    """A DALI decode+augment pipeline for one device (``options.device_id=None``: CPU operators only)."""
 
-    def __init__(
-        self,
-        size: int,
-        *,
-        mean: Sequence[float],
-        std: Sequence[float],
-        dtype: torch.dtype = torch.float32,
-        device_id: int | None = None,
-        num_threads: int = 2,
-        hw_decoder_load: float = 0.65,
-        max_batch_size: int = 256,
-        reuse_buffers: int = 4,
-    ) -> None:
+    name = "dali"
+    runs_in_workers = False
+    max_batch_size = 256  # the pipeline is built for this many, or for the batch if larger
+
+    def __init__(self, spec: OutputSpec, options: BackendOptions) -> None:
         if not dali_available():
             raise ImportError(INSTALL_HINT)
-        check_output(dtype, mean, std, hw_decoder_load)
-        self.size = size
-        self.mean = [float(m) for m in mean]
-        self.std = [float(s) for s in std]
-        self.dtype = dtype
-        self.device_id = device_id
-        self.num_threads = max(1, num_threads)
-        self.hw_decoder_load = hw_decoder_load
-        self.max_batch_size = max(1, max_batch_size)
+        super().__init__(spec, options)
+        self.mean, self.std = list(spec.mean), list(spec.std)
+        self.device_id = options.device_id
+        self.num_threads = options.num_threads
+        self.hw_decoder_load = options.hw_decoder_load
         self.rebuilds = 0
         self._pipe = None
         self._lock = threading.Lock()
-        self.buffers = BufferPool(reuse_buffers)
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu") if self.device_id is None else torch.device("cuda", self.device_id)
+    def stats(self) -> dict:
+        return {**super().stats(), "dali_rebuilds": self.rebuilds, "hw_decoder_load": self.hw_decoder_load}
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -169,9 +151,15 @@ class DaliDecoder:
         return result
 
     def decode(
-        self, datas: Sequence[bytes], boxes: Sequence[Box]
-    ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
-        """(normalised batch, [(position, error)]); failed positions hold zeros."""
+        self,
+        datas: Sequence[bytes],
+        infos: Sequence[ImageInfo],
+        boxes: Sequence[Box],
+        *,
+        alloc: Alloc | None = None,
+    ) -> tuple[torch.Tensor, Failures]:
+        """(normalised batch, [(position, error)]); failed positions hold zeros. ``infos`` and
+        ``alloc`` are not needed: DALI reads the headers itself and owns its output."""
         arrays = [np.frombuffer(d, np.uint8) for d in datas]
         with self._lock:  # one pipeline: feed and run must not interleave between threads
             return self._decode_locked(arrays, boxes)

@@ -48,11 +48,11 @@ coding) fail that sample; damage inside the entropy-coded data that libjpeg-turb
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
 import re
 import struct
-import dataclasses
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError

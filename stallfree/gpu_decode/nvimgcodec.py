@@ -39,15 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from .augment import Box
-from .buffers import BufferPool
-from .normalize import check_output, normalize
+from .backend import Alloc, BackendBase, BackendOptions, Failures, OutputSpec
+from .header import ImageInfo
+from .normalize import normalize
+from .registry import NVIMGCODEC_HINT as INSTALL_HINT
 
 log = logging.getLogger(__name__)
-
-INSTALL_HINT = (
-    "backend='nvimgcodec' needs NVIDIA nvImageCodec and nvJPEG: pip install nvidia-nvimgcodec-cu13 "
-    "nvidia-nvjpeg (CUDA 12: nvidia-nvimgcodec-cu12 nvidia-nvjpeg-cu12)"
-)
 
 
 def nvimgcodec_available() -> bool:
@@ -81,42 +78,34 @@ def _module() -> Any:
     return nvimgcodec
 
 
-class NvImageCodecDecoder:
+class NvImageCodecDecoder(BackendBase):
     """Batched region-of-interest decode with nvImageCodec, then resize + flip + normalise in torch."""
 
-    def __init__(
-        self,
-        size: int,
-        *,
-        mean: Sequence[float],
-        std: Sequence[float],
-        dtype: torch.dtype = torch.float32,
-        device_id: int | None = None,
-        num_threads: int = 2,
-        hw_decoder_load: float = 0.65,
-        reuse_buffers: int = 4,
-    ) -> None:
+    name = "nvimgcodec"
+    runs_in_workers = False
+
+    def __init__(self, spec: OutputSpec, options: BackendOptions) -> None:
         if not nvimgcodec_available():
             raise ImportError(INSTALL_HINT)
-        check_output(dtype, mean, std, hw_decoder_load)
-        self.size = size
-        self.mean = [float(m) for m in mean]
-        self.std = [float(s) for s in std]
-        self.dtype = dtype
-        self.device_id = device_id
-        self.num_threads = max(1, num_threads)
-        self.hw_decoder_load = hw_decoder_load
+        # GPU batches come from torch's caching allocator; the base's buffer pool is there for
+        # stats() (and stays empty), as on the DALI backend.
+        super().__init__(spec, options)
+        self.mean, self.std = list(spec.mean), list(spec.std)
+        self.device_id = options.device_id
+        self.num_threads = options.num_threads
+        self.hw_decoder_load = options.hw_decoder_load
         self.batch_retries = 0  # batches nvImageCodec raised on, re-decoded one image at a time
-        # GPU batches come from torch's caching allocator; the pool is here for stats() (and
-        # stays empty), as on the DALI backend.
-        self.buffers = BufferPool(reuse_buffers)
         self._decoder: Any = None
         self._params: Any = None
         self._lock = threading.Lock()
 
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cpu") if self.device_id is None else torch.device("cuda", self.device_id)
+    def stats(self) -> dict:
+        return {
+            **super().stats(),
+            "nvimgcodec_backends": self.backends,
+            "nvimgcodec_batch_retries": self.batch_retries,
+            "hw_decoder_load": self.hw_decoder_load,
+        }
 
     @property
     def backends(self) -> list[str]:
@@ -161,10 +150,16 @@ class NvImageCodecDecoder:
         return self._decoder
 
     def decode(
-        self, datas: Sequence[bytes], boxes: Sequence[Box]
-    ) -> tuple[torch.Tensor, list[tuple[int, BaseException]]]:
+        self,
+        datas: Sequence[bytes],
+        infos: Sequence[ImageInfo],
+        boxes: Sequence[Box],
+        *,
+        alloc: Alloc | None = None,
+    ) -> tuple[torch.Tensor, Failures]:
         """(batch, [(position, error)]); failed positions hold zeros. The batch is normalised
-        (x - mean) / std in float dtypes, the crop-resized pixels as they are in uint8."""
+        (x - mean) / std in float dtypes, the crop-resized pixels as they are in uint8. ``infos``
+        and ``alloc`` are not needed: nvImageCodec reads the headers and the batch is on the GPU."""
         if len(datas) != len(boxes):
             raise ValueError(f"{len(datas)} images but {len(boxes)} boxes")
         with self._lock:  # one nvImageCodec decoder: batches must not interleave between threads

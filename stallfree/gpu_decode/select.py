@@ -23,6 +23,7 @@ every image and cropped 2-4 differently from the CPU (tests/gpu_decode/test_orie
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -32,9 +33,9 @@ import torch
 
 from ..shards.errors import BatchDecodeError, SampleDecodeError
 from ..shards.fields import IMAGE_FIELDS
+from . import registry
 from .augment import IMAGENET_MEAN, IMAGENET_STD, Box, Preset
-from .cpu import CpuDecoder, turbo_available
-from .dali import INSTALL_HINT, DaliDecoder, dali_available
+from .backend import Backend, BackendOptions, OutputSpec
 from .header import (
     DEFAULT_MAX_MEMORY,
     DEFAULT_MAX_PIXELS,
@@ -43,9 +44,7 @@ from .header import (
     ImageInfo,
     probe,
 )
-from .normalize import check_output, normalize
-from .nvimgcodec import INSTALL_HINT as NVIMGCODEC_HINT
-from .nvimgcodec import NvImageCodecDecoder, nvimgcodec_available, nvimgcodec_importable
+from .normalize import normalize
 
 _DTYPES = {
     "float32": torch.float32,
@@ -116,18 +115,18 @@ class ImageDecode:
         for name, limit in (("max_pixels", max_pixels), ("max_scans", max_scans), ("max_memory", max_memory)):
             if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {limit!r}")
-        if backend not in ("auto", "dali", "nvimgcodec", "cpu"):
-            raise ValueError(f"backend must be 'auto', 'dali', 'nvimgcodec' or 'cpu', got {backend!r}")
+        if backend != "auto":
+            registry.entry(backend)  # ValueError naming the registered backends
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'float32', 'float16' or 'uint8', got {dtype!r}")
         if transfer is not None and _DTYPES.get(transfer) != torch.uint8:
             raise ValueError(f"transfer must be None or 'uint8', got {transfer!r}")
-        check_output(_DTYPES[dtype], mean, std)
+        spec = OutputSpec(size, tuple(mean), tuple(std), _DTYPES[dtype])
         self.preset = Preset(
             train=train, size=size, scale=scale, ratio=ratio, flip_p=flip_p, resize_size=resize_size
         )
-        self.dtype = _DTYPES[dtype]
-        self.mean, self.std = tuple(float(m) for m in mean), tuple(float(v) for v in std)
+        self.dtype = spec.dtype
+        self.mean, self.std = spec.mean, spec.std
         self.image_field = image_field
         self.label_field = label_field
         self.max_pixels = max_pixels
@@ -137,32 +136,21 @@ class ImageDecode:
         self._threads_given = num_threads is not None
         gpu_id = _gpu_id(device)
         self.backend, self.reason = _choose(backend, gpu_id)
-        common = {
-            "mean": mean,
-            "std": std,
-            "dtype": self.dtype,  # the CPU backend's: set to the transfer dtype below
-            "num_threads": threads,
-            "reuse_buffers": reuse_buffers,
-        }
-        if self.backend == "dali":
-            dali_gpu = gpu_id if torch.cuda.is_available() else None
-            self._decoder: DaliDecoder | NvImageCodecDecoder | CpuDecoder = DaliDecoder(
-                size, device_id=dali_gpu, hw_decoder_load=hw_decoder_load, **common
-            )
-            self.device = self._decoder.device
-        elif self.backend == "nvimgcodec":
-            nv_gpu = gpu_id if torch.cuda.is_available() else None
-            self._decoder = NvImageCodecDecoder(
-                size, device_id=nv_gpu, hw_decoder_load=hw_decoder_load, **common
-            )
-            self.device = self._decoder.device
-        else:
-            if transfer is not None:  # only the worker-run backend has a transfer to shrink
-                common["dtype"] = _DTYPES[transfer]
-            self._decoder = CpuDecoder(
-                size, jpeg_library=jpeg_library, max_scans=max_scans, max_memory=max_memory, **common
-            )
-            self.device = torch.device("cpu")
+        cls = registry.backend_class(self.backend)
+        if transfer is not None and cls.runs_in_workers:  # only a worker-run backend has a transfer to shrink
+            spec = dataclasses.replace(spec, dtype=_DTYPES[transfer])
+        options = BackendOptions(
+            # a CPU backend, or a GPU backend without CUDA (its CPU operators), gets no device
+            device_id=gpu_id if torch.cuda.is_available() and registry.entry(self.backend).gpu else None,
+            num_threads=threads,
+            hw_decoder_load=hw_decoder_load,
+            jpeg_library=jpeg_library,
+            reuse_buffers=reuse_buffers,
+            max_scans=max_scans,
+            max_memory=max_memory,
+        )
+        self._decoder: Backend = cls(spec, options)
+        self.device = self._decoder.device
         self._stats = {"batches": 0, "images": 0, "failures": 0, "decode_s": 0.0}
 
     @property
@@ -179,16 +167,15 @@ class ImageDecode:
 
     @property
     def runs_in_workers(self) -> bool:
-        """The CPU decoder may run in the loader's worker processes (each decodes the batches it
-        reads, into shared memory); DALI stays in the main process, which owns the GPU."""
-        return self.backend == "cpu"
+        """Whether the backend may run in the loader's worker processes (the CPU decoder: each
+        worker decodes the batches it reads, into shared memory); GPU backends stay in the main
+        process, which owns the device."""
+        return self._decoder.runs_in_workers
 
     def use_threads(self, n: int) -> None:
         """Set by a loader worker to its share of the cores, unless ``num_threads`` was given."""
-        if self._threads_given or not isinstance(self._decoder, CpuDecoder):
-            return
-        self._decoder.close()
-        self._decoder.num_threads = max(1, n)
+        if not self._threads_given:
+            self._decoder.use_threads(n)
 
     def decode_batch(
         self, samples: Sequence[dict], *, seed: int, alloc: Callable[..., torch.Tensor | None] | None = None
@@ -221,10 +208,7 @@ class ImageDecode:
             boxes.append(self.preset.box(info.width, info.height, seed, key))
             good.append(i)
         if good:
-            if isinstance(self._decoder, (DaliDecoder, NvImageCodecDecoder)):
-                images, bad = self._decoder.decode(datas, boxes)
-            else:
-                images, bad = self._decoder.decode(datas, infos, boxes, alloc=alloc)
+            images, bad = self._decoder.decode(datas, infos, boxes, alloc=alloc)
             for j, exc in bad:
                 i = good[j]
                 failures.append((i, keys[i], SampleDecodeError(f"cannot decode image: {exc}", key=keys[i])))
@@ -249,19 +233,7 @@ class ImageDecode:
         s.update(
             backend=self.backend, reason=self.reason, device=str(self.device), preset=self._preset_name()
         )
-        s.update(
-            buffers_reused=self._decoder.buffers.reused, buffers_allocated=self._decoder.buffers.allocated
-        )
-        if isinstance(self._decoder, DaliDecoder):
-            s.update(dali_rebuilds=self._decoder.rebuilds, hw_decoder_load=self._decoder.hw_decoder_load)
-        elif isinstance(self._decoder, NvImageCodecDecoder):
-            s.update(
-                nvimgcodec_backends=self._decoder.backends,
-                nvimgcodec_batch_retries=self._decoder.batch_retries,
-                hw_decoder_load=self._decoder.hw_decoder_load,
-            )
-        else:
-            s["jpeg_library"] = self._decoder.jpeg_library
+        s.update(self._decoder.stats())
         return s
 
     def close(self) -> None:
@@ -302,28 +274,25 @@ class ImageDecode:
 
 
 def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
-    if backend == "cpu":
-        return "cpu", "forced by backend='cpu'"
-    has_dali = dali_available()
+    """(backend name, why). A name is taken as given (ImportError with its install hint when it is
+    missing); ``auto`` is the rule in the module docstring."""
     has_cuda = torch.cuda.is_available() and gpu_id is not None
-    if backend == "dali":
-        if not has_dali:
-            raise ImportError(INSTALL_HINT)
-        return "dali", "forced by backend='dali'" + ("" if has_cuda else " (no CUDA: DALI CPU operators)")
-    if backend == "nvimgcodec":
-        if not nvimgcodec_available():
-            raise ImportError(NVIMGCODEC_HINT)
-        why = "" if has_cuda else " (no CUDA: nvImageCodec CPU decoders)"
-        return "nvimgcodec", f"forced by backend='nvimgcodec'{why}"
+    if backend != "auto":
+        entry = registry.entry(backend)
+        if not registry.available(backend):
+            raise ImportError(entry.install_hint or f"decode backend {backend!r} is not installed")
+        why = f" (no CUDA: {entry.without_cuda})" if entry.gpu and not has_cuda else ""
+        return backend, f"forced by backend={backend!r}{why}"
+    has_dali = registry.available("dali")
     if has_dali and has_cuda:
         return "dali", f"auto: CUDA device {gpu_id} and DALI present -> DALI mixed (GPU) decode"
-    if has_cuda and not has_dali and nvimgcodec_importable():
+    if has_cuda and not has_dali and registry.usable("nvimgcodec"):
         return "nvimgcodec", (
             f"auto: CUDA device {gpu_id}, DALI not installed, nvImageCodec present -> nvImageCodec GPU decode"
         )
     if not has_cuda:  # no GPU to decode on: our CPU decoder beats DALI's CPU pipeline (RESULTS.md)
         why = "device is the CPU" if torch.cuda.is_available() else "no CUDA"
-        how = "region-of-interest C decoder" if turbo_available() else "PIL (the C decoder was not built)"
+        how = "region-of-interest C decoder" if _turbo_available() else "PIL (the C decoder was not built)"
         return "cpu", (
             f"auto: {why} -> CPU decoder, {how}; measured faster per image than DALI's own CPU "
             "pipeline and simplejpeg (benchmarks/RESULTS.md, Decode + augment)"
@@ -332,6 +301,12 @@ def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
         f"auto: CUDA device {gpu_id} but DALI not installed and no nvImageCodec -> CPU decoder "
         "(pip install stallfree[dali] for GPU decode)"
     )
+
+
+def _turbo_available() -> bool:
+    from .cpu import turbo_available
+
+    return turbo_available()
 
 
 def _gpu_id(device: str | torch.device | int | None) -> int | None:

@@ -3,14 +3,16 @@ and on a GPU: device, shapes, dtypes, agreement with the CPU backend, uint8 vs f
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
 import pytest
 import torch
 
-from stallfree.gpu_decode import select
+from stallfree.gpu_decode import registry, select
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD, Preset
+from stallfree.gpu_decode.backend import BackendOptions, OutputSpec
 from stallfree.gpu_decode.dali import dali_available
 from stallfree.gpu_decode.header import probe
 from stallfree.gpu_decode.normalize import normalize
@@ -50,14 +52,16 @@ def world(monkeypatch):
 
     def set_world(*, cuda: bool, dali: bool, codec: bool) -> list[bool]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-        monkeypatch.setattr(select, "dali_available", lambda: dali)
-        monkeypatch.setattr(select, "nvimgcodec_available", lambda: codec)
+        installed = {"dali": dali, "nvimgcodec": codec}
 
         def importable() -> bool:
             tried.append(True)
             return codec
 
-        monkeypatch.setattr(select, "nvimgcodec_importable", importable)
+        for name, present in installed.items():
+            fake = registry.entry(name)
+            fake = dataclasses.replace(fake, available=lambda present=present: present, usable=importable)
+            monkeypatch.setitem(registry._BACKENDS, name, fake)
         return tried
 
     return set_world
@@ -79,8 +83,8 @@ def test_auto_picks_nvimgcodec_only_with_cuda_and_without_dali(world, cuda, dali
     chosen, reason = select._choose("auto", 0)
     assert chosen == backend
     assert reason.startswith("auto: ") and all(w in reason for w in words), reason
-    # The import is tried only where its answer decides: CUDA present and DALI absent.
-    assert tried == ([True] if cuda and not dali else [])
+    # The import is tried only where its answer decides: CUDA present, DALI absent, nvImageCodec installed.
+    assert tried == ([True] if cuda and not dali and codec else [])
 
 
 def test_auto_on_a_cpu_device_never_picks_nvimgcodec(world):
@@ -166,8 +170,8 @@ def test_cpu_decoders_report_bad_samples_by_position(samples):
     datas[4] = _huffman_tables_broken(datas[4])
     infos = [probe(d, None) for d in (samples[i]["jpg"] for i in range(6))]
     boxes = [Preset(size=48).box(info.width, info.height, 0, str(i)) for i, info in enumerate(infos)]
-    dec = NvImageCodecDecoder(48, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=torch.float32, device_id=None)
-    out, failures = dec.decode(datas, boxes)
+    dec = NvImageCodecDecoder(OutputSpec(48, IMAGENET_MEAN, IMAGENET_STD, torch.float32), BackendOptions())
+    out, failures = dec.decode(datas, infos, boxes)
     assert [i for i, _ in failures] == [1, 4]
     assert "cannot read the image's header" in str(failures[0][1])
     assert "could not decode it" in str(failures[1][1])
@@ -278,7 +282,9 @@ def test_decoder_level_failures_hold_zeros(samples):
     boxes = [Preset(size=32).box(info.width, info.height, 0, str(i)) for i, info in enumerate(infos)]
     datas[0] = b"\xff\xd8 garbage after a start-of-image marker" * 4
     datas[3] = _huffman_tables_broken(datas[3])
-    dec = NvImageCodecDecoder(32, mean=IMAGENET_MEAN, std=IMAGENET_STD, dtype=torch.uint8, device_id=0)
-    out, failures = dec.decode(datas, boxes)
+    dec = NvImageCodecDecoder(
+        OutputSpec(32, IMAGENET_MEAN, IMAGENET_STD, torch.uint8), BackendOptions(device_id=0)
+    )
+    out, failures = dec.decode(datas, infos, boxes)
     assert [i for i, _ in failures] == [0, 3]
     assert out.is_cuda and not out[0].any() and not out[3].any() and out[1].any()

@@ -13,7 +13,6 @@ import sys
 import traceback
 
 import numpy as np
-from PIL import Image
 
 from stallfree.gpu_decode.header import BadImageError, probe
 from stallfree.gpu_decode.select import ImageDecode
@@ -31,7 +30,12 @@ def corpus(rng: np.random.Generator) -> list[bytes]:
         ("RGB", {"progressive": True}),
         ("L", {"progressive": True}),
         ("RGB", {"restart_marker_blocks": 1}),
-        ("RGB", {"exif": b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x01\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06\x00\x00"}),
+        (
+            "RGB",
+            {
+                "exif": b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\x00\x01\x01\x12\x00\x03\x00\x00\x00\x01\x00\x06\x00\x00"
+            },
+        ),
     ]:
         buf = io.BytesIO()
         make_image(rng, photos, (72, 56), mode).save(buf, format="JPEG", **kw)
@@ -60,7 +64,9 @@ def mutate(rng: np.random.Generator, data: bytes) -> bytes:
         b[at:at] = b[lo:hi] * int(rng.integers(1, 6))
     elif kind == 4:  # a marker byte pair where there was data
         at = int(rng.integers(len(b) - 1))
-        b[at : at + 2] = bytes([0xFF, int(rng.choice([0xC0, 0xC2, 0xC4, 0xD9, 0xDA, 0xDB, 0xDD, 0xFF, 0x00]))])
+        b[at : at + 2] = bytes(
+            [0xFF, int(rng.choice([0xC0, 0xC2, 0xC4, 0xD9, 0xDA, 0xDB, 0xDD, 0xFF, 0x00]))]
+        )
     else:  # a 16-bit field (a length, a size) set to an extreme
         at = int(rng.integers(min(len(b), 700) - 1))
         b[at : at + 2] = int(rng.choice([0, 1, 0xFFFF, 0x8000])).to_bytes(2, "big")

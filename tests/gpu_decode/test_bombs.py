@@ -188,7 +188,9 @@ def test_bad_limits(bad):
 
 
 @needs_turbo
-@pytest.mark.parametrize("box", [(math.nan, 0, 8, 8), (0, math.nan, 8, 8), (0, 0, math.nan, 8), (0, 0, 8, math.inf)])
+@pytest.mark.parametrize(
+    "box", [(math.nan, 0, 8, 8), (0, math.nan, 8, 8), (0, 0, math.nan, 8), (0, 0, 8, math.inf)]
+)
 def test_c_decoder_refuses_a_box_that_is_not_finite(flat, box):
     out = np.zeros((3, 8, 8), np.uint8)
     with pytest.raises(ValueError, match=r"x, y, w and h must be finite, got \("):

@@ -36,13 +36,26 @@ def with_orientation(img: Image.Image, orientation: int, fmt: str) -> bytes:
 
 
 BACKENDS = [
-    pytest.param({"backend": "cpu", "jpeg_library": "turbo"}, id="c-decoder", marks=pytest.mark.skipif(
-        not cpu.turbo_available(), reason="stallfree's C extension was not built")),
+    pytest.param(
+        {"backend": "cpu", "jpeg_library": "turbo"},
+        id="c-decoder",
+        marks=pytest.mark.skipif(not cpu.turbo_available(), reason="stallfree's C extension was not built"),
+    ),
     pytest.param({"backend": "cpu", "jpeg_library": "pil"}, id="pil"),
-    pytest.param({"backend": "dali"}, id="dali-cpu", marks=pytest.mark.skipif(
-        not dali_available(), reason="needs NVIDIA DALI: pip install stallfree[dali]")),
-    pytest.param({"backend": "nvimgcodec"}, id="nvimgcodec-cpu", marks=pytest.mark.skipif(
-        not nvimgcodec_importable(), reason="needs nvImageCodec: pip install nvidia-nvimgcodec-cu13")),
+    pytest.param(
+        {"backend": "dali"},
+        id="dali-cpu",
+        marks=pytest.mark.skipif(
+            not dali_available(), reason="needs NVIDIA DALI: pip install stallfree[dali]"
+        ),
+    ),
+    pytest.param(
+        {"backend": "nvimgcodec"},
+        id="nvimgcodec-cpu",
+        marks=pytest.mark.skipif(
+            not nvimgcodec_importable(), reason="needs nvImageCodec: pip install nvidia-nvimgcodec-cu13"
+        ),
+    ),
 ]
 
 
