@@ -43,7 +43,19 @@ EXTERNAL_ROOTS = {
     "lmdb",
     "redis",
 }
-EXTERNAL = {"pread", "pwrite", "fork", "print", "IterableDataset", "RawArray", "TYPE_CHECKING"}
+EXTERNAL = {
+    "pread",
+    "pwrite",
+    "fork",
+    "print",
+    "torchrun",
+    "IterableDataset",
+    "RawArray",
+    "TYPE_CHECKING",
+    "save_to_disk",  # Hugging Face datasets' method
+}
+ENV_VAR = re.compile(r"^[A-Z][A-Z0-9]*(_[A-Z0-9]+)+$")  # GLOO_SOCKET_IFNAME: not a name of ours
+DATA_FILE = re.compile(r"^[\w-]+\.(json|jsonl|bin|idx|tar|arrow|parquet|png|jpg)$")  # index.json: a file name
 
 
 @dataclass
@@ -154,6 +166,8 @@ def symbol_problem(span: str, index: Index) -> str | None:
     parts = name.split(".")
     if parts[0] in EXTERNAL_ROOTS or name in EXTERNAL or hasattr(builtins, name) or len(name) == 1:
         return None
+    if DATA_FILE.match(span) or (ENV_VAR.match(name) and name not in index.names):
+        return None
     if len(parts) == 1:
         known = name in index.names or name in index.classes or name in index.modules
         return None if known else f"`{span}`: no {name!r} defined in stallfree/"
@@ -162,6 +176,8 @@ def symbol_problem(span: str, index: Index) -> str | None:
         if owner in index.modules:
             if rest[0] in index.modules[owner] or f"{owner}.{rest[0]}" in index.modules:
                 return None
+            if "." not in owner and any(rest[-1] in attrs for attrs in index.classes.values()):
+                return None  # `loader.state_dict()`: a variable named like a module, a real method
             return f"`{span}`: module {owner} defines no {rest[0]!r}"
         if owner in index.classes:
             if rest[0] in index.classes[owner]:
@@ -198,6 +214,43 @@ def test_every_backticked_symbol_is_defined(doc: Path, index: Index):
     assert not problems, "names that stallfree/ does not define:\n" + "\n".join(problems)
 
 
+def layer_table(text: str) -> dict[str, set[str] | None]:
+    """ARCHITECTURE's layer table: package -> the packages of ours it may import (None: anything)."""
+    table: dict[str, set[str] | None] = {}
+    for line in text.splitlines():
+        m = re.match(r"^\| `stallfree/(\w+)/` \|.*\| (?P<may>[^|]*) \|$", line)
+        if m:
+            may = m.group("may").strip()
+            table[m.group(1)] = None if may == "anything" else set(SPAN.findall(re.sub(r"\([^)]*\)", "", may)))
+    return table
+
+
+def test_the_layer_table_allows_every_import_the_package_makes():
+    """Every edge between packages in today's import graph (tests/test_imports.py's, which sees
+    function-level imports too) is one the layer table lists."""
+    from tests.test_imports import import_graph
+
+    table = layer_table((ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8"))
+    assert {"shards", "cache", "loader", "harness", "cli"} <= set(table)
+
+    def package(module: str) -> str:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 else "stallfree"
+
+    unlisted = sorted(
+        f"{module} imports {target} (line {edge.line}, {edge.where})"
+        for module, edges in import_graph().items()
+        for target, edge in edges.items()
+        if package(module) in table
+        and table[package(module)] is not None
+        and package(target) != package(module)
+        and package(target) not in table[package(module)]
+    )
+    assert not unlisted, "imports the layer table of docs/ARCHITECTURE.md does not list:\n" + "\n".join(
+        unlisted
+    )
+
+
 def test_the_checker_catches_what_it_is_for(index: Index):
     assert (
         path_exists("loader/shm.py") and path_exists("stallfree/loader/") and path_exists("test_imports.py")
@@ -213,3 +266,10 @@ def test_the_checker_catches_what_it_is_for(index: Index):
     assert "has no 'deepth'" in symbol_problem("MainPlan.deepth", index)
     assert "no 'NoSuchReader'" in symbol_problem("NoSuchReader", index)
     assert symbol_problem("v1.2 N", index) is None  # not a name
+    assert symbol_problem("loader.state_dict()", index) is None  # a loader variable's method
+    assert symbol_problem("index.json", index) is None and symbol_problem("GLOO_SOCKET_IFNAME", index) is None
+    table = layer_table(
+        "| `stallfree/a/` | job | nothing |\n| `stallfree/b/` | job | `a` (errors), the `stallfree` package |\n"
+        "| `stallfree/c/` | job | anything |"
+    )
+    assert table == {"a": set(), "b": {"a", "stallfree"}, "c": None}
