@@ -4,6 +4,7 @@ column types kept. Rows are listed per line / row group / record batch and read 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,7 @@ TABLE_SUFFIXES = {
     ".feather": "arrow",
 }
 KEY_COLUMNS = ("__key__", "key")
+_BLOCK = 64  # rows of a shuffled shard converted to Python at a time, per source chunk
 
 
 class TableSource(Source):
@@ -36,10 +38,12 @@ class TableSource(Source):
         self.paths = [str(p) for p in paths]
         self.on_error = on_error
         self._cache: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
+        self._open: tuple[int, int, Any, Any] | None = None  # (pid, file, context, reader)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_cache"] = None
+        state["_open"] = None
         return state
 
     def schema(self):
@@ -136,7 +140,7 @@ class TableSource(Source):
         for pos, it in enumerate(items):
             wanted.setdefault(it.ref[:2], []).append(pos)
         where: dict[int, Any] = {}
-        for (fi, chunk), positions in wanted.items():
+        for (fi, chunk), positions in sorted(wanted.items()):  # file by file: each opened once
             try:
                 table = self._load_chunk(fi, chunk)
                 sub = table.take([items[pos].ref[2] for pos in positions])
@@ -145,15 +149,24 @@ class TableSource(Source):
                     where[pos] = exc
                 continue
             for j, pos in enumerate(positions):
-                where[pos] = (sub, j)
+                where[pos] = ((fi, chunk), sub, j)
+        # Each chunk's rows are asked for in the order of its ``sub`` (positions were appended in
+        # order), so each is converted a block at a time as the walk reaches it: a Python object
+        # per row (to_pylist of a 1-row slice) cost ~100 us a row; converting whole ``sub``s at
+        # once would hold the shard's rows as Python bytes all together.
+        blocks: dict[tuple[int, int], tuple[int, list[dict[str, Any]]]] = {}
         for pos, it in enumerate(items):
             got = where.pop(pos)
             if isinstance(got, SourceReadError):
                 yield got
                 continue
-            sub, j = got
+            chunk_key, sub, j = got
+            start = j - j % _BLOCK
+            block = blocks.get(chunk_key)
+            if block is None or block[0] != start:
+                block = blocks[chunk_key] = (start, sub.slice(start, _BLOCK).to_pylist())
             try:
-                yield self._sample(sub.slice(j, 1).to_pylist()[0], it.ref[3], self.paths[it.ref[0]])
+                yield self._sample(block[1][j - start], it.ref[3], self.paths[it.ref[0]])
             except SourceReadError as exc:
                 yield exc
 
@@ -201,14 +214,35 @@ class TableSource(Source):
         """One Parquet row group or Arrow record batch, as Arrow data."""
         path = self.paths[fi]
         try:
+            reader = self._reader_of(fi)
             if self.kind == "parquet":
-                import pyarrow.parquet as pq
-
-                return pq.ParquetFile(path).read_row_group(chunk)
-            with _open_ipc(path) as reader:
-                return reader.get_batch(chunk)
+                return reader.read_row_group(chunk)
+            return reader.get_batch(chunk)
         except (OSError, ValueError) as exc:
             raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path) from exc
+
+    def _reader_of(self, fi: int):
+        """File ``fi`` opened, the last one kept (per process): opening an Arrow stream parses it
+        whole (after a failed try as an IPC file), which per record batch cost more than the
+        batch itself when a shard's rows span many small batches (a shuffled shard does)."""
+        held = self._open
+        if held is not None and held[:2] == (os.getpid(), fi):
+            return held[3]
+        self._close_open()
+        path = self.paths[fi]
+        if self.kind == "parquet":
+            import pyarrow.parquet as pq
+
+            self._open = (os.getpid(), fi, None, pq.ParquetFile(path))
+        else:
+            ctx = _open_ipc(path)
+            self._open = (os.getpid(), fi, ctx, ctx.__enter__())
+        return self._open[3]
+
+    def _close_open(self) -> None:
+        held, self._open = self._open, None
+        if held is not None and held[2] is not None and held[0] == os.getpid():
+            held[2].__exit__(None, None, None)
 
     def _chunk_rows(self, fi: int, chunk: int) -> list[dict[str, Any]]:
         if self._cache is not None and self._cache[0] == (fi, chunk):
