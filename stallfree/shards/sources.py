@@ -111,8 +111,8 @@ def _layout_kind(root: Path, names: set[str]) -> str | None:
     if "index.json" in names:
         try:
             index = json.loads((root / "index.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"{root / 'index.json'} is not readable JSON: {exc}") from None
+        except (OSError, ValueError):
+            return None  # not an MDS / LitData index: a file among others (--source mds says why)
         if is_mds_index(index):
             return "mds"
         if is_litdata_index(index):

@@ -205,3 +205,12 @@ def test_same_bytes_for_any_worker_count(mds, tmp_path):
         shard_dataset(str(mds), str(tmp_path / f"w{workers}"), max_samples=4, workers=workers)
     one, three = ({p.name: p.read_bytes() for p in (tmp_path / w).iterdir()} for w in ("w1", "w3"))
     assert len(one) > 3 and one == three
+
+
+def test_an_index_json_of_another_kind_is_just_a_file(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "index.json").write_text("not json")
+    (tmp_path / "d" / "a.txt").write_text("x")
+    assert open_source(str(tmp_path / "d")).kind == "files"
+    with pytest.raises(SourceError, match=r"cannot read the MDS index .*index.json"):
+        open_source(str(tmp_path / "d"), "mds")
