@@ -10,7 +10,6 @@ three file-samples (its .arrow and two JSON files) and image structs could not b
 
 from __future__ import annotations
 
-import logging
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -31,8 +30,6 @@ from stallfree.shards.hf import (
 )
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
 from stallfree.shards.source_tables import TableSource, _open_ipc, row_sample
-
-log = logging.getLogger(__name__)
 
 _READ_CHUNK = 256  # rows of a datasets.Dataset taken per Arrow slice
 
@@ -173,7 +170,10 @@ class HFDatasetSource(Source):
         return [Item(f"row {i}", (per_row,), i) for i in range(n)]
 
     def read(self, item: Item) -> dict[str, Any]:
-        return next(iter(self.read_many([item])))  # type: ignore[return-value]
+        got = next(iter(self.read_many([item])))
+        if isinstance(got, SourceReadError):
+            raise got
+        return got
 
     def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
         table_view = self.dataset.with_format("arrow")
@@ -188,21 +188,7 @@ class HFDatasetSource(Source):
 
     def _sample(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         where = f"dataset row {index}"
-        sample = row_sample(row, index, where)
-        root = self.media_root
-
-        def read_path(path: str) -> bytes:
-            if root is None:
-                raise ValueError(
-                    f"{where}: media path {path!r} and no media_root to resolve it under "
-                    "(pass media_root= the directory the paths are relative to)"
-                )
-            return read_local_media(root, path, where)
-
-        try:
-            return convert_row(sample, self.columns, where, read_path)
-        except ValueError as exc:
-            raise SourceReadError(str(exc), path=where, key=sample["__key__"]) from None
+        return _media_to_bytes(row_sample(row, index, where), self.columns, where, where, self.media_root)
 
 
 def spool_iterable(
@@ -269,19 +255,28 @@ class _SpooledSource(HFTableSource):
         return state
 
     def _sample(self, row: dict[str, Any], row_number: int, path: str) -> dict[str, Any]:
-        sample = row_sample(row, row_number, path)
         where = f"stream row {row_number}"
-        root = self.media_root
+        return _media_to_bytes(row_sample(row, row_number, path), self.columns, where, where, self.media_root)
 
-        def read_path(p: str) -> bytes:
-            if root is None:
-                raise ValueError(f"{where}: media path {p!r} and no media_root to resolve it under")
-            return read_local_media(root, p, where)
 
-        try:
-            return convert_row(sample, self.columns, where, read_path)
-        except ValueError as exc:
-            raise SourceReadError(str(exc), path=where, key=sample["__key__"]) from None
+def _media_to_bytes(
+    sample: dict[str, Any], columns: HFColumns, where: str, path: str, media_root: str | None
+) -> dict[str, Any]:
+    """``convert_row`` for a source whose path-only media cells resolve under ``media_root``
+    (a ``datasets`` object has no table file of its own to resolve them against)."""
+
+    def read_path(rel: str) -> bytes:
+        if media_root is None:
+            raise ValueError(
+                f"{where}: media path {rel!r} and no media_root to resolve it under "
+                "(pass media_root= the directory the paths are relative to)"
+            )
+        return read_local_media(media_root, rel, where)
+
+    try:
+        return convert_row(sample, columns, where, read_path)
+    except ValueError as exc:
+        raise SourceReadError(str(exc), path=path, key=sample["__key__"]) from None
 
 
 def source_for_hf_object(

@@ -263,3 +263,17 @@ def test_same_bytes_for_any_worker_count(saved, tmp_path):
         shard_dataset(open_source(str(saved)), str(tmp_path / f"w{workers}"), max_samples=6, workers=workers)
     one, two = ({p.name: p.read_bytes() for p in (tmp_path / w).iterdir()} for w in ("w1", "w2"))
     assert len(one) > 3 and one == two
+
+
+def test_path_only_cells_of_a_dataset_object_resolve_under_media_root(images, tmp_path):
+    (tmp_path / "media" / "imgs").mkdir(parents=True)
+    (tmp_path / "media" / "imgs" / "0.jpg").write_bytes(images[0])
+    table = pa.table(
+        {"image": [{"bytes": None, "path": "imgs/0.jpg"}], "label": [1], "caption": ["c"]},
+        schema=_features().arrow_schema,
+    )
+    obj = datasets.Dataset(table, info=datasets.DatasetInfo(features=_features()))  # in memory: no files
+    with pytest.raises(SourceReadError, match=r"no media_root to resolve it under"):
+        shard_dataset(obj, str(tmp_path / "o1"))
+    shard_dataset(open_source(obj, media_root=tmp_path / "media"), str(tmp_path / "o2"))
+    assert _tar_rows(tmp_path / "o2")["000000000"]["image"] == images[0]
