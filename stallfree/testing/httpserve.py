@@ -161,6 +161,11 @@ class LoopbackServer:
         self._closed = True
         self._httpd.stopping.set()
         self._httpd.shutdown()
+        # shutdown, not just close: a forked child (a loader worker) holds a copy of the listening
+        # socket, and while any copy is open the kernel would go on accepting connections that
+        # nobody answers; shutdown stops the socket itself, so new connections are refused
+        with contextlib.suppress(OSError):
+            self._httpd.socket.shutdown(socket.SHUT_RDWR)
         self._httpd.server_close()
         with self._httpd.conn_lock:
             conns = list(self._httpd.connections)

@@ -59,7 +59,8 @@ def main(root: str, scenarios: list[str]) -> None:
 
 
 def run(scenario: str, root: str) -> None:
-    truth = open_dataset(f"{root}/{'arrow' if scenario.startswith('arrow') else 'tar'}")
+    kind = "arrow" if scenario.startswith("arrow") else "many" if scenario == "loader-dies" else "tar"
+    truth = open_dataset(f"{root}/{kind}")
     n = len(truth)
     with serve_directory(root) as server:
         if scenario == "open-500":
@@ -71,7 +72,7 @@ def run(scenario: str, root: str) -> None:
             server.kill()
             _record("open", None, lambda: open_dataset(f"{url}/tar"), None)
             return
-        fmt = "arrow" if scenario.startswith("arrow") else "tar"
+        fmt = kind
         opts: dict[str, Any] = {}
         if scenario == "hang":
             import aiohttp
@@ -80,7 +81,7 @@ def run(scenario: str, root: str) -> None:
         ds = open_dataset(f"{server.url}/{fmt}", **opts)
         for s in range(len(ds.shard_sizes)):  # open every shard while the server is well
             ds[sum(ds.shard_sizes[:s])]
-        suffix = f".{fmt}"
+        suffix = ".arrow" if fmt == "arrow" else ".tar"
         if scenario in ("short", "arrow-short"):
             server.faults.set(short_by=7, suffix=suffix)
         elif scenario == "short-once":
@@ -89,6 +90,25 @@ def run(scenario: str, root: str) -> None:
             server.faults.set(ignore_range=True, suffix=suffix)
         elif scenario == "hang":
             server.faults.set(hang=True, suffix=suffix)
+        if scenario == "loader-dies":  # through the DataLoader's worker processes (forked)
+            import stallfree
+
+            loader = stallfree.DataLoader(ds, batch_size=4, num_workers=2, collate_fn=list)
+            seen = 0
+            t0 = None
+            try:
+                for batch in loader:
+                    for sample in batch:
+                        _emit(what="loaded", i=seen, result="ok" if sample == truth[seen] else "wrong")
+                        seen += 1
+                    if seen == 20:  # far ahead of what the workers have read
+                        server.kill()
+                        t0 = time.monotonic()
+                _emit(what="loader", result="finished")
+            except Exception as exc:  # noqa: BLE001 - the child reports every outcome
+                _emit(what="loader", result="error", type=type(exc).__name__, message=str(exc), after=seen)
+            _emit(what="elapsed", seconds=None if t0 is None else time.monotonic() - t0)
+            return
         if scenario == "dies":
             half = n // 2
             for i in range(half):

@@ -30,10 +30,23 @@ def root(tmp_path_factory):
         with ShardWriter(str(root / fmt), format=fmt, max_samples=5) as w:
             for s in samples:
                 w.write(s)
+    with ShardWriter(str(root / "many"), format="tar", max_samples=100) as w:  # for the loader
+        for s in make_samples(400, size=200):
+            w.write(s)
     return root
 
 
-SCENARIOS = ("short", "short-once", "arrow-short", "ignore-range", "dies", "hang", "open-500", "open-dead")
+SCENARIOS = (
+    "short",
+    "short-once",
+    "arrow-short",
+    "ignore-range",
+    "dies",
+    "loader-dies",
+    "hang",
+    "open-500",
+    "open-dead",
+)
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +139,17 @@ def test_server_dying_mid_epoch(root, observed):
     for x in got[N // 2 :]:
         assert x["type"] == "RemoteReadError" and x["got"] is None
         assert "Cannot connect to host 127.0.0.1" in x["message"] and x["url"] in x["message"]
+
+
+def test_server_dying_mid_epoch_under_the_loader(observed):
+    """Worker processes hold a forked copy of the server's listening socket; the error still
+    reaches the training loop (naming the URL), not a hang until ``timeout=``."""
+    lines = observed["loader-dies"]
+    loaded = reads(lines, "loaded")
+    assert len(loaded) >= 20 and all(x["result"] == "ok" for x in loaded)
+    (end,) = reads(lines, "loader")
+    assert end["result"] == "error" and end["type"] == "RemoteReadError", end
+    assert "Cannot connect to host 127.0.0.1" in end["message"] and "/many/shard-000000.tar" in end["message"]
 
 
 def test_hanging_server_fails_within_the_read_timeout(root, observed):
