@@ -20,7 +20,8 @@ s3fs and fsspec's HTTP client where the user gave none, and turns botocore's own
 a failure the client already retried (s3fs tries 5 times, ~1 s of backoff, for read timeouts and
 dropped connections) is not retried again. With the defaults a read fails, naming the endpoint,
 after: ~0.3 s when connections are refused (3 attempts); 3 * 5 s when connects go unanswered;
-3 * 15 s (HTTP) or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``.
+3 * 15 s (HTTP; 3 * 30 s for a size or existence lookup, which fsspec asks by HEAD, then GET)
+or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``.
 """
 
 from __future__ import annotations
