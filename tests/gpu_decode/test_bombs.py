@@ -72,6 +72,18 @@ def test_encoders_scan_counts_pass(flat):
     assert probe(repeat_last_scan(flat, DEFAULT_MAX_SCANS - 10)).scans == DEFAULT_MAX_SCANS
 
 
+def test_scans_of_a_single_scan_file_are_not_counted():
+    """libjpeg decodes a baseline file from its first scan and never reads on: repeating its scan
+    costs nothing, so probe does not count (or pass over) those files."""
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 48), (1, 2, 3)).save(buf, format="JPEG")
+    repeated = repeat_last_scan(buf.getvalue(), 100)
+    assert probe(repeated).scans == 1 and probe(repeated).buffer_bytes == 0
+    if cpu.turbo_available():
+        out = np.empty((3, 8, 8), np.uint8)
+        assert cpu._turbo.decode_into(repeated, 0, 0, 64, 48, 8, False, out, max_scans=1)[0] is True
+
+
 def test_one_scan_over_the_limit_is_refused_by_probe(flat):
     bomb = repeat_last_scan(flat, DEFAULT_MAX_SCANS - 9)
     with pytest.raises(
