@@ -15,6 +15,7 @@ from typing import Any
 
 import fsspec
 
+from stallfree.shards import manifest_rows
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
 from stallfree.shards.idx import idx_path_for
 from stallfree.shards.remote import read_file
@@ -105,13 +106,8 @@ class Manifest:
     def fingerprint(self) -> str:
         """Stable hex id of the content: format, fields and every shard's path, count, size, hash
         (and stamp, for shards indexed on the fly: ``ShardInfo.stamp``)."""
-        body = {
-            "version": self.version,
-            "format": self.format,
-            "fields": self.fields,
-            "shards": [s.to_json() for s in self.shards],
-        }
-        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        # the sorted compact JSON of {version, format, fields, shards}, written directly (manifest_rows)
+        text = manifest_rows.fingerprint_text(self.version, self.format, self.fields, self.shards)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def files(self, root: str) -> list[str]:

@@ -226,8 +226,12 @@ class ShardedDataset:
 
     @property
     def fingerprint(self) -> str:
-        """Stable hex id of the dataset's content (cache keys use it)."""
-        return self.manifest.fingerprint
+        """Stable hex id of the dataset's content (cache keys use it). Computed once: with 200,000
+        shards it hashes ~20 MB of text, and the loader asks for it several times per iterator."""
+        fp = self.__dict__.get("_fingerprint")
+        if fp is None:
+            fp = self._fingerprint = self.manifest.fingerprint
+        return fp
 
     @property
     def format(self) -> str:
