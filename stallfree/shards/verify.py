@@ -493,7 +493,7 @@ def verify_dataset(
     its manifest. A manifest that is missing or unreadable is the report's one problem; a URL
     naming shard files rather than a dataset raises MissingShardError (there is nothing to
     verify them against)."""
-    fs, path = fsspec.core.url_to_fs(url, **storage_options)
+    fs, path = remote.url_to_fs(url, **storage_options)  # with connect/read timeouts
     if path.endswith(SHARD_SUFFIXES) or "{" in url or any(c in path for c in "*?["):
         parent = posixpath.dirname(path)
         hint = (
