@@ -206,7 +206,8 @@ def row_media_converter(
     columns = columns_of_schema(schema)
     if not columns.media:
         return convert
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.shards import remote
+    from stallfree.shards.errors import CorruptShardError, ShardError
 
     base = posixpath.dirname(path)
 
@@ -214,9 +215,9 @@ def row_media_converter(
         if local:
             return read_local_media(base, rel, where)
         full = posixpath.join(base, safe_relative(rel, where))
-        try:
-            return fs.cat_file(full)
-        except OSError as exc:
+        try:  # checked and retried like every remote read (shards/remote.py)
+            return remote.read_file(fs, full, shard=shard)
+        except (OSError, ShardError) as exc:
             raise ValueError(f"{where}: cannot read media file {rel!r} at {full}: {exc}") from None
 
     def converted(batch: Any, row: int, shard_row: int | None = None) -> dict[str, Any]:

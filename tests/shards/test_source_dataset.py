@@ -87,3 +87,35 @@ def _json(value) -> str:
     import json
 
     return value if isinstance(value, str) else json.dumps(value)
+
+
+def test_remote_path_only_media_read_inside_the_dataset(tmp_path):
+    """open_dataset over a non-local filesystem reads a path-only Image() cell with the checked
+    remote read, relative to the table's directory, and refuses one that leaves it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from stallfree.shards.errors import CorruptShardError
+    from stallfree.shards.open import open_dataset
+
+    image = jpeg_bytes(1, seed=3, sizes=((32, 24),))[0]
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=NAMES)})
+    table = pa.table(
+        {
+            "image": [{"bytes": None, "path": "imgs/0.jpg"}, {"bytes": None, "path": "../x.jpg"}],
+            "label": [0, 1],
+        },
+        schema=features.arrow_schema,
+    )
+    pq.write_table(table, tmp_path / "data.parquet")
+    fs = fsspec.filesystem("memory")
+    fs.put(str(tmp_path / "data.parquet"), "/pathonly/ds/data.parquet")
+    fs.pipe("/pathonly/ds/imgs/0.jpg", image)
+    fs.pipe("/pathonly/x.jpg", b"outside")
+    try:
+        ds = open_dataset("memory://pathonly/ds/data.parquet")
+        assert ds[0]["image"] == image and ds.manifest.classes == NAMES
+        with pytest.raises(CorruptShardError, match="points outside the dataset"):
+            ds[1]
+    finally:
+        fs.rm("/pathonly", recursive=True)
