@@ -18,7 +18,7 @@ import fsspec
 from stallfree.shards import manifest_rows
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
 from stallfree.shards.idx import idx_path_for
-from stallfree.shards.remote import read_file
+from stallfree.shards.remote import read_file, url_to_fs
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -270,7 +270,7 @@ def _manifest_path(
 ) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and the manifest file's path for ``url`` (a ``.json`` path or a directory)."""
     if fs is None:
-        fs, path = fsspec.core.url_to_fs(url, **storage_options)
+        fs, path = url_to_fs(url, **storage_options)  # shards.remote's: with connect/read timeouts
     else:
         path = url
     if not path.endswith(".json"):
