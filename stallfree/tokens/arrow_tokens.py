@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import posixpath
+from bisect import bisect_right
 from typing import Any
 
 import fsspec
@@ -242,6 +243,38 @@ class ArrowTokenSource:
     @property
     def fingerprint(self) -> str:
         return self._fingerprint
+
+    def read_runs(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Tokens ``[starts[i], starts[i] + counts[i])`` for every ``i``, back to back in one new
+        array: each run's part in a file-backed piece is one ``pread`` straight into it, the rest
+        copied from in-memory pieces (``TokenDataset`` calls this once per batch)."""
+        runs = list(zip(np.asarray(starts).tolist(), np.asarray(counts).tolist(), strict=True))
+        first, at, owner = self._lists()
+        total, end = 0, first[-1]
+        for s, c in runs:
+            if s < 0 or c < 0 or s + c > end:
+                raise IndexError(f"token range [{s}, {s + c}) outside [0, {end}) of {self.url}")
+            total += c
+        out = np.empty(total, self.dtype)
+        i = 0
+        for s, c in runs:
+            while c > 0:
+                p = bisect_right(first, s) - 1
+                n = min(s + c, first[p + 1]) - s
+                flat = self._flats[owner[p]] if at[p] >= 0 else None
+                if flat is not None and flat.dtype == self.dtype:
+                    flat.read_into(at[p] + s - first[p], out[i : i + n])
+                else:
+                    out[i : i + n] = self._read_piece(p, s - first[p], s - first[p] + n)
+                i, s, c = i + n, s + n, c - n
+        return out
+
+    def _lists(self) -> tuple[list[int], list[int], list[int]]:
+        """Piece starts, file offsets and owners as plain lists: per-window lookups in Python ints."""
+        lists = getattr(self, "_index_lists", None)
+        if lists is None:
+            lists = self._index_lists = (self._starts.tolist(), self._at.tolist(), self._owner.tolist())
+        return lists
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)``: read (or a view of an in-memory piece) when inside one piece,

@@ -166,6 +166,22 @@ class FlatFile:
             at += hi - lo
         return out
 
+    def read_into(self, start: int, out: np.ndarray) -> None:
+        """Fill ``out`` (contiguous, 1-D, of this dtype) with tokens ``[start, start + len(out))``:
+        one ``pread`` straight into it locally (what a multi-file source calls per piece)."""
+        c = len(out)
+        if start < 0 or start + c > self.count:
+            raise IndexError(f"token range [{start}, {start + c}) outside [0, {self.count}) of {self.url}")
+        if not c:
+            return
+        f = self._local_file()
+        if f is None:
+            out[:] = self.read(start, start + c)
+        elif (
+            os.preadv(f.fileno(), [out], self.offset + start * self.dtype.itemsize) != c * self.dtype.itemsize
+        ):
+            self._pread_into(f, out, start, start + c)  # the rest, or why not
+
     def locate(self, token: int) -> tuple[str, int]:
         """(file, byte offset) of token ``token``, for error messages."""
         return self.url, self.offset + token * self.dtype.itemsize

@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 from stallfree.shards.errors import ShardError
 from stallfree.shards.writer import ShardWriter
@@ -95,3 +96,20 @@ def test_unpickled_copy_opens_only_the_files_it_reads(tmp_path):
         [o for o in copy.source._owner if o == 0]
     )  # only the first file's pieces
     check_windows(copy, docs)
+
+
+def test_files_of_different_int_types_and_windows_across_batches(tmp_path):
+    """Read by pread from each file (and cast where a file's type is narrower than the dataset's)."""
+    docs = random_docs(9, n=30, vocab=30000)
+    for f, typ in enumerate([pa.uint16(), pa.int64()]):
+        t = table(docs[f * 15 : (f + 1) * 15], typ)
+        with pa.OSFile(str(tmp_path / f"p{f}.arrow"), "wb") as sink, ipc.new_file(sink, t.schema) as w:
+            for batch in t.to_batches(max_chunksize=4):
+                w.write_batch(batch)
+    ds = TokenDataset(str(tmp_path), 7, eos=5)
+    assert ds.source.dtype == np.int64 and len(ds.source._owner) == 8
+    check_windows(ds, docs, 5)
+    batch = ds.get_batch(list(range(len(ds))))
+    assert all(
+        torch.equal(batch[k].reshape(-1), torch.cat([ds[i][k] for i in range(len(ds))])) for k in batch
+    )
