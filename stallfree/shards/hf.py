@@ -37,9 +37,10 @@ class HFColumns:
 
     media: Mapping[str, str] = field(default_factory=dict)
     class_labels: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    nested_media: tuple[str, ...] = ()  # media inside a list or struct column: no field can hold it
 
     def __bool__(self) -> bool:
-        return bool(self.media or self.class_labels)
+        return bool(self.media or self.class_labels or self.nested_media)
 
     @property
     def class_field(self) -> str | None:
@@ -60,15 +61,26 @@ def columns_from_features(features: Mapping[str, Any] | None) -> HFColumns:
     "Image"}, "label": {"_type": "ClassLabel", "names": [...]}, ...}``)."""
     media: dict[str, str] = {}
     labels: dict[str, tuple[str, ...]] = {}
+    nested: list[str] = []
     for name, spec in (features or {}).items():
-        if not isinstance(spec, dict):
-            continue
-        kind = spec.get("_type")
+        kind = spec.get("_type") if isinstance(spec, dict) else None
         if kind in MEDIA_TYPES:
             media[name] = kind
         elif kind == "ClassLabel" and isinstance(spec.get("names"), list):
             labels[name] = tuple(str(n) for n in spec["names"])
-    return HFColumns(media, labels)
+        elif _holds_media(spec):
+            nested.append(name)
+    return HFColumns(media, labels, tuple(nested))
+
+
+def _holds_media(spec: Any) -> bool:
+    """A feature spec with an ``Image()`` / ``Audio()`` somewhere inside (a list of images, a
+    struct with an image member)."""
+    if isinstance(spec, dict):
+        return spec.get("_type") in MEDIA_TYPES or any(_holds_media(v) for v in spec.values())
+    if isinstance(spec, list):
+        return any(_holds_media(v) for v in spec)
+    return False
 
 
 def features_of_schema(schema: Any) -> dict[str, Any] | None:

@@ -42,6 +42,7 @@ class HFTableSource(TableSource):
         self, paths: Sequence[str | Path], kind: str, columns: HFColumns, *, on_error: str = "raise"
     ) -> None:
         super().__init__(paths, kind, on_error=on_error)
+        refuse_nested_media(columns, str(paths[0]) if paths else "source")
         self.columns = columns
         self.classes = columns.classes
         self.class_field = columns.class_field
@@ -83,6 +84,18 @@ class HFTableSource(TableSource):
             return convert_row(sample, self.columns, where, lambda p: read_local_media(base, p, where))
         except ValueError as exc:
             raise SourceReadError(str(exc), path=path, key=sample["__key__"]) from None
+
+
+def refuse_nested_media(columns: HFColumns, where: str) -> None:
+    """A list (or struct) of ``Image()`` / ``Audio()`` cells has no sample field to go to: one
+    field holds one encoded file, and a JSON list of structs cannot carry bytes. Refused up front
+    rather than failing at the first row's write with a JSON error."""
+    if columns.nested_media:
+        raise SourceError(
+            f"{where}: column(s) {', '.join(map(repr, columns.nested_media))} hold Image()/Audio() "
+            "cells inside a list or struct; a sample field holds one encoded file. Flatten them "
+            "into one column per image (datasets: Dataset.map) before sharding"
+        )
 
 
 def open_hf_dir(root: str | Path, *, on_error: str = "raise") -> HFTableSource:
@@ -151,6 +164,7 @@ class HFDatasetSource(Source):
         self.dataset = dataset
         self.on_error = on_error
         self.columns = columns_from_features(dataset.features.to_dict())
+        refuse_nested_media(self.columns, "the dataset")
         self.classes = self.columns.classes
         self.class_field = self.columns.class_field
         if media_root is None and dataset.cache_files:

@@ -277,3 +277,20 @@ def test_path_only_cells_of_a_dataset_object_resolve_under_media_root(images, tm
         shard_dataset(obj, str(tmp_path / "o1"))
     shard_dataset(open_source(obj, media_root=tmp_path / "media"), str(tmp_path / "o2"))
     assert _tar_rows(tmp_path / "o2")["000000000"]["image"] == images[0]
+
+
+def test_lists_of_images_are_refused_up_front(images, tmp_path):
+    features = datasets.Features(
+        {"frames": datasets.Sequence(datasets.Image()), "label": datasets.Value("int64")}
+    )
+    hfds = datasets.Dataset.from_dict(
+        {"frames": [[{"bytes": images[0], "path": None}, {"bytes": images[1], "path": None}]], "label": [0]},
+        features=features,
+    )
+    hfds.save_to_disk(str(tmp_path / "frames"))
+    with pytest.raises(
+        SourceError, match=r"column\(s\) 'frames' hold Image\(\)/Audio\(\) cells inside a list"
+    ):
+        open_source(str(tmp_path / "frames"))
+    with pytest.raises(SourceError, match="inside a list"):
+        open_source(hfds)
