@@ -14,6 +14,7 @@ import fsspec
 import pytest
 from fsspec.implementations.http import HTTPFileSystem
 
+from stallfree.shards import readers, remote
 from stallfree.shards.errors import CorruptShardError, HashMismatchError, IndexMismatchError
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.open import open_dataset
@@ -176,20 +177,17 @@ def test_arrow_row_count_mismatch_releases_the_source(arrow_dataset):
     assert_released(path)
 
 
-# -- Arrow, remote (an fsspec file object over the loopback HTTP server) --------------------------
+# -- Arrow, remote (``remote.RangeFile`` over the loopback HTTP server) ----------------------------
 
 
-class RecordingHTTPFS(HTTPFileSystem):
-    """fsspec's HTTP filesystem that also keeps every file object it hands out."""
+class RecordingRangeFile(remote.RangeFile):
+    """The remote file the reader reads through, keeping every instance made."""
+
+    made: list = []
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.opened: list = []
-
-    def _open(self, path, mode="rb", **kwargs):
-        f = super()._open(path, mode, **kwargs)
-        self.opened.append(f)
-        return f
+        RecordingRangeFile.made.append(self)
 
 
 @pytest.fixture(scope="module")
@@ -200,17 +198,19 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture
-def remote_arrow(served, arrow_dataset, request):
+def remote_arrow(served, arrow_dataset, request, monkeypatch):
     """``(fs, url, info, local path)``: shard 1 of the Arrow dataset, served under this test's name."""
     server, root = served
     name = f"{request.node.name}.arrow"
     shutil.copyfile(arrow_dataset / ARROW, root / name)
-    fs = RecordingHTTPFS(skip_instance_cache=True)
+    monkeypatch.setattr(readers, "RangeFile", RecordingRangeFile)
+    RecordingRangeFile.made = []
+    fs = HTTPFileSystem(skip_instance_cache=True)
     return fs, f"{server.url}/{name}", shard_info(arrow_dataset, ARROW), root / name
 
 
-def closed(fs: RecordingHTTPFS) -> list[bool]:
-    return [f.closed for f in fs.opened]
+def closed(fs: HTTPFileSystem) -> list[bool]:
+    return [f.closed for f in RecordingRangeFile.made]
 
 
 def test_remote_arrow_reader_closes_its_file(remote_arrow):
@@ -239,7 +239,7 @@ def test_remote_arrow_hash_mismatch_closes_its_files(remote_arrow):
     with pytest.raises(HashMismatchError, match=f"the manifest says {info.sha256}") as err:
         ArrowShardReader(fs, url, ARROW, info, verify_hash=True)
     assert err.value.shard == ARROW
-    assert closed(fs) == [True, True]  # the reader's file and the hash pass's
+    assert closed(fs) == [True]  # the hash pass reads checked ranges, no file
 
 
 def test_remote_arrow_unreadable_file_closes_its_file(remote_arrow):
