@@ -157,16 +157,43 @@ class OffsetTableSource(Source):
             raise got
         return got
 
+    def _compressed_cells(self, items: Sequence[Item]) -> dict[int, bytes | SourceReadError]:
+        """The bytes of every item in a compressed file, gathered file by file (each file is
+        decompressed whole, so items in shuffled order would otherwise decompress it per item)."""
+        by_file: dict[int, list[int]] = {}
+        for pos, item in enumerate(items):
+            if self.files[item.ref[0]].compression:
+                by_file.setdefault(item.ref[0], []).append(pos)
+        cells: dict[int, bytes | SourceReadError] = {}
+        for fi, positions in sorted(by_file.items()):
+            try:
+                blob = self._file_bytes(fi)
+            except (OSError, SourceReadError) as exc:
+                err = (
+                    exc
+                    if isinstance(exc, SourceReadError)
+                    else SourceReadError(str(exc), path=self.files[fi].path)
+                )
+                cells.update(dict.fromkeys(positions, err))
+                continue
+            for pos in positions:
+                begin, end = items[pos].ref[2:4]
+                cells[pos] = blob[begin:end]
+        return cells
+
     def read_many(self, items: Sequence[Item]) -> Iterator[dict[str, Any] | SourceReadError]:
         handles: dict[int, Any] = {}
+        cells = self._compressed_cells(items)
         try:
-            for item in items:
+            for pos, item in enumerate(items):
                 fi, row, begin, end, number = item.ref
                 shard = self.files[fi]
                 where = f"{shard.path} sample {row}"
                 try:
                     if shard.compression:
-                        data = self._file_bytes(fi)[begin:end]
+                        data = cells.pop(pos)
+                        if isinstance(data, SourceReadError):
+                            raise data
                     else:
                         f = handles.get(fi)
                         if f is None:

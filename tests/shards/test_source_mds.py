@@ -214,3 +214,23 @@ def test_an_index_json_of_another_kind_is_just_a_file(tmp_path):
     assert open_source(str(tmp_path / "d")).kind == "files"
     with pytest.raises(SourceError, match=r"cannot read the MDS index .*index.json"):
         open_source(str(tmp_path / "d"), "mds")
+
+
+def test_compressed_shards_decompressed_once_per_read_in_any_order(rows, tmp_path, monkeypatch):
+    import random
+
+    from stallfree.shards import source_offsets
+
+    write_mds(
+        tmp_path / "ds", {"image": "jpeg", "label": "int"}, rows, per_shard=5, gz_shards=(0, 1, 2, 3, 4)
+    )
+    calls = []
+    real = source_offsets.DECOMPRESSORS["gz"]
+    monkeypatch.setitem(source_offsets.DECOMPRESSORS, "gz", lambda data: calls.append(1) or real(data))
+    source = open_source(str(tmp_path / "ds"))
+    items = source.items()
+    calls.clear()
+    shuffled = random.Random(1).sample(items, len(items))
+    got = list(source.read_many(shuffled))
+    assert [s["image"] for s in got] == [rows[it.ref[4]]["image"] for it in shuffled]
+    assert len(calls) == 5  # each of the 5 files once, not once per sample
