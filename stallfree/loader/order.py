@@ -243,7 +243,9 @@ class RankShare:
         return self.at(np.arange(max(lo, 0), min(hi, len(self)), dtype=np.int64))
 
 
-def remaining_for_world(order: np.ndarray | Order, start: int, world_size: int, uneven: str = "pad") -> np.ndarray:
+def remaining_for_world(
+    order: np.ndarray | Order, start: int, world_size: int, uneven: str = "pad"
+) -> np.ndarray:
     """Positions ``start:`` of ``order``, padded (from the epoch's start) or cut so ``world_size``
     ranks get equal counts, materialised in position order."""
     o = _as_order(order)

@@ -48,7 +48,9 @@ def source_seed(seed: int, epoch: int, name: str) -> int:
     augmentation differs between epochs and is reproducible (decoders vary it per sample key)."""
     import zlib
 
-    return int(np.random.SeedSequence([seed & (2**63 - 1), epoch, zlib.crc32(name.encode())]).generate_state(1)[0])
+    return int(
+        np.random.SeedSequence([seed & (2**63 - 1), epoch, zlib.crc32(name.encode())]).generate_state(1)[0]
+    )
 
 
 def collate_by_source(

@@ -80,7 +80,9 @@ class Mixture:
             raise ValueError(f"decode= names sources {unknown} that are not in the mixture {self.names}")
         for n, dec in self.decode.items():
             if not (hasattr(dec, "decode_batch") or callable(dec)):
-                raise TypeError(f"decode[{n!r}] must have decode_batch or be callable, got {type(dec).__name__}")
+                raise TypeError(
+                    f"decode[{n!r}] must have decode_batch or be callable, got {type(dec).__name__}"
+                )
             if hasattr(dec, "runs_in_workers") and not dec.runs_in_workers:
                 raise ValueError(
                     f"decode[{n!r}] cannot run in the loader's worker processes, where a mixture's "

@@ -34,7 +34,9 @@ def quotas(total: int, weights: Sequence[float]) -> np.ndarray:
     if total < 0 or not len(w) or not np.isfinite(w).all() or (w < 0).any() or w_sum <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all 0 (got {list(weights)}); total >= 0")
     if not np.isfinite(w_sum):  # each finite, the sum not: every share would be 0 / inf
-        raise ValueError(f"weights {list(weights)} sum past the largest float; scale them down (only ratios matter)")
+        raise ValueError(
+            f"weights {list(weights)} sum past the largest float; scale them down (only ratios matter)"
+        )
     raw = total * (w / w_sum)
     counts = np.floor(raw).astype(np.int64)
     left = total - int(counts.sum())

@@ -81,7 +81,9 @@ def test_decode_only_the_image_source(image_and_tokens, num_workers):
         assert torch.equal(batch["tokens"]["input_ids"], want_ids)
     # the same images decode the same way again (the decode seed is a function of seed, epoch, source)
     again = list(stallfree.DataLoader(m, batch_size=8, num_workers=0))
-    assert all(torch.equal(a["images"]["image"], b["images"]["image"]) for a, b in zip(got, again, strict=True))
+    assert all(
+        torch.equal(a["images"]["image"], b["images"]["image"]) for a, b in zip(got, again, strict=True)
+    )
 
 
 def test_per_sample_decoder_and_explicit_collate():
