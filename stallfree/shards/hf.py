@@ -2,12 +2,13 @@
 carries (the ``huggingface`` entry of an Arrow/Parquet schema's metadata, or a ``save_to_disk``
 directory's ``dataset_info.json``), and what the sharder and ``open_dataset`` do with them.
 
-Two feature types change what a row holds. ``Image()`` and ``Audio()`` columns are structs
-``{"bytes": ..., "path": ...}``: the encoded file is ``bytes``, or, when that is null, the file at
-``path``. A sample gets the encoded bytes (what ``ImageDecode`` and WebDataset's readers expect), so
-a path is read here, and only *inside* the dataset: relative, no ``..``, resolved against the
-directory holding the table file. A dataset is data from elsewhere; a path such as ``/etc/passwd``
-or ``../../secrets`` in it must not pull a file of this machine into the shards. ``ClassLabel``
+Two kinds of feature change what a row holds. ``Image()`` and ``Audio()`` columns (and
+``Video()``, ``Pdf()``, ``Nifti()``: the same storage) are structs ``{"bytes": ..., "path":
+...}``: the encoded file is ``bytes``, or, when that is null, the file at ``path``. A sample gets
+the encoded bytes (what ``ImageDecode`` and WebDataset's readers expect), so a path is read
+here, and only *inside* the dataset: relative, no ``..``, resolved against the directory holding
+the table file. A dataset is data from elsewhere; a path such as ``/etc/passwd`` or
+``../../secrets`` in it must not pull a file of this machine into the shards. ``ClassLabel``
 columns hold class indices; their names become the manifest's ``classes`` (as for ImageFolder).
 
 All of this is JSON: nothing here unpickles.
@@ -25,7 +26,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-MEDIA_TYPES = ("Image", "Audio")
+# Feature types stored as a {"bytes", "path"} struct holding one encoded file.
+MEDIA_TYPES = ("Image", "Audio", "Video", "Pdf", "Nifti")
 SAVE_TO_DISK_FILES = ("dataset_info.json", "state.json")
 DATASET_DICT_FILE = "dataset_dict.json"
 

@@ -294,3 +294,19 @@ def test_lists_of_images_are_refused_up_front(images, tmp_path):
         open_source(str(tmp_path / "frames"))
     with pytest.raises(SourceError, match="inside a list"):
         open_source(hfds)
+
+
+def test_video_and_pdf_columns_share_the_media_storage(tmp_path):
+    features = datasets.Features({"video": datasets.Video(), "doc": datasets.Pdf()})
+    table = pa.table(
+        {
+            "video": [{"bytes": b"\x00\x00\x00\x18ftypmp42", "path": "a.mp4"}],
+            "doc": [{"bytes": b"%PDF-1.4", "path": None}],
+        },
+        schema=features.arrow_schema,
+    )
+    shard_dataset(datasets.Dataset(table, info=datasets.DatasetInfo(features=features)), str(tmp_path / "o"))
+    assert _tar_rows(tmp_path / "o")["000000000"] == {
+        "video": b"\x00\x00\x00\x18ftypmp42",
+        "doc": b"%PDF-1.4",
+    }
