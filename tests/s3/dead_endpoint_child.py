@@ -58,6 +58,7 @@ def main() -> None:
     wrong = f"http://127.0.0.1:{_free_port()}"
     print(json.dumps({"what": "wrong-endpoint", "url": wrong}), flush=True)
     _outcome("open-wrong", lambda: open_dataset("s3://dead/ds", **{**opts, "endpoint_url": wrong}))
+    _outcome("glob-wrong", lambda: open_dataset("s3://dead/ds/*.tar", **{**opts, "endpoint_url": wrong}))
 
 
 if __name__ == "__main__":

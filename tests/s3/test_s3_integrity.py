@@ -104,3 +104,6 @@ def test_dead_and_wrong_endpoints_are_named(s3):  # s3: skipped with the reason 
         ), x
         assert x["url"] == f"s3://dead/ds/{shard} (endpoint {where})", x
         assert f"(endpoint {where}) failed" in x["message"] and "onnect" in x["message"], x
+    glob = out["glob-wrong"]  # a listing, not a read: botocore's error, reworded with the endpoint
+    assert (glob["type"], glob["module"]) == ("RemoteReadError", "stallfree.shards.errors"), glob
+    assert glob["message"].startswith(f"cannot reach endpoint {wrong} (opening s3://dead/ds/*.tar): "), glob
