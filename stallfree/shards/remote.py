@@ -21,7 +21,8 @@ a failure the client already retried (s3fs tries 5 times, ~1 s of backoff, for r
 dropped connections) is not retried again. With the defaults a read fails, naming the endpoint,
 after: ~0.3 s when connections are refused (3 attempts); 3 * 5 s when connects go unanswered;
 3 * 15 s (HTTP; 3 * 30 s for a size or existence lookup, which fsspec asks by HEAD, then GET)
-or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``.
+or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``
+and ``atomic.is_local``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import Any
 
 import fsspec
 
+from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardError, ShardReadError
 
 log = logging.getLogger(__name__)
@@ -245,7 +247,7 @@ def _raise_final(
     shard: str,
     key: str | None,
     exc: BaseException,
-) -> None:
+) -> bool:
     """Raise the error for a failure that asking again cannot mend; return whether the server
     refused the request outright (the caller words that), False for a transient failure."""
     kind = classify(exc)
@@ -416,8 +418,6 @@ def open_read(
     """A read-only file object for ``path`` of ``size`` bytes: the filesystem's own for local
     files, a ``RangeFile`` (checked, retried reads) for remote ones. For sequential passes
     (``verify``) and table readers that want a file."""
-    from stallfree.shards.atomic import is_local
-
     if is_local(fs):
         return fs.open(path, mode="rb")
     return RangeFile(fs, path, size, shard=shard, block_size=block_size, policy=policy)
@@ -567,9 +567,9 @@ def with_timeouts(
 ) -> dict[str, Any]:
     """``storage_options`` plus connect/read timeouts for ``url``'s store where the user set none
     (a copy; what the user passed is never overwritten). S3 (s3fs): botocore's ``connect_timeout``
-    and ``read_timeout`` in ``config_kwargs``, and botocore's own retries off (s3fs already
-    retries 5 times, and this module retries after it: three layers made a dead endpoint cost
-    ~6.4 s per sample). HTTP: an aiohttp ``ClientTimeout`` with ``sock_connect``/``sock_read``.
+    and ``read_timeout`` in ``config_kwargs``, and botocore's own retries off (s3fs retries, and
+    so does this module what s3fs does not: three layers made a dead endpoint cost ~6.4 s per
+    sample). HTTP: an aiohttp ``ClientTimeout`` with ``sock_connect``/``sock_read``.
     Other stores, and chained URLs, are left as they are."""
     options = dict(storage_options)
     if "::" in url:
