@@ -2,9 +2,11 @@
 
 Local tar shards are read with ``os.pread`` (one call per sample, no memory map: see
 ``TarShardReader.__init__``); local Arrow files are memory-mapped (zero-copy columns). Remote
-files (any fsspec URL) are read with ranged requests: one sample is one
-``cat_file(path, start=, end=)`` spanning its members (headers included, so each member's name is
-checked against the index for free); ``get_many`` merges neighbouring samples into one request.
+files (any fsspec URL) are read with ranged requests: one sample is one ``remote.read_range``
+(length checked, short or failed reads retried) spanning its members (headers included, so each
+member's name is checked against the index for free); ``get_many`` merges neighbouring samples
+into one request (``remote.read_ranges``), and Arrow/Parquet files are read through
+``remote.RangeFile``.
 
 A reader checks its shard cheaply when opened: size against the manifest, index entries inside
 the file, the first and last sample's member headers name the member the index says.
