@@ -3,10 +3,11 @@ already interleaved in the weights' shares, so a loader must read them in order 
 
 Position ``i`` of epoch ``e`` maps to (source, index) in O(1): the schedule (``schedule.py``,
 independent of seed and epoch; laid out for short epochs, a function of position in O(sources)
-memory for long ones) gives the source and the occurrence number ``j`` of that source so far; ``j // len(source)`` is the cycle through the source, and a fresh seeded
-permutation per (seed, epoch, source, cycle) (``permute.py``) picks the sample. Each sample of a
-source appears ``floor`` or ``ceil`` of ``quota / len`` times per epoch. Everything is a pure
-function of (seed, epoch, position): world size and worker count play no part.
+memory for long ones) gives the source and the occurrence number ``j`` of that source so far;
+``j // len(source)`` is the cycle through the source, and a fresh seeded permutation per
+(seed, epoch, source, cycle) (``permute.py``) picks the sample. Each sample of a source appears
+``floor`` or ``ceil`` of ``quota / len`` times per epoch. Everything is a pure function of
+(seed, epoch, position): world size and worker count play no part.
 """
 
 from __future__ import annotations
