@@ -22,6 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "stallfree"
 DOCS = [ROOT / "docs" / "ARCHITECTURE.md"]
+# Where only repository paths are checked (their other backticked text is mostly values and code).
+PATH_DOCS = [ROOT / "README.md", *sorted((ROOT / "examples").glob("*.md"))]
 
 SPAN = re.compile(r"`([^`\n]+)`")
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
@@ -147,6 +149,16 @@ def is_path(span: str) -> bool:
     )
 
 
+def is_repo_path(span: str) -> bool:
+    """The narrower test for prose docs: a plain relative path (no URL, glob, quote or call) that
+    ends in a source suffix or names a directory (``benchmarks/``)."""
+    return (
+        len(span) > 1
+        and re.fullmatch(r"[\w][\w./-]*", span) is not None
+        and (span.endswith(FILE_SUFFIXES) or span.endswith("/"))
+    )
+
+
 def path_exists(span: str) -> bool:
     """A path relative to the repository or to ``stallfree/``; a bare file name anywhere in it."""
     rel = span.rstrip("/")
@@ -204,6 +216,12 @@ def test_every_backticked_path_exists(doc: Path):
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
 
 
+@pytest.mark.parametrize("doc", PATH_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_repository_path_in_the_readme_and_examples_exists(doc: Path):
+    missing = [f"{doc.name}:{n}: `{s}`" for n, s in spans(doc) if is_repo_path(s) and not path_exists(s)]
+    assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
 def test_every_backticked_symbol_is_defined(doc: Path, index: Index):
     problems = [
@@ -221,7 +239,9 @@ def layer_table(text: str) -> dict[str, set[str] | None]:
         m = re.match(r"^\| `stallfree/(\w+)/` \|.*\| (?P<may>[^|]*) \|$", line)
         if m:
             may = m.group("may").strip()
-            table[m.group(1)] = None if may == "anything" else set(SPAN.findall(re.sub(r"\([^)]*\)", "", may)))
+            table[m.group(1)] = (
+                None if may == "anything" else set(SPAN.findall(re.sub(r"\([^)]*\)", "", may)))
+            )
     return table
 
 
@@ -256,6 +276,8 @@ def test_the_checker_catches_what_it_is_for(index: Index):
         path_exists("loader/shm.py") and path_exists("stallfree/loader/") and path_exists("test_imports.py")
     )
     assert not path_exists("loader/mmap_reader.py")
+    assert is_repo_path("benchmarks/RESULTS.md") and is_repo_path("tests/gpu/")
+    assert not any(map(is_repo_path, ["/", "s3://b/x.py", 'open_dataset("a/b.py")', "path/name", "x/*.py"]))
     assert symbol_problem("shm.materialise", index) is None
     assert symbol_problem("MainPlan.depth", index) is None
     assert symbol_problem("Task(gen, seq, indices, decode_seed, epoch)", index) is None
