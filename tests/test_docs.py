@@ -23,7 +23,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "stallfree"
 DOCS = [ROOT / "docs" / "ARCHITECTURE.md"]
 # Where only repository paths are checked (their other backticked text is mostly values and code).
-PATH_DOCS = [ROOT / "README.md", *sorted((ROOT / "examples").glob("*.md"))]
+PATH_DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "examples").glob("*.md")),
+    *sorted(p for p in (ROOT / "docs").glob("*.md") if p not in DOCS),
+]
 
 SPAN = re.compile(r"`([^`\n]+)`")
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
