@@ -6,12 +6,13 @@ docs name (``./imagenet/train`` as a small ImageFolder of real photos, ``tokens/
 ``./old-webdataset/*.tar``, ``data/web_text_document`` token files, ...) and runs every block of
 every file in document order in it: Python blocks ``exec`` in one namespace per file (the README
 builds ``ds``, then a loader over it, ...), command lines go to ``stallfree.cli.main`` in the
-same process after bash has expanded them (globs, quotes). One process keeps the whole test to a
-few interpreter starts; ``stallfree bench`` still launches its own ranks.
+same process after bash has expanded them (globs, quotes). One process keeps the whole test to
+one interpreter start: the bench lines run with one rank and no worker processes (``TINY_BENCH``),
+which ``stallfree bench`` runs in the calling process.
 
 What the docs assume and the test provides:
-- ``READER`` names a Python block may use without defining them (the reader's own data:
-  ``items``, ``epochs``).
+- ``prepare`` returns the names a Python block may use without defining them (the reader's own
+  data: ``items``, ``epochs``).
 - ``SUBSTITUTIONS`` scale the docs' production settings down to a 2-core CI machine and point
   their placeholder URLs at what exists here (an S3 bucket becomes a local directory, the
   ``http://127.0.0.1:8000`` of the docs becomes a real loopback server on a free port). Each has
