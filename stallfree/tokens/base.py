@@ -182,6 +182,14 @@ class FlatFile:
         ):
             self._pread_into(f, out, start, start + c)  # the rest, or why not
 
+    def fileno(self) -> int:
+        """This process's descriptor of the local file (opened, and its size checked, on first
+        use): for a source that issues its own preads. Remote files have none (ValueError)."""
+        f = self._local_file()
+        if f is None:
+            raise ValueError(f"{self.url} is not a local file")
+        return f.fileno()
+
     def locate(self, token: int) -> tuple[str, int]:
         """(file, byte offset) of token ``token``, for error messages."""
         return self.url, self.offset + token * self.dtype.itemsize
