@@ -22,6 +22,7 @@ torch needs an int64 permutation plus a Python list of n ints (~44 bytes each), 
 three int64 arrays of n.
 
   .venv/bin/python benchmarks/bench_scale.py --n 1e6 1e8 1e9 1e10 --ranks 1 1024 --repeats 3
+  .venv/bin/python benchmarks/bench_scale.py --manifest 200000 --repeats 3   (opening 10^9 samples' manifest)
 """
 
 from __future__ import annotations
@@ -226,7 +227,71 @@ def run_streaming(n: int, ranks: int, args: argparse.Namespace) -> dict[str, Any
     return _row(first_s, peak, order_s, None)
 
 
-RUNNERS = {"ours": run_ours, "torch": run_torch, "streaming": run_streaming}
+def run_manifest(shards: int, _ranks: int, args: argparse.Namespace) -> dict[str, Any]:
+    """open_dataset on a manifest of ``shards`` shards of 5,000 samples (written once into
+    --manifest-dir; only the manifest: opening reads no shard), its fingerprint (once computed,
+    then cached), and beside it the fingerprint as it was computed before manifest_rows (json.dumps
+    of a dict per shard), in the same process."""
+    import hashlib
+    import resource
+
+    import psutil
+
+    from stallfree.shards.open import open_dataset
+
+    root = os.path.join(args.manifest_dir, f"manifest-{shards}")
+    if not os.path.exists(os.path.join(root, "manifest.json")):
+        os.makedirs(root, exist_ok=True)
+        entries = [
+            {
+                "path": f"shard-{i:06d}.tar",
+                "samples": 5000,
+                "bytes": 5000 * 110_000,
+                "sha256": hashlib.sha256(str(i).encode()).hexdigest(),
+            }
+            for i in range(shards)
+        ]
+        body = {
+            "version": 1,
+            "format": "tar",
+            "fields": ["jpg", "cls"],
+            "classes": None,
+            "skipped": [],
+            "shards": entries,
+        }
+        with open(os.path.join(root, "manifest.json"), "w") as f:
+            f.write(json.dumps(body, indent=1) + "\n")
+    before = psutil.Process().memory_info().rss
+    t0 = time.perf_counter()
+    ds = open_dataset(root)
+    t1 = time.perf_counter()
+    fp = ds.fingerprint
+    t2 = time.perf_counter()
+    again = ds.fingerprint
+    t3 = time.perf_counter()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    m = ds.manifest
+    t4 = time.perf_counter()
+    body = {
+        "version": m.version,
+        "format": m.format,
+        "fields": m.fields,
+        "shards": [s.to_json() for s in m.shards],
+    }
+    old = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:32]
+    t5 = time.perf_counter()
+    assert old == fp == again and len(ds) == shards * 5000 and ds.locate(len(ds) - 1) == (shards - 1, 4999)
+    return {
+        "open_s": t1 - t0,
+        "fingerprint_s": t2 - t1,
+        "fingerprint_again_s": t3 - t2,
+        "fingerprint_before_s": t5 - t4,
+        "peak_delta_mb": (peak - before) / 2**20,
+        "manifest_mb": os.path.getsize(os.path.join(root, "manifest.json")) / 2**20,
+    }
+
+
+RUNNERS = {"ours": run_ours, "torch": run_torch, "streaming": run_streaming, "manifest": run_manifest}
 
 
 def needed_gib(runner: str, n: int) -> float:
@@ -252,6 +317,8 @@ def one(runner: str, n: int, ranks: int, args: argparse.Namespace) -> dict[str, 
         str(args.steady),
         "--order-batches",
         str(args.order_batches),
+        "--manifest-dir",
+        args.manifest_dir,
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     if out.returncode != 0:
@@ -270,12 +337,29 @@ def main() -> None:
     ap.add_argument("--order-batches", type=int, default=2048, help="batches of the order alone timed")
     ap.add_argument("--mem-gib", type=float, default=20.0, help="skip a peer whose order needs more")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument(
+        "--manifest",
+        type=int,
+        default=0,
+        metavar="SHARDS",
+        help="only time opening a manifest of SHARDS shards",
+    )
+    ap.add_argument("--manifest-dir", default="/tmp/stallfree-bench-scale", help="where --manifest writes it")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--one", nargs=3, metavar=("RUNNER", "N", "RANKS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
         runner, n, ranks = args.one[0], int(float(args.one[1])), int(args.one[2])
         print(json.dumps(RUNNERS[runner](n, ranks, args)))
+        return
+    if args.manifest:
+        runs = [one("manifest", args.manifest, 1, args) for _ in range(args.repeats)]
+        good = [r for r in runs if "error" not in r]
+        if not good:
+            print(f"manifest ERROR {runs[0]['error']}")
+            return
+        med = {k: statistics.median(r[k] for r in good) for k in good[0]}
+        print(json.dumps(med) if args.json else "  ".join(f"{k} {v:.3f}" for k, v in med.items()))
         return
     rows = []
     for n in (int(x) for x in args.n):
