@@ -18,6 +18,16 @@ us, as many LitData chunks for LitData). LitData runs only where it is installed
 (``bash benchmarks/env.sh``, then run with ``.venv-bench/bin/python``).
 
     .venv-bench/bin/python benchmarks/bench_tokens.py --tokens 64000000 --rounds 3
+
+``--read-path``: instead of the contenders, our own two ways to read local token files, side by side
+on the same windows: ``pread`` into a fresh array (what ``tokens/base.py`` ``FlatFile`` does) and
+views of a memory map (what it did before, and what nanoGPT's ``np.memmap`` does; a file cut
+short under the map is a SIGBUS). Both in this one process through ``TokenDataset.get_batch``
+(the Megatron ``.bin`` with and without an ``eos`` between documents, and the ``--files`` Arrow
+IPC files; the same random windows for both in a round), then through ``stallfree.DataLoader``
+with 2 workers on the ``.bin``, each run in a fresh subprocess:
+
+    .venv/bin/python benchmarks/bench_tokens.py --read-path --tokens 32000000 --files 1000 --batches 300 --rounds 5
 """
 
 from __future__ import annotations
@@ -138,6 +148,50 @@ def run_stallfree(root: Path, batches: int) -> dict:
     return _consume(iter(loader), batches, t0, lambda b: b["input_ids"])
 
 
+class MmapSource:
+    """Megatron tokens as views of a memory map: ``FlatFile``'s read path before it moved to
+    ``pread``, kept here only to measure against. Picklable (a worker maps the file itself)."""
+
+    def __init__(self, prefix: str) -> None:
+        from stallfree.tokens.megatron import MegatronSource
+
+        src = MegatronSource(prefix)
+        self.prefix, self.name, self.dtype, self.doc_lengths = prefix, src.name, src.dtype, src.doc_lengths
+        self.fingerprint = "mmap-" + src.fingerprint
+        self._map: np.ndarray | None = None
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if self._map is None:
+            self._map = np.memmap(self.prefix + ".bin", self.dtype, "r")
+        return self._map[start:stop]
+
+    def read_runs(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:  # as FlatFile's
+        out, at = np.empty(int(counts.sum()), self.dtype), 0
+        for s, c in zip(starts.tolist(), counts.tolist(), strict=True):
+            out[at : at + c] = self.read(s, s + c)  # one copy per window out of the mapping
+            at += c
+        return out
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_map": None}
+
+
+def run_stallfree_mmap(root: Path, batches: int) -> dict:
+    import stallfree
+    from stallfree.loader import dataloader  # noqa: F401 - imports (torch) are not startup
+    from stallfree.tokens import packing  # noqa: F401
+
+    t0 = time.perf_counter()
+    loader = stallfree.DataLoader(
+        stallfree.TokenDataset(MmapSource(str(root / "mega")), SEQ),
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        shuffle=True,
+        seed=0,
+    )
+    return _consume(iter(loader), batches, t0, lambda b: b["input_ids"])
+
+
 def run_nanogpt(root: Path, batches: int) -> dict:
     import torch
 
@@ -207,9 +261,118 @@ RUNS = {
     "stallfree": run_stallfree,
     "nanogpt": run_nanogpt,
     "litdata": run_litdata,
+    "stallfree-mmap": run_stallfree_mmap,
     "stallfree-1000-files": lambda root, _: first_stallfree_many(root),
     "litdata-1000-files": lambda root, _: first_litdata_many(root),
 }
+
+
+class MappedArrowSource:
+    """Arrow IPC token files as views of memory maps (each record batch's ``input_ids`` values
+    zero-copy): ``ArrowTokenSource``'s read path before it moved to ``pread``, kept here only to
+    measure against. A window inside one batch is a view, across batches the views joined."""
+
+    def __init__(self, folder: str) -> None:
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+
+        pieces, lengths = [], []
+        for path in sorted(Path(folder).glob("*.arrow")):
+            reader = ipc.open_file(pa.memory_map(str(path), "r"))
+            for b in range(reader.num_record_batches):
+                col = reader.get_batch(b).column("input_ids")
+                pieces.append(col.values.to_numpy(zero_copy_only=True))
+                lengths.append(np.diff(np.asarray(col.offsets)))
+        self.name, self.dtype = Path(folder).name, pieces[0].dtype
+        self.doc_lengths = np.concatenate(lengths).astype(np.int64)
+        self.fingerprint = f"mapped-arrow-{folder}"
+        self._pieces = pieces
+        self._starts = np.concatenate([[0], np.cumsum([len(p) for p in pieces])]).astype(np.int64)
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        starts = self._starts
+        p = int(np.searchsorted(starts, start, "right")) - 1
+        if stop <= starts[p + 1]:
+            return self._pieces[p][start - starts[p] : stop - starts[p]]
+        parts = []
+        while start < stop:
+            hi = min(stop, starts[p + 1])
+            parts.append(self._pieces[p][start - starts[p] : hi - starts[p]])
+            start, p = hi, p + 1
+        return np.concatenate(parts)
+
+
+def read_path_in_process(root: Path, batches: int, rounds: int) -> dict[str, dict[str, tuple[float, float]]]:
+    """Per corpus and read path: best Mtok/s of ``get_batch`` in this process and best CPU µs per
+    batch (user + system of this process: what a loaded machine disturbs least). Each round draws
+    new random windows per corpus (so a map's first-touch faults are in it, as in a fresh worker)
+    and gives the same ones to both read paths, the order reversed every other round."""
+    from stallfree.tokens.arrow_tokens import ArrowTokenSource
+    from stallfree.tokens.megatron import MegatronSource
+    from stallfree.tokens.packing import TokenDataset
+
+    prefix = str(root / "mega")
+    groups = {}
+    for eos in (None, 50256):
+        groups[f"Megatron .bin, eos={eos}"] = {
+            "pread": TokenDataset(MegatronSource(prefix), SEQ, eos=eos),
+            "mmap": TokenDataset(MmapSource(prefix), SEQ, eos=eos),
+        }
+    files = len(list((root / "many").glob("*.arrow")))
+    groups[f"Arrow IPC, {files} files"] = {
+        "pread": TokenDataset(ArrowTokenSource(str(root / "many")), SEQ),
+        "mmap": TokenDataset(MappedArrowSource(str(root / "many")), SEQ),
+    }
+    best = {g: dict.fromkeys(pair, 0.0) for g, pair in groups.items()}
+    cpu = {g: dict.fromkeys(pair, float("inf")) for g, pair in groups.items()}
+    rng = np.random.default_rng(0)
+    for r in range(rounds):
+        for group, pair in groups.items():
+            windows = rng.integers(0, len(pair["pread"]), (batches, BATCH))
+            for name in list(pair) if r % 2 == 0 else list(pair)[::-1]:
+                ds = pair[name]
+                t0, c0 = time.perf_counter(), time.process_time()
+                for idx in windows:
+                    x = ds.get_batch(idx)["input_ids"]
+                    int(x[:, ::512].sum())  # as the training loop of the loader runs
+                c1, t1 = time.process_time(), time.perf_counter()
+                best[group][name] = max(best[group][name], batches * BATCH * SEQ / (t1 - t0) / 1e6)
+                cpu[group][name] = min(cpu[group][name], (c1 - c0) / batches * 1e6)
+    return {g: {n: (best[g][n], cpu[g][n]) for n in pair} for g, pair in groups.items()}
+
+
+def read_path(root: Path, batches: int, rounds: int) -> int:
+    inproc = read_path_in_process(root, batches, rounds)
+    loaders: dict[str, list[dict]] = {"stallfree": [], "stallfree-mmap": []}
+    for r in range(rounds):
+        for name in list(loaders) if r % 2 == 0 else list(loaders)[::-1]:
+            loaders[name].append(_child(name, root, batches))
+    print(f"seq_len {SEQ}, batch {BATCH}, int32 tokens, best of {rounds} rounds, cpus {os.cpu_count()}")
+    print(
+        f"{'get_batch in one process':<44}{'Mtok/s':>8}{'pread/mmap':>12}{'CPU us/batch':>14}{'pread/mmap':>12}"
+    )
+    for group, pair in inproc.items():
+        (p, pc), (m, mc) = pair["pread"], pair["mmap"]
+        print(f"{group + ': pread':<44}{p:>8.1f}{p / m:>12.2f}{pc:>14.0f}{pc / mc:>12.2f}")
+        print(f"{group + ': mmap':<44}{m:>8.1f}{1.0:>12.2f}{mc:>14.0f}{1.0:>12.2f}")
+    tps = {}
+    for name, runs in loaders.items():
+        got = [x["tokens_per_s"] for x in runs if x.get("tokens_per_s")]
+        tps[name] = max(got) / 1e6 if got else None
+        errors = [x["error"] for x in runs if "error" in x]
+        if errors:
+            print(f"{name}: errors {errors}")
+    p, m = tps["stallfree"], tps["stallfree-mmap"]
+    if p and m:
+        print(f"{f'DataLoader, {WORKERS} workers, Megatron .bin: pread':<44}{p:>8.1f}{p / m:>12.2f}")
+        print(f"{f'DataLoader, {WORKERS} workers, Megatron .bin: mmap':<44}{m:>8.1f}{1.0:>12.2f}")
+        rounds_ratio = [
+            a["tokens_per_s"] / b["tokens_per_s"]
+            for a, b in zip(loaders["stallfree"], loaders["stallfree-mmap"], strict=True)
+            if a.get("tokens_per_s") and b.get("tokens_per_s")
+        ]
+        print("DataLoader pread / mmap per round: " + ", ".join(f"{x:.2f}" for x in rounds_ratio))
+    return 0
 
 
 def _child(name: str, root: Path, batches: int) -> dict:
@@ -233,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", help="where the corpus lives (kept; default a temp dir)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--read-path", action="store_true", help="pread vs memory map (module docstring)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -246,6 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(p, "rb") as f:
                 while f.read(1 << 24):
                     pass
+    if args.read_path:
+        return read_path(root, args.batches, args.rounds)
     names = ["stallfree", "nanogpt"] + (["litdata"] if _has_litdata() else [])
     firsts = ["stallfree-1000-files"] + (["litdata-1000-files"] if _has_litdata() else [])
     results: dict[str, list[dict]] = {n: [] for n in names + firsts}
