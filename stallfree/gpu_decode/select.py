@@ -183,7 +183,8 @@ class ImageDecode:
         """Decode ``samples``; raises ``BatchDecodeError`` naming every bad sample (none decoded then).
 
         Every image passes ``header.probe`` here first, whichever backend decodes it: the one place
-        where truncated, implausible and over-``max_pixels`` images are refused.
+        where truncated, implausible, over-``max_pixels``, over-``max_scans`` and over-``max_memory``
+        images are refused.
 
         ``alloc(shape, dtype)``: where the CPU decoder writes the image batch (a loader worker's
         shared slot); None, or a None result, uses the decoder's own reused buffers."""
