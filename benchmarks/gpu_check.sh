@@ -87,8 +87,8 @@ print("ImageDecode auto ->", st["backend"], "|", st["reason"])
 EOF
 tee -a "$LOG" <"$OUT/env.txt"
 
-say "GPU tests: tests/gpu tests/loader/test_cuda.py (limit ${TESTS_TIMEOUT}s)"
-timeout "$TESTS_TIMEOUT" "$PY" -m pytest tests/gpu tests/loader/test_cuda.py -q -rs -p no:cacheprovider \
+say "GPU tests: tests/gpu tests/loader/test_cuda.py tests/gpu_decode/test_orientation.py (limit ${TESTS_TIMEOUT}s)"
+timeout "$TESTS_TIMEOUT" "$PY" -m pytest tests/gpu tests/loader/test_cuda.py tests/gpu_decode/test_orientation.py -q -rs -p no:cacheprovider \
     >"$OUT/tests_gpu.txt" 2>&1
 rc_tests=$?
 [ $rc_tests -eq 124 ] && say "GPU tests ran past ${TESTS_TIMEOUT}s and were stopped"

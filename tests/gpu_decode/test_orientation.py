@@ -56,6 +56,28 @@ BACKENDS = [
             not nvimgcodec_importable(), reason="needs nvImageCodec: pip install nvidia-nvimgcodec-cu13"
         ),
     ),
+    # on a GPU (benchmarks/gpu_check.sh runs these where one is lent): nvJPEG / the hardware decoder
+    pytest.param(
+        {"backend": "dali", "device": "cuda"},
+        id="dali-mixed",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (dali_available() and torch.cuda.is_available()), reason="needs CUDA and DALI"
+            ),
+        ],
+    ),
+    pytest.param(
+        {"backend": "nvimgcodec", "device": "cuda"},
+        id="nvimgcodec-gpu",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (nvimgcodec_importable() and torch.cuda.is_available()),
+                reason="needs CUDA and nvImageCodec",
+            ),
+        ],
+    ),
 ]
 
 
@@ -68,8 +90,8 @@ def oriented() -> dict[str, list[bytes]]:
 
 def _decode(kwargs: dict, images: list[bytes], train: bool, size: int = 64) -> torch.Tensor:
     samples = [{"__key__": "photo", "jpg": data} for data in images]  # one key: the same box for all
-    dec = ImageDecode(train=train, size=size, device="cpu", dtype="uint8", **kwargs)
-    return dec.decode_batch(samples, seed=3)["image"]
+    dec = ImageDecode(train=train, size=size, dtype="uint8", **{"device": "cpu", **kwargs})
+    return dec.decode_batch(samples, seed=3)["image"].cpu()
 
 
 def test_the_tag_is_there_and_probe_reads_the_stored_size(oriented):
