@@ -120,4 +120,5 @@ def test_backends_agree_on_oriented_images(oriented, kwargs):
     ours = _decode({"backend": "cpu"}, images, train=True, size=224)
     other = _decode(kwargs, images, train=True, size=224)
     mad = float((ours.float() - other.float()).abs().mean())
-    assert mad < 2.0, mad
+    bound = 3.0 if kwargs.get("device") == "cuda" else 2.0  # nvJPEG: tests/gpu/test_gpu_decode.py's bound
+    assert mad < bound, mad
