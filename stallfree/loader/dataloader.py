@@ -11,6 +11,9 @@ Three modes, chosen from the arguments (``loader.mode``):
   resume skips indices without reading them).
 - ``iterable``: an ``IterableDataset`` runs on torch's own machinery (the dataset decides what each
   worker yields), measured for ``stats()``; resume replays and discards.
+
+The mode, order and decode placement are chosen by ``options.plan`` from a frozen
+``LoaderOptions``; the index source (``sources.py``) keeps the resume state.
 """
 
 from __future__ import annotations
@@ -27,21 +30,18 @@ import torch.utils.data as tud
 
 from stallfree.loader import _torch_compat as compat
 from stallfree.loader import contracts
-from stallfree.loader import order as order_mod
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
+from stallfree.loader.options import LoaderOptions, plan
 from stallfree.loader.plan import MainPlan, WorkerPlan, worker_cores
-from stallfree.loader.prefetch import Assembler, check_max_failures, failure_budget
+from stallfree.loader.prefetch import Assembler, failure_budget
 from stallfree.loader.progress import EpochProgress
-from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices
+from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices, StreamIndices
 from stallfree.loader.state import LoaderState
 from stallfree.loader.stats import LoaderStats
 from stallfree.loader.world import World, resolve_world
 
 logger = logging.getLogger(__name__)
-
-ON_ERROR = ("raise", "skip", "warn")
-
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -122,69 +122,34 @@ class DataLoader(tud.DataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
-        if on_error not in ON_ERROR:
-            raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if order not in ("auto", *order_mod.ORDERS):
-            raise ValueError(f"order must be 'auto' or one of {order_mod.ORDERS}, got {order!r}")
-        if uneven not in order_mod.UNEVEN:
-            raise ValueError(f"uneven must be one of {order_mod.UNEVEN}, got {uneven!r}")
-        check_max_failures(max_failures)
-        self._user_collate = collate_fn
-        self._cache = cache
-        self._on_error = on_error
-        self._max_failures = max_failures
-        self._uneven = uneven
-        self._window = window
-        self._worker_timeout = worker_timeout
-        if decode_threads is not None and decode_threads < 1:
-            raise ValueError(f"decode_threads must be >= 1, got {decode_threads}")
-        self._decode_threads = decode_threads
-        if fetch_threads is not None and fetch_threads < 1:
-            raise ValueError(f"fetch_threads must be >= 1, got {fetch_threads}")
-        self._fetch_threads = fetch_threads or 1
-        self._autotune = bool(autotune)
-        if memory_budget <= 0:
-            raise ValueError(f"memory_budget must be > 0 bytes, got {memory_budget}")
-        self._memory_budget = int(memory_budget)
-        self._tuner = None
-        self._world = resolve_world(world)
-        self._device = self._resolve_device(device)
-        ours = any(x is not None for x in (seed, cache, decode, world)) or device is not None
-        iterable = isinstance(dataset, tud.IterableDataset)
-        self._ordered = contracts.orders_itself(dataset)
-        self._fast = (
-            not iterable
-            and sampler is None
-            and batch_sampler is None
-            and batch_size is not None
-            and (bool(shuffle) or contracts.is_sharded(dataset) or ours or self._ordered)
+        self._options = LoaderOptions(
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            custom_sampler=sampler is not None or batch_sampler is not None,
+            num_workers=self.num_workers,
+            iterable=isinstance(dataset, tud.IterableDataset),
+            seed=seed,
+            cache=cache,
+            decode=decode,
+            device=device,
+            on_error=on_error,
+            max_failures=max_failures,
+            order=order,
+            world=None if world is None else resolve_world(world),
+            uneven=uneven,
+            window=window,
+            worker_timeout=worker_timeout,
+            decode_threads=decode_threads,
+            fetch_threads=1 if fetch_threads is None else fetch_threads,
+            autotune=bool(autotune),
+            memory_budget=int(memory_budget),
         )
-        # fast: our order and rank split; sampler: the user's (or torch's default) sampler through our
-        # workers; iterable: torch's own machinery (the dataset decides what each worker yields)
-        self._mode = "fast" if self._fast else ("iterable" if iterable else "sampler")
-        if iterable and (cache is not None or decode is not None):
-            raise ValueError("cache= and decode= need a map-style dataset (one with __getitem__ and __len__)")
-        self._placement = contracts.place_decode(decode, num_workers)
-        if self._placement.batch and batch_size is None:
-            raise ValueError("a decode_batch decoder needs batch_size set (it decodes whole batches)")
-        if self._ordered:
-            if cache is not None:
-                raise ValueError(
-                    "cache= with a mixture: a position holds another sample each epoch; cache its sources"
-                )
-            if order not in ("auto", "sequential") or shuffle:
-                logger.info("a mixture orders itself (interleaved, seeded per epoch): read in sequence")
-            order = "sequential"  # its positions are already interleaved and shuffled per epoch
-        elif order == "auto":
-            order = (
-                ("block" if contracts.is_sharded(dataset) and contracts.is_remote(dataset) else "global")
-                if shuffle
-                else "sequential"
-            )
-        elif not shuffle and order != "sequential" and self._fast and not contracts.is_sharded(dataset):
-            logger.info("order=%r with shuffle=%r: using the requested order", order, shuffle)
-        self._order = order
-        self._seed = self._resolve_seed(seed, generator) if self._fast else int(seed or 0)
+        self._plan = plan(dataset, self._options)
+        self._user_collate = collate_fn
+        self._tuner = None
+        self._world = self._options.world or resolve_world(None)
+        self._device = self._resolve_device(device)
+        self._seed = self._resolve_seed(seed, generator) if self._plan.fast else int(seed or 0)
         self._stats = LoaderStats()
         self._next_epoch = 0
         self._resume_from = 0  # positions (our order) or batches (sampler, iterable) to skip
@@ -220,49 +185,42 @@ class DataLoader(tud.DataLoader[T_co]):
 
     @property
     def fast_path(self) -> bool:
-        return self._fast
+        return self._plan.fast
 
     @property
     def mode(self) -> str:
         """``fast`` (our order and rank split), ``sampler`` (a sampler through our workers) or ``iterable``."""
-        return self._mode
+        return self._plan.mode
 
     def set_epoch(self, epoch: int) -> None:
         """Start the next iteration at the beginning of ``epoch`` (also passed on to a sampler with set_epoch)."""
         self._next_epoch, self._resume_from = int(epoch), 0
-        if not self._fast:
+        if not self._plan.fast:
             contracts.set_sampler_epoch(contracts.samplers_of(self.sampler, self.batch_sampler), epoch)
 
     def __len__(self) -> int:
-        if not self._fast:
+        if not self._plan.fast:
             return super().__len__()
-        return len(self._order_indices())
+        return len(self._index_source())
 
     def __iter__(self) -> Any:
-        if self._mode == "iterable":
+        if self._plan.mode == "iterable":
             return self._generic_iter()
         return self._pipeline_iter()
 
     def state_dict(self) -> dict[str, Any]:
         """What the consumer has received so far (never what was only prefetched); JSON-safe."""
-        p = self._progress
+        p, source = self._progress, self._index_source()
         epoch, resume = self._next_epoch, self._resume_from
         if p is not None:
-            if p.done:
-                epoch, resume = p.epoch + 1, 0
-            elif self._fast:
-                epoch, resume = p.epoch, self._order_indices().consumed(p)
-            else:
-                epoch, resume = p.epoch, p.received
+            epoch, resume = (p.epoch + 1, 0) if p.done else (p.epoch, source.resume_point(p))
         return LoaderState(
             seed=self._seed,
             epoch=epoch,
-            consumed=resume if self._fast else 0,
-            dataset_len=len(self.dataset) if self._fast else 0,
-            mode=self._mode,
-            batches=0 if self._fast else resume,
+            mode=self._plan.mode,
             world_size=self._world.size,
             dataset=contracts.mixture_state(self.dataset),
+            **source.state_fields(resume),
         ).to_dict()
 
     def load_state_dict(self, state: Mapping[str, Any], *, allow_reweight: bool = False) -> None:
@@ -272,22 +230,18 @@ class DataLoader(tud.DataLoader[T_co]):
         explicit choice to go on from the saved position of the *new* order (its earlier positions
         hold other samples than those consumed), never a silent reshuffle."""
         st = LoaderState.from_dict(state)
-        mode = self._mode
+        mode = self._plan.mode
         if st.mode != mode:
             raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
         reweighted = False
-        if self._ordered and isinstance(self.dataset, contracts.ResumableMixture):
+        if self._plan.ordered and isinstance(self.dataset, contracts.ResumableMixture):
             if st.dataset is None:
                 raise ValueError("state has no mixture description; it was saved by another dataset")
             self.dataset.check_state(st.dataset, allow_reweight=allow_reweight)
             reweighted = allow_reweight
-        if self._fast and st.dataset_len != len(self.dataset) and not reweighted:
-            raise ValueError(
-                f"state is for a dataset of {st.dataset_len} samples, this one has {len(self.dataset)}"
-            )
+        self._resume_from = self._index_source().resume_from(st, reweighted=reweighted)
         self._seed = st.seed
         self._next_epoch = st.epoch
-        self._resume_from = st.consumed if self._fast else st.batches
         self._progress = None
 
     def _mix_stats(self) -> dict[str, Any] | None:
@@ -295,14 +249,14 @@ class DataLoader(tud.DataLoader[T_co]):
         counts, p = contracts.mixture_counts(self.dataset), self._progress
         if counts is None or p is None:
             return None
-        stop = len(self.dataset) if p.done else self._order_indices().consumed(p)
+        stop = len(self.dataset) if p.done else self._index_source().resume_point(p)
         return {"epoch": p.epoch, "positions": [p.start, stop], "delivered": counts(p.start, stop)}
 
     def stats(self) -> dict[str, Any]:
         """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""
         out = self._stats.as_dict()
         out.update(
-            path=self._mode,
+            path=self._plan.mode,
             rank=self._world.rank,
             world_size=self._world.size,
             num_workers=self.num_workers,
@@ -315,10 +269,10 @@ class DataLoader(tud.DataLoader[T_co]):
             out["autotune"] = {
                 "depth": self._tuner.depth,
                 "batch_bytes": self._tuner.batch_bytes,
-                "memory_budget": self._memory_budget,
+                "memory_budget": self._options.memory_budget,
                 "history": list(self._tuner.history[-20:]),
             }
-        placement = self._placement
+        placement = self._plan.decode
         if placement.where != "none" and isinstance(placement.decoder, contracts.ReportsStats):
             out["decode"] = placement.stats()
         if isinstance(out.get("decode"), dict) and placement.batch:
@@ -349,22 +303,28 @@ class DataLoader(tud.DataLoader[T_co]):
         self._active = None
 
     # -- the pipeline: one plan, two index sources ---------------------------------------------------
-    def _order_indices(self) -> OrderIndices:
+    def _index_source(self) -> OrderIndices | SamplerIndices | StreamIndices:
+        """Where this loader's indices come from (its mode's one difference), with the resume
+        state it keeps; built on demand (the seed changes with ``load_state_dict``)."""
+        if self._plan.mode == "iterable":
+            return StreamIndices()
+        if not self._plan.fast:
+            return SamplerIndices(self)
         return OrderIndices(
             self.dataset,
-            order=self._order,
+            order=self._plan.order,
             seed=self._seed,
             world=self._world,
-            uneven=self._uneven,
-            window=self._window,
+            uneven=self._options.uneven,
+            window=self._options.window,
             batch_size=self.batch_size,
             drop_last=self.drop_last,
         )
 
     def _worker_plan(self, base_seed: int) -> WorkerPlan:
-        placement = self._placement
+        placement = self._plan.decode
         fingerprint = contracts.fingerprint_of(self.dataset)
-        if self._cache is not None and fingerprint is None:
+        if self._options.cache is not None and fingerprint is None:
             raise ValueError(
                 "cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)"
             )
@@ -376,20 +336,20 @@ class DataLoader(tud.DataLoader[T_co]):
             map_fn=placement.map_fn,
             batch_decode=placement.in_workers,
             send_raw=placement.send_raw,
-            cache=self._cache,
-            cache_stage=placement.cache_stage if self._cache is not None else None,
+            cache=self._options.cache,
+            cache_stage=placement.cache_stage if self._options.cache is not None else None,
             fingerprint=fingerprint,
-            on_error=self._on_error,
+            on_error=self._options.on_error,
             worker_init_fn=self.worker_init_fn,
             base_seed=base_seed,
             max_slots=(self.prefetch_factor or 2) + 1,
             threads=self._threads(),
-            fetch_threads=self._fetch_threads,
+            fetch_threads=self._options.fetch_threads,
         )
 
     def _main_plan(self, n_workers: int, samples: int) -> MainPlan:
         pf = self.prefetch_factor or 2
-        placement = self._placement
+        placement = self._plan.decode
         return MainPlan(
             depth=max(1, pf) * n_workers,  # like torch: prefetch_factor x workers batches in flight
             prefetch_factor=pf,
@@ -399,10 +359,12 @@ class DataLoader(tud.DataLoader[T_co]):
             decode_batch=placement.in_main,
             worker_decode=placement.where == "workers",
             finish=placement.finish,
-            on_error=self._on_error,
-            budget=failure_budget(self._max_failures, samples) if self._on_error != "raise" else None,
+            on_error=self._options.on_error,
+            budget=failure_budget(self._options.max_failures, samples)
+            if self._options.on_error != "raise"
+            else None,
             timeout=self.timeout or 0,
-            worker_timeout=self._worker_timeout,
+            worker_timeout=self._options.worker_timeout,
         )
 
     def _engine_for(self, base_seed: int) -> tuple[Engine, bool]:
@@ -426,9 +388,8 @@ class DataLoader(tud.DataLoader[T_co]):
     def _pipeline_iter(self) -> LoaderIterator:
         epoch, resume = self._next_epoch, self._resume_from
         self._next_epoch, self._resume_from = epoch + 1, 0
-        source = self._order_indices() if self._fast else SamplerIndices(self)
-        ep: EpochIndices = source.epoch(epoch, resume)
-        if self._ordered:
+        ep: EpochIndices = self._index_source().epoch(epoch, resume)
+        if self._plan.ordered:
             self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
         engine, owns = self._engine_for(ep.base_seed)
         rank, seed = self._world.rank, self._seed
@@ -445,7 +406,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 stats=self._stats,
                 owns_engine=owns,
                 tuner=self._make_tuner(engine.n),
-                epoch=epoch if self._ordered else None,
+                epoch=epoch if self._plan.ordered else None,
             )
         except BaseException:
             if owns:
@@ -458,7 +419,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _make_tuner(self, n_workers: int) -> Any:
         """The depth tuner (kept across epochs so a tuned depth carries over), or None."""
-        if not self._autotune:
+        if not self._options.autotune:
             return None
         from stallfree.loader.autotune import DepthTuner
 
@@ -467,15 +428,15 @@ class DataLoader(tud.DataLoader[T_co]):
                 (self.prefetch_factor or 2) * n_workers,
                 min_depth=n_workers,
                 max_depth=16 * n_workers,
-                memory_budget=self._memory_budget,
+                memory_budget=self._options.memory_budget,
             )
         return self._tuner
 
     def _threads(self) -> int:
         """Decode threads per worker: as asked, else the cores left per worker (1 to 4)."""
-        if self._decode_threads is not None:
-            return self._decode_threads
-        if self._placement.where != "sample":
+        if self._options.decode_threads is not None:
+            return self._options.decode_threads
+        if self._plan.decode.where != "sample":
             return 1  # no per-sample decode of ours to spread
         return worker_cores(self.num_workers)
 
@@ -483,11 +444,13 @@ class DataLoader(tud.DataLoader[T_co]):
     def _generic_iter(self) -> _GenericIter:
         epoch, skip = self._next_epoch, self._resume_from
         self._next_epoch, self._resume_from = epoch + 1, 0
-        progress = EpochProgress(epoch, "batches", received=skip)
+        progress = StreamIndices().progress(epoch, skip)
         self._progress = progress
         it = super().__iter__()
-        if self.num_workers > 0 and not self.timeout and self._worker_timeout:
-            compat.set_iterator_timeout(it, self._worker_timeout)  # a hung worker is an error, never a hang
+        if self.num_workers > 0 and not self.timeout and self._options.worker_timeout:
+            compat.set_iterator_timeout(
+                it, self._options.worker_timeout
+            )  # a hung worker is an error, never a hang
         return _GenericIter(it, progress, self._stats, skip)
 
     def __del__(self) -> None:

@@ -6,7 +6,9 @@
   the batches already received (indices only: nothing is read again).
 
 Both feed the same pipeline (plan.py, prefetch.py, workers.py). An ``IterableDataset`` decides
-itself what each worker yields, so it runs on torch's own iterator (dataloader.py).
+itself what each worker yields, so it runs on torch's own iterator (dataloader.py);
+:class:`StreamIndices` only counts it. Each source also carries its resume state
+(``resume_point``, ``state_fields``, ``resume_from``), so ``state_dict`` has no mode branch.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from stallfree.loader import _torch_compat as compat
 from stallfree.loader import contracts
 from stallfree.loader import order as order_mod
 from stallfree.loader.progress import EpochProgress
+from stallfree.loader.state import LoaderState
 from stallfree.loader.world import World
 
 
@@ -97,11 +100,48 @@ class OrderIndices:
         """Global position reached once every rank has received what this one has."""
         return order_mod.consumed_after(progress.start, progress.received, self.world.size, len(self.dataset))
 
+    # -- resume state: what state_dict saves and load_state_dict restores (no mode branch there)
+    resume_point = consumed
 
-class SamplerIndices:
-    """torch's sampler (or batch sampler), as torch's DataLoader draws from it."""
+    def state_fields(self, resume: int) -> dict[str, int]:
+        return {"consumed": resume, "dataset_len": len(self.dataset), "batches": 0}
+
+    def resume_from(self, state: LoaderState, *, reweighted: bool = False) -> int:
+        """Global positions to skip; the saved dataset length must match (unless a mixture was
+        explicitly reweighted: its length may change with the weights)."""
+        if state.dataset_len != len(self.dataset) and not reweighted:
+            raise ValueError(
+                f"state is for a dataset of {state.dataset_len} samples, this one has {len(self.dataset)}"
+            )
+        return state.consumed
+
+
+class BatchResume:
+    """Resume by batches received (torch's sampler, an iterable dataset's stream): the batches
+    before are skipped (sampler: indices only; a stream replays and discards)."""
 
     unit = "batches"
+
+    def resume_point(self, progress: EpochProgress) -> int:
+        return progress.received
+
+    def state_fields(self, resume: int) -> dict[str, int]:
+        return {"consumed": 0, "dataset_len": 0, "batches": resume}
+
+    def resume_from(self, state: LoaderState, *, reweighted: bool = False) -> int:
+        return state.batches
+
+
+class StreamIndices(BatchResume):
+    """An ``IterableDataset``'s own stream, on torch's iterator: only its progress and resume
+    state are ours."""
+
+    def progress(self, epoch: int, resume_from: int) -> EpochProgress:
+        return EpochProgress(epoch, self.unit, received=resume_from)
+
+
+class SamplerIndices(BatchResume):
+    """torch's sampler (or batch sampler), as torch's DataLoader draws from it."""
 
     def __init__(self, loader: torch.utils.data.DataLoader) -> None:
         self.loader = loader

@@ -108,7 +108,7 @@ def test_remote_shards_over_loopback_http_with_concurrent_fetches(tmp_path, shar
         dl = DataLoader(
             remote, batch_size=4, shuffle=True, seed=3, num_workers=1, prefetch_factor=4, fetch_threads=3
         )
-        assert dl._order == "block"
+        assert dl._plan.order == "block"
         keys = _keys(dl)
         assert sorted(keys) == [f"s{i:04d}" for i in range(40)]
         for b in DataLoader(remote, batch_size=8, shuffle=True, seed=3, num_workers=2, fetch_threads=2):
