@@ -57,6 +57,11 @@ class HashMismatchError(ShardError):
     """A shard's sha256 differs from the one recorded in the manifest."""
 
 
+class ChecksumMismatchError(HashMismatchError):
+    """One member's data differs from the checksum recorded when it was written (``sums.py``):
+    names the shard, the sample key and the member's data offset."""
+
+
 class MissingShardError(ShardError):
     """A shard named by the manifest (or pattern) does not exist."""
 

@@ -19,6 +19,8 @@ from stallfree.shards import manifest_rows
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
 from stallfree.shards.idx import idx_path_for
 from stallfree.shards.remote import read_file, url_to_fs
+from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
+from stallfree.shards.sums import sums_path_for
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
@@ -81,7 +83,10 @@ class Manifest:
     (index = ``cls`` value) when the source had classes; ``skipped`` lists source items left out
     (``{"source": ..., "error": ...}``); ``transform`` says how samples were rewritten while
     sharding (``{"max_side": N, "quality": Q, "resample": ..., "resized": count}`` for
-    ``stallfree shard --max-side``); ``extra`` keeps unknown top-level keys on round trips.
+    ``stallfree shard --max-side``); ``checksums`` names the per-member checksum every tar shard
+    has in a ``.sums`` sidecar (``"crc32"``, ``sums.py``; None: none recorded, as for datasets
+    written before them or indexed with ``stallfree index``); ``extra`` keeps unknown top-level
+    keys on round trips.
     """
 
     version: int
@@ -92,6 +97,7 @@ class Manifest:
     skipped: list[dict[str, Any]] = field(default_factory=list)
     field_types: dict[str, str] | None = None
     transform: dict[str, Any] | None = None
+    checksums: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -112,14 +118,20 @@ class Manifest:
 
     def files(self, root: str) -> list[str]:
         """Every file the dataset reads under ``root`` besides the manifest: each shard and,
-        beside a tar, its ``.idx``. Used to keep a rewrite from touching the dataset it replaces."""
+        beside a tar, its ``.idx`` (and ``.sums``). Used to keep a rewrite from touching the
+        dataset it replaces."""
         out = []
         for s in self.shards:
             path = join(root, s.path)
             out.append(path)
-            if path.endswith(".tar"):
-                out.append(idx_path_for(path))
+            out.extend(self.sidecars(path))
         return out
+
+    def sidecars(self, path: str) -> list[str]:
+        """The files that go with shard ``path``: a tar's ``.idx`` and, with checksums, ``.sums``."""
+        if not path.endswith(".tar"):
+            return []
+        return [idx_path_for(path)] + ([sums_path_for(path)] if self.checksums else [])
 
     def to_json(self) -> dict[str, Any]:
         obj: dict[str, Any] = dict(self.extra)
@@ -137,6 +149,8 @@ class Manifest:
             obj["field_types"] = dict(self.field_types)
         if self.transform is not None:
             obj["transform"] = dict(self.transform)
+        if self.checksums is not None:
+            obj["checksums"] = self.checksums
         return obj
 
     def dumps(self) -> str:
@@ -176,7 +190,22 @@ class Manifest:
             raise ManifestError(f"{where}: 'field_types' must be an object")
         transform = obj.get("transform")
         _check_transform(transform, where)
-        known = {"version", "format", "fields", "shards", "classes", "skipped", "field_types", "transform"}
+        checksums = obj.get("checksums")
+        if checksums is not None and checksums != SUMS_ALGORITHM:
+            raise ManifestError(
+                f"{where}: unknown per-sample checksum {checksums!r} (this stallfree knows {SUMS_ALGORITHM!r})"
+            )
+        known = {
+            "version",
+            "format",
+            "fields",
+            "shards",
+            "classes",
+            "skipped",
+            "field_types",
+            "transform",
+            "checksums",
+        }
         return cls(
             version=version,
             format=fmt,
@@ -186,6 +215,7 @@ class Manifest:
             skipped=list(skipped),
             field_types=dict(field_types) if field_types is not None else None,
             transform=dict(transform) if transform is not None else None,
+            checksums=checksums,
             extra={k: v for k, v in obj.items() if k not in known},
         )
 
@@ -223,8 +253,8 @@ class Manifest:
             size = _size_of(fs, path, s.path)
             if size != s.bytes:
                 raise WriteError(f"{path} holds {size} bytes after writing {s.bytes}", shard=s.path)
-            if path.endswith(".tar"):
-                _size_of(fs, idx_path_for(path), s.path)
+            for sidecar in self.sidecars(path):
+                _size_of(fs, sidecar, s.path)
 
     def commit(self, fs: fsspec.AbstractFileSystem, root: str, replacing: Manifest | None = None) -> str:
         """Make this manifest the dataset at ``root``: check its shards are written, write
@@ -331,7 +361,7 @@ def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, old: Manifest, new
         if "/" in s.path or "://" in s.path:
             continue  # not written by us in this directory
         path = join(root, s.path)
-        for p in (path, idx_path_for(path)) if path.endswith(".tar") else (path,):
+        for p in (path, *old.sidecars(path)):
             if posixpath.normpath(p) in keep:
                 continue
             try:

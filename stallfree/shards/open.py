@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import posixpath
 import shlex
 import threading
 from bisect import bisect_right
@@ -26,12 +27,13 @@ import fsspec
 
 from stallfree.shards import remote, stamps
 from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import MissingShardError, ShardError, ShardReadError
+from stallfree.shards.errors import ManifestError, MissingShardError, ShardError, ShardReadError
 from stallfree.shards.hf import columns_of_schema
 from stallfree.shards.idx import IdxSample
-from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, join
+from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo, join
 from stallfree.shards.readers import ArrowShardReader, TarShardReader
 from stallfree.shards.scan import manifest_for_tars, relative, resolve
+from stallfree.shards.sums import MemberSums, parse_sums, sums_path_for
 from stallfree.shards.verify import verify_manifest
 
 log = logging.getLogger(__name__)
@@ -43,10 +45,14 @@ _ITER_CHUNK = 64
 TABLE_SUFFIXES = (".arrow", ".parquet")
 
 
-def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: Any) -> ShardedDataset:
+def open_dataset(
+    url: str, *, verify_hashes: bool = False, verify_samples: bool = False, **storage_options: Any
+) -> ShardedDataset:
     """Open a dataset: a directory with ``manifest.json`` (or the manifest's URL), or tar shards
     without one (directory, glob, brace pattern, single file). ``verify_hashes`` checks each
-    shard's sha256 against the manifest when it is first used (reads the whole shard once)."""
+    shard's sha256 against the manifest when it is first used (reads the whole shard once);
+    ``verify_samples`` checks every member read against the CRC32 recorded when it was written
+    (``sums.py``; a ``ChecksumMismatchError`` names the sample), for tar datasets that have them."""
     try:
         fs, root, paths = resolve(url, **storage_options)
         scanned = None
@@ -67,8 +73,26 @@ def open_dataset(url: str, *, verify_hashes: bool = False, **storage_options: An
             manifest.samples,
             _advice(url, manifest.format, is_local(fs)),
         )
+    if verify_samples and (manifest.format != "tar" or not manifest.checksums):
+        raise ManifestError(
+            f"{url}: verify_samples=True needs the per-sample checksums `stallfree shard` records for "
+            f"tar shards, and this {manifest.format} dataset has none (Arrow shards, tars written by "
+            "other tools or older versions, or indexed with `stallfree index`): re-shard it with "
+            "`stallfree shard`, or pass verify_hashes=True to check each shard's sha256",
+            shard=MANIFEST_NAME,
+        )
     fs_url = fs.unstrip_protocol(root or "/")
-    return ShardedDataset(url, manifest, root, fs_url, storage_options, verify_hashes, scanned, fs=fs)
+    return ShardedDataset(
+        url,
+        manifest,
+        root,
+        fs_url,
+        storage_options,
+        verify_hashes,
+        scanned,
+        fs=fs,
+        verify_samples=verify_samples,
+    )
 
 
 def _advice(url: str, fmt: str, local: bool) -> str:
@@ -199,10 +223,12 @@ class ShardedDataset:
         scanned: list[list[IdxSample]] | None = None,
         *,
         fs: fsspec.AbstractFileSystem | None = None,
+        verify_samples: bool = False,
     ) -> None:
         self.url = url
         self.manifest = manifest
         self.verify_hashes = verify_hashes
+        self.verify_samples = verify_samples
         self._root = root
         self._fs_url = fs_url
         self._storage_options = dict(storage_options)
@@ -302,10 +328,24 @@ class ShardedDataset:
         try:
             if self.manifest.format == "tar":
                 samples = self._scanned[s] if self._scanned is not None else None
-                return TarShardReader(fs, path, info.path, info, samples, verify_hash)
+                check = self._member_sums(s) if self.verify_samples else None
+                return TarShardReader(fs, path, info.path, info, samples, verify_hash, member_check=check)
             return ArrowShardReader(fs, path, info.path, info, verify_hash)
         except PermissionError as exc:
             raise denied(fs.unstrip_protocol(path), exc, info.path) from None
+
+    def _member_sums(self, s: int) -> MemberSums:
+        """Shard ``s``'s recorded checksums (its ``.sums``; read once, when the shard opens)."""
+        info = self.manifest.shards[s]
+        sums = sums_path_for(self.shard_path(s))
+        try:
+            data = remote.read_file(self.fs, sums, shard=info.path)
+        except MissingShardError:
+            raise MissingShardError(
+                f"missing checksums {posixpath.basename(sums)} (the manifest records them for every tar)",
+                shard=info.path,
+            ) from None
+        return MemberSums(parse_sums(data, info.path), info.path)
 
     def __len__(self) -> int:
         return self._len
@@ -422,6 +462,7 @@ class ShardedDataset:
             "fs_url": self._fs_url,
             "storage_options": self._storage_options,
             "verify_hashes": self.verify_hashes,
+            "verify_samples": self.verify_samples,
             "scanned": self._scanned,
         }
 
@@ -437,6 +478,7 @@ class ShardedDataset:
             state["storage_options"],
             state["verify_hashes"],
             scanned,
+            verify_samples=state.get("verify_samples", False),
         )
 
     def __repr__(self) -> str:

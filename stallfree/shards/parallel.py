@@ -43,6 +43,8 @@ from stallfree.shards.manifest import (
     generation_stem,
 )
 from stallfree.shards.sources import Item, Source, SourceError, SourceReadError, open_source
+from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
+from stallfree.shards.sums import sums_path_for
 from stallfree.shards.tar import TarShardWriter
 
 log = logging.getLogger(__name__)
@@ -236,9 +238,10 @@ def write_shard(
         info = writer.close()
     except BaseException:
         writer.abort()
-        if fmt == "tar":  # a tar whose rename failed after its .idx was renamed into place
-            with contextlib.suppress(Exception):
-                fs.rm_file(idx_path_for(path))
+        if fmt == "tar":  # a tar whose rename failed after its .idx (and .sums) were renamed into place
+            for sidecar in (idx_path_for(path), sums_path_for(path)):
+                with contextlib.suppress(Exception):
+                    fs.rm_file(sidecar)
         raise
     types = {f.name: str(f.type) for f in writer.schema if f.name != "__key__"} if fmt == "arrow" else None
     return ShardResult(index, info, writer.fields, types, skipped, transformed)
@@ -442,6 +445,7 @@ def shard_dataset(
         classes=source.classes,
         skipped=skipped,
         field_types=field_types if format == "arrow" else None,
+        checksums=SUMS_ALGORITHM if format == "tar" else None,  # every tar writes its .sums
         transform=transform.record(sum(r.transformed for r in results)) if transform is not None else None,
         extra=_provenance(source, shuffle_seed),
     )
@@ -528,7 +532,7 @@ def shard_names(name: str, count: int, fmt: str, root: str, in_use: set[str]) ->
         rels = [generation_stem(name.format(index=i), generation) + suffix for i in range(count)]
         paths = [posixpath.normpath(posixpath.join(root, rel)) for rel in rels]
         if fmt == "tar":
-            paths += [idx_path_for(p) for p in paths]
+            paths += [idx_path_for(p) for p in paths] + [sums_path_for(p) for p in paths]
         if in_use.isdisjoint(paths):
             return rels
     raise AssertionError("unreachable")
@@ -543,7 +547,7 @@ def _remove_written(
         if r.info is None:
             continue
         path = posixpath.join(root, r.info.path)
-        targets = [path, idx_path_for(path)] if path.endswith(".tar") else [path]
+        targets = [path, idx_path_for(path), sums_path_for(path)] if path.endswith(".tar") else [path]
         for p in targets:
             if posixpath.normpath(p) in in_use:
                 continue

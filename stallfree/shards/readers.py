@@ -20,7 +20,7 @@ import posixpath
 import threading
 from array import array
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import Any
 
@@ -155,7 +155,11 @@ def uniform_columns(
 
 
 class TarShardReader:
-    """Random access to one tar shard through its index (``.idx``, or headers scanned if absent)."""
+    """Random access to one tar shard through its index (``.idx``, or headers scanned if absent).
+
+    ``member_check(j, key, field, data, offset)``, when given, sees every member read (``j``: its
+    place in the index, members flattened in order) and raises to refuse it (``sums.MemberSums``:
+    ``open_dataset(..., verify_samples=True)``)."""
 
     def __init__(
         self,
@@ -165,8 +169,10 @@ class TarShardReader:
         info: ShardInfo | None = None,
         samples: list[IdxSample] | None = None,
         verify_hash: bool = False,
+        member_check: Callable[[int, str, str, bytes, int], None] | None = None,
     ) -> None:
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
+        self.member_check = member_check
         self.local = is_local(fs)
         # Local shards are read with pread, not through a memory map: a mapping leaves every page
         # a worker has read resident in it, so RSS/PSS grows to the data set size (measured: +380
@@ -332,8 +338,11 @@ class TarShardReader:
         key = self._keys[row]
         sample: dict[str, Any] = {"__key__": key}
         names, fid, starts, ends, pread = self._names, self._fid, self._starts, self._ends, self._pread
+        check = self.member_check
         for j in range(self._first[row], self._first[row + 1]):
-            sample[names[fid[j]]] = pread(starts[j], ends[j], key)
+            sample[names[fid[j]]] = data = pread(starts[j], ends[j], key)
+            if check is not None:
+                check(j, key, names[fid[j]], data, starts[j])
         return sample
 
     def iter_rows(self) -> Iterator[dict[str, Any]]:
@@ -361,7 +370,9 @@ class TarShardReader:
                     key=key,
                     offset=off - BLOCK,
                 )
-            sample[field] = bytes(view[off - base : stop - base])
+            sample[field] = value = bytes(view[off - base : stop - base])
+            if self.member_check is not None:
+                self.member_check(j, key, field, value, off)
         return sample
 
     def get_many(self, rows: list[int]) -> list[dict[str, Any]]:

@@ -3,13 +3,15 @@ sample's members contiguous. Headers are deterministic (fixed mtime, uid, gid, m
 names), so the same samples always give the same bytes, and so the same sha256.
 
 Beside each shard goes DALI's text index (see ``idx.py``) so ``fn.readers.webdataset`` and our own
-reader can seek straight to a member's data.
+reader can seek straight to a member's data, and a CRC32 per member (``sums.py``), computed as the
+member is written, so a damaged sample can be named.
 """
 
 from __future__ import annotations
 
 import json
 import posixpath
+from array import array
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +22,7 @@ from stallfree.shards.atomic import AtomicFile, CommitOnExit
 from stallfree.shards.errors import CorruptShardError, DuplicateKeyError, WriteError
 from stallfree.shards.idx import IdxSample, idx_path_for, render_idx
 from stallfree.shards.manifest import ShardInfo
+from stallfree.shards.sums import checksum, render_sums, sums_path_for
 
 BLOCK = 512
 MTIME = 0
@@ -149,7 +152,8 @@ def prepare(sample: dict[str, Any]) -> PreparedSample:
 
 
 class TarShardWriter(CommitOnExit):
-    """Writes one tar shard (and its ``.idx``) under temp names, renamed into place on ``close``.
+    """Writes one tar shard (and its ``.idx`` and ``.sums``) under temp names, renamed into place
+    on ``close``.
 
     >>> with TarShardWriter("/data/shard-000000.tar") as w:
     ...     w.write({"__key__": "a", "jpg": b"...", "cls": 3})
@@ -167,10 +171,12 @@ class TarShardWriter(CommitOnExit):
         self.fs = fs
         self.path = path
         self.idx_path = idx_path_for(path)
+        self.sums_path = sums_path_for(path)
         self.name = posixpath.basename(path)
         self._file = self.file_class(fs, path, shard=self.name)
         self._keys: set[str] = set()
         self._index: list[IdxSample] = []
+        self._sums = array("I")  # one CRC32 per member, in the index's order
         self._fields: dict[str, None] = {}
         self.info: ShardInfo | None = None
 
@@ -207,6 +213,7 @@ class TarShardWriter(CommitOnExit):
             size = len(data)
             parts.append(member_header(name, size))
             entries.append((field, pos + BLOCK, size, name))
+            self._sums.append(checksum(data))
             parts.append(data)
             pad = padded(size) - size
             if pad:
@@ -225,14 +232,25 @@ class TarShardWriter(CommitOnExit):
         # the digest first: an overlapped hash finishes (or reports its failure) before any rename
         digest = self._file.sha256()
         idx = AtomicFile(self.fs, self.idx_path, shard=self.name)
+        sums = AtomicFile(self.fs, self.sums_path, shard=self.name)
         try:
             idx.write(render_idx(self._index).encode())
+            sums.write(render_sums(self._sums))
             idx.commit()
+            sums.commit()
         except BaseException:
             idx.abort()
+            sums.abort()
             self._file.abort()
             raise
-        self._file.commit()  # the tar last: a final-named shard always has its index
+        try:
+            self._file.commit()  # the tar last: a final-named shard always has its index and sums
+        except BaseException:
+            try:
+                self.fs.rm_file(self.sums_path)  # (the caller removes the .idx, as it always did)
+            except Exception:  # noqa: BLE001 - the commit's error is the one to report
+                pass
+            raise
         self.info = ShardInfo(self.name, len(self._index), self._file.size, digest)
         return self.info
 

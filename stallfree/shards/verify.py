@@ -6,9 +6,12 @@ the one tar walker (``tar_walk``: truncation, corrupt headers, duplicate keys) t
 the index (the ``.idx``, or the one a dataset without a manifest built) and the manifest's sample
 count; Arrow shards are opened, validated and counted. Every shard's keys are checked against the
 shards before it, so a key two shards share is found too (the dataset would yield it twice; a
-cache or a resume keyed by it would confuse the two). ``decode=True`` also decodes image fields
-with PIL. Problems are collected (not raised) so one run lists them all, each naming the shard, the
-sample key and the byte offset where known.
+cache or a resume keyed by it would confuse the two). Where the manifest records per-member
+checksums (``checksums: crc32``, a ``.sums`` beside each tar: ``sums.py``), each member's data is
+checked against its own as the pass goes by, so a damaged sample is named (shard, key, field, data
+offset) where the shard's sha256 could only say the shard differs. ``decode=True`` also decodes
+image fields with PIL. Problems are collected (not raised) so one run lists them all, each naming
+the shard, the sample key and the byte offset where known.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import hashlib
 import io
 import logging
 import posixpath
+from array import array
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
@@ -38,6 +42,7 @@ from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
 from stallfree.shards.readers import check_stream_schema, unreadable_table
 from stallfree.shards.scan import SHARD_SUFFIXES, file_size, record_mismatches
+from stallfree.shards.sums import checksum, mismatch, parse_sums, sums_path_for
 from stallfree.shards.tar import BLOCK
 from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, walk_tar
 
@@ -156,23 +161,57 @@ def _decode_image(data: bytes, shard: str, key: str, offset: int | None, fieldna
     return None
 
 
-def _decoding(
+def _inspecting(
     members: Iterable[TarMember],
     reader: _HashingReader,
     shard: str,
     report: VerifyReport,
     found: list[ShardError],
+    damaged: list[ShardError],
+    *,
+    decode: bool,
+    sums: array | None,
+    counted: list[int],
 ) -> Iterator[TarMember]:
-    """Pass members on, decoding each image member's data on the way (read while the walker is
-    still at it: the reader only goes forward)."""
-    for m in members:
+    """Pass members on, checking each one's data on the way (read once, while the walker is still
+    at it: the reader only goes forward): against its recorded checksum (``sums``, one per member
+    in the order the writer wrote them, which is the tar's own: the ``.idx`` is not needed to
+    match them), and, with ``decode``, that an image member decodes. ``counted[0]``: members seen."""
+    for j, m in enumerate(members):
+        counted[0] = j + 1
         parts = sample_parts(m.name)
-        if parts is not None and is_image_field(parts[1]):
+        want = sums[j] if sums is not None and j < len(sums) else None
+        image = decode and parts is not None and is_image_field(parts[1])
+        if want is None and not image:
+            yield m
+            continue
+        data = reader.read(m.offset, m.end)
+        key, fieldname = parts if parts is not None else (m.name, "")
+        if want is not None and len(data) == m.size:  # (a member cut short is the walker's to report)
+            got = checksum(data)
+            if got != want:
+                damaged.append(mismatch(shard, key, fieldname, m.offset, got, want, m.size))
+        if image:
             report.decoded += 1
-            problem = _decode_image(reader.read(m.offset, m.end), shard, parts[0], m.offset, parts[1])
+            problem = _decode_image(data, shard, key, m.offset, fieldname)
             if problem is not None:
                 found.append(problem)
         yield m
+
+
+def _load_sums(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> tuple[array | None, list[ShardError]]:
+    """The checksums in the ``.sums`` beside a tar; or None and the problem (missing, malformed)."""
+    name = posixpath.basename(sums_path_for(path))
+    try:
+        return parse_sums(remote.read_file(fs, sums_path_for(path), shard=name), shard), []
+    except MissingShardError:
+        return None, [
+            IndexMismatchError(
+                f"missing checksums {name}: the manifest records them for every tar", shard=shard
+            )
+        ]
+    except IndexMismatchError as exc:
+        return None, [exc]
 
 
 def _load_index(
@@ -213,21 +252,28 @@ def verify_tar_shard(
     hashes: bool = True,
     decode: bool = False,
     progress: ProgressFn | None = None,
+    checksums: str | None = None,
 ) -> list[KeyAt]:
     """Check one tar shard, adding problems to ``report``; returns its samples' keys (with the
     offset of each one's first header) for the cross-shard duplicate check. ``index`` is the
-    index the dataset reads the shard through; None: the ``.idx`` beside it."""
+    index the dataset reads the shard through; None: the ``.idx`` beside it. ``checksums``
+    (the manifest's): check every member against the ``.sums`` beside the tar."""
     shard = info.path
     walk_errors: list[ShardError] = []
     duplicates: list[DuplicateKeyError] = []
     decoded: list[ShardError] = []
+    damaged: list[ShardError] = []
     samples: list[IdxSample] = []
+    sums, sums_errors = _load_sums(fs, path, shard) if checksums else (None, [])
+    counted = [0]
     size = file_size(fs, path, shard)
     with remote.open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
         reader = _HashingReader(f, size, progress)
         members = walk_tar(reader, shard)
-        if decode:
-            members = _decoding(members, reader, shard, report, decoded)
+        if decode or sums is not None:
+            members = _inspecting(
+                members, reader, shard, report, decoded, damaged, decode=decode, sums=sums, counted=counted
+            )
         try:
             samples.extend(group_samples(members, shard, on_duplicate=duplicates.append))
         except CorruptShardError as exc:
@@ -252,6 +298,17 @@ def verify_tar_shard(
     errors.extend(index_errors)
     if index is not None and not truncated:
         _compare_index(index, samples, info, shard, report)
+    errors.extend(sums_errors)
+    if sums is not None and not truncated and counted[0] != len(sums):
+        damaged.clear()  # checksums of another tar (or none of this one's): comparing them says nothing
+        errors.append(
+            IndexMismatchError(
+                f"{posixpath.basename(sums_path_for(path))} holds {len(sums)} checksums, the tar has "
+                f"{counted[0]} members",
+                shard=shard,
+            )
+        )
+    _add_capped(report, damaged, "damaged members", shard)
     errors.extend(decoded)
     return [(s.key, s.members[0][1] - BLOCK) for s in samples]
 
@@ -467,7 +524,15 @@ def verify_manifest(
             if manifest.format == "tar":
                 index = indices[s] if indices is not None else None
                 keys = verify_tar_shard(
-                    fs, shard_path, info, report, index=index, hashes=hashes, decode=decode, progress=progress
+                    fs,
+                    shard_path,
+                    info,
+                    report,
+                    index=index,
+                    hashes=hashes,
+                    decode=decode,
+                    progress=progress,
+                    checksums=manifest.checksums,
                 )
             else:
                 keys = verify_arrow_shard(

@@ -27,6 +27,7 @@ from stallfree.shards.manifest import (
     files_in_use,
     generation_stem,
 )
+from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
 from stallfree.shards.tar import TarShardWriter, prepare
 
 _UNITS = {
@@ -204,6 +205,7 @@ class ShardWriter(CommitOnExit):
             classes=self.classes,
             skipped=self.skipped,
             field_types=self._field_types,
+            checksums=SUMS_ALGORITHM if self.format == "tar" else None,  # every tar writes its .sums
         )
         if self.write_manifest:
             self.manifest.commit(self.fs, self.root, replacing=self._replacing)

@@ -201,7 +201,7 @@ def test_overwrite_replaces_the_dataset_whole(old: Path, tmp_path: Path, workers
     assert res.returncode == 0, res.stderr
     g1 = ["shard-000000.g1", "shard-000001.g1", "shard-000002.g1"]
     assert sorted(p.name for p in old.iterdir()) == sorted(
-        ["manifest.json"] + [s + ext for s in g1 for ext in (".tar", ".idx")]
+        ["manifest.json"] + [s + ext for s in g1 for ext in (".tar", ".idx", ".sums")]
     )
     manifest = json.loads((old / "manifest.json").read_text())
     assert [s["path"] for s in manifest["shards"]] == [s + ".tar" for s in g1]
@@ -226,8 +226,10 @@ def test_overwrite_replaces_the_dataset_whole(old: Path, tmp_path: Path, workers
     assert sorted(p.name for p in old.iterdir()) == [
         "manifest.json",
         "shard-000000.idx",
+        "shard-000000.sums",
         "shard-000000.tar",
         "shard-000001.idx",
+        "shard-000001.sums",
         "shard-000001.tar",
     ]
     assert samples_of(old) == [(f"{i:09d}", b"v3") for i in range(60)]
@@ -337,8 +339,9 @@ def remote(tmp_path: Path, fault: str) -> dict:
     return json.loads(res.stdout)
 
 
-OLD_FILES = ["manifest.json"] + [f"shard-00000{i}{ext}" for i in range(4) for ext in (".idx", ".tar")]
-NEW_FILES = ["manifest.json"] + [f"shard-00000{i}.g1{ext}" for i in range(3) for ext in (".idx", ".tar")]
+SIDECARS = (".idx", ".sums", ".tar")
+OLD_FILES = ["manifest.json"] + [f"shard-00000{i}{ext}" for i in range(4) for ext in SIDECARS]
+NEW_FILES = ["manifest.json"] + [f"shard-00000{i}.g1{ext}" for i in range(3) for ext in SIDECARS]
 
 
 @pytest.mark.parametrize(
@@ -434,8 +437,10 @@ def test_a_killed_runs_temp_files_are_removed_by_the_next_run(tmp_path: Path, wo
     assert sorted(p.name for p in ds.iterdir() if ".tmp-" not in p.name) == [
         "manifest.json",
         "shard-000000.idx",
+        "shard-000000.sums",
         "shard-000000.tar",
         "shard-000001.idx",
+        "shard-000001.sums",
         "shard-000001.tar",
     ]
     verify_ok(ds)
@@ -486,7 +491,7 @@ def test_shard_writer_over_a_dataset_is_all_or_nothing(tmp_path: Path, fmt: str)
     assert ds.verify() == [] and [(s["__key__"], bytes(s["t"])) for s in ds] == [
         (f"k{i:03d}", b"v2") for i in range(12)
     ]
-    ext = [".tar", ".idx"] if fmt == "tar" else [".arrow"]
+    ext = [".tar", ".idx", ".sums"] if fmt == "tar" else [".arrow"]
     assert sorted(p.name for p in (tmp_path / "ds").iterdir()) == sorted(
         ["manifest.json"] + [f"shard-00000{i}.g1{e}" for i in range(3) for e in ext]
     )

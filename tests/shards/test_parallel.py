@@ -63,7 +63,7 @@ def test_imagefolder_to_tar_exact_samples_bytes_and_classes(folder: Path, tmp_pa
     assert [s["samples"] for s in manifest["shards"]] == [4, 4, 4, 3]
     assert summary.samples == 15 and summary.to_json()["shards"] == 4
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
-        ["manifest.json"] + [f"shard-{i:06d}.{ext}" for i in range(4) for ext in ("tar", "idx")]
+        ["manifest.json"] + [f"shard-{i:06d}.{ext}" for i in range(4) for ext in ("tar", "idx", "sums")]
     )
 
 
@@ -79,7 +79,7 @@ def test_output_identical_for_one_and_three_workers(folder: Path, tmp_path: Path
             shuffle_seed=7,
         )
     one, three = tree(tmp_path / "w1"), tree(tmp_path / "w3")
-    assert len(one) == (5 * 2 + 1 if fmt == "tar" else 5 + 1)
+    assert len(one) == (5 * 3 + 1 if fmt == "tar" else 5 + 1)  # tar: .tar, .idx, .sums
     assert one == three
 
 
@@ -228,8 +228,10 @@ def test_fsspec_destination_and_overwrite(folder: Path, tmp_path: Path) -> None:
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/stallfree-test/ds", detail=False)) == [
         "manifest.json",
         "shard-000000.idx",
+        "shard-000000.sums",
         "shard-000000.tar",
         "shard-000001.idx",
+        "shard-000001.sums",
         "shard-000001.tar",
     ]
     with tarfile.open(fileobj=io.BytesIO(fs.cat_file("/stallfree-test/ds/shard-000001.tar"))) as tf:
@@ -241,6 +243,7 @@ def test_fsspec_destination_and_overwrite(folder: Path, tmp_path: Path) -> None:
     assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls("/stallfree-test/ds", detail=False)) == [
         "manifest.json",
         "shard-000000.g1.idx",
+        "shard-000000.g1.sums",
         "shard-000000.g1.tar",
     ]
     fs.rm("/stallfree-test", recursive=True)
@@ -279,7 +282,7 @@ def test_empty_source_is_an_error(tmp_path: Path) -> None:
 def test_memory_destination_with_workers_falls_back_to_one(folder: Path) -> None:
     fs = fsspec.filesystem("memory")
     summary = shard_dataset(open_source(folder), "memory://stallfree-w/ds", max_samples=4, workers=3)
-    assert summary.samples == 15 and len(fs.ls("/stallfree-w/ds", detail=False)) == 9
+    assert summary.samples == 15 and len(fs.ls("/stallfree-w/ds", detail=False)) == 13
     fs.rm("/stallfree-w", recursive=True)
 
 

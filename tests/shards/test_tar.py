@@ -104,7 +104,7 @@ def test_memory_fs_writer(samples):
     fs = fsspec.filesystem("memory")
     assert fs.size("/tarw/one.tar") == info.bytes
     assert fs.cat_file("/tarw/one.idx").startswith(b"v1.2 3\n")
-    assert [p.rsplit("/", 1)[-1] for p in fs.ls("/tarw", detail=False)] == ["one.idx", "one.tar"]
+    assert [p.rsplit("/", 1)[-1] for p in fs.ls("/tarw", detail=False)] == ["one.idx", "one.sums", "one.tar"]
 
 
 def test_parse_header_checks_checksum():

@@ -60,7 +60,15 @@ def test_flipped_byte_is_a_hash_mismatch(copy) -> None:
     entry = parse_idx((root / "shard-000001.idx").read_text(), "s")[0].members[-1]  # a jpg's data
     data[entry[1] + 100] ^= 0x40
     path.write_bytes(bytes(data))
-    assert errors(verify_dataset(str(root))) == [("HashMismatchError", "shard-000001.tar")]
+    report = verify_dataset(str(root))
+    assert errors(report) == [
+        ("HashMismatchError", "shard-000001.tar"),
+        ("ChecksumMismatchError", "shard-000001.tar"),
+    ]
+    damaged = report.problems[1]  # the sample's own checksum names it
+    sample = parse_idx((root / "shard-000001.idx").read_text(), "s")[0]
+    assert (damaged.key, damaged.offset) == (sample.key, entry[1])
+    assert damaged.message.startswith(f"field {entry[0]!r} ({entry[2]} bytes) has crc32 ")
 
 
 def test_corrupt_jpeg_found_by_decode(copy) -> None:
@@ -273,7 +281,7 @@ def test_shared_keys_past_ten_name_at_most_five_shards(tmp_path: Path) -> None:
             w.write({"__key__": key, "txt": key})
     last = json.loads((extra / "manifest.json").read_text())["shards"]
     write(root, "tar", keys, per_shard=1)  # shards 0..15: one key each
-    for name in ("shard-000016.tar", "shard-000016.idx"):  # then shard 16 beside them
+    for name in ("shard-000016.tar", "shard-000016.idx", "shard-000016.sums"):  # then shard 16 beside them
         shutil.copy(extra / name, root / name)
     manifest = json.loads((root / "manifest.json").read_text())
     manifest["shards"] += last

@@ -99,7 +99,7 @@ def test_exception_mid_write_leaves_no_partial_shard(tmp_path):
             w.write(s)
         raise RuntimeError("source failed")
     names = sorted(os.listdir(tmp_path))
-    assert names == ["shard-000000.idx", "shard-000000.tar"]  # finished shard only; no manifest, no temp
+    assert names == ["shard-000000.idx", "shard-000000.sums", "shard-000000.tar"]  # finished shard only
     with tarfile.open(tmp_path / "shard-000000.tar") as t:
         assert len(t.getnames()) == 15
 

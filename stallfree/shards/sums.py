@@ -1,0 +1,116 @@
+"""Per-member checksums of a tar shard, in a sidecar beside its ``.idx``: ``shard-000000.sums``.
+
+A shard's sha256 says *that* it is damaged, not where: ``verify`` on a shard with 64 zeroed bytes
+said ``HashMismatchError`` for the whole shard, and ``--decode`` passed (the bytes were not in an
+image, or PIL decoded past them). The writer computes one CRC32 per member in the pass that writes
+it (``tar.TarShardWriter``), so ``verify`` names the sample, field and byte offset, and
+``open_dataset(..., verify_samples=True)`` checks every member it reads.
+
+Why a sidecar: the tar and the ``.idx`` stay exactly what WebDataset and DALI read, and the
+manifest stays small (a JSON list of 1.3M numbers per field would not be). Why CRC32 (``zlib``):
+always available and fast enough: 38 us per 100 KB member here, about 2.6 GB/s; ``crc32c`` and
+xxHash's ``xxh3`` were 2-3x faster but are not dependencies (``benchmarks/bench_integrity.py``
+measures all that are installed). It catches every burst error up to 32 bits and all but 2^-32 of
+the rest: damage, not tampering (a signed manifest would be the answer to that).
+
+Layout (little-endian)::
+
+    magic b"SFsm" | version u8 (1) | algorithm u8 (1: zlib CRC32) | reserved u16 | count u64
+    count x u32: one per member, in the ``.idx``'s order (row by row, members in order)
+"""
+
+from __future__ import annotations
+
+import posixpath
+import struct
+import sys
+import zlib
+from array import array
+
+from stallfree.shards.errors import ChecksumMismatchError, IndexMismatchError
+
+MAGIC = b"SFsm"
+VERSION = 1
+ALGORITHM = "crc32"  # what a manifest's ``checksums`` says
+_ALGORITHM_IDS = {ALGORITHM: 1}
+_HEADER = struct.Struct("<4sBBHQ")
+
+checksum = zlib.crc32  # of one member's data
+
+
+def sums_path_for(tar_path: str) -> str:
+    """``dir/shard-000001.tar`` -> ``dir/shard-000001.sums`` (beside the ``.idx``)."""
+    head, tail = posixpath.split(tar_path)
+    stem = tail[:-4] if tail.endswith(".tar") else tail
+    return posixpath.join(head, stem + ".sums")
+
+
+def render_sums(values: array) -> bytes:
+    """The sidecar's bytes for ``values`` (``array("I")`` of CRC32s, one per member)."""
+    body = values if sys.byteorder == "little" else _swapped(values)
+    return _HEADER.pack(MAGIC, VERSION, _ALGORITHM_IDS[ALGORITHM], 0, len(values)) + body.tobytes()
+
+
+def parse_sums(data: bytes, shard: str) -> array:
+    """The CRC32s of a sidecar; IndexMismatchError naming the shard if it is not a valid one."""
+    name = posixpath.basename(sums_path_for(shard))
+    if len(data) < _HEADER.size:
+        raise IndexMismatchError(f"{name} is {len(data)} bytes, too short for its header", shard=shard)
+    magic, version, algorithm, _, count = _HEADER.unpack_from(data, 0)
+    if magic != MAGIC or version != VERSION:
+        raise IndexMismatchError(f"{name} is not a checksums file of version {VERSION}", shard=shard)
+    if algorithm != _ALGORITHM_IDS[ALGORITHM]:
+        raise IndexMismatchError(
+            f"{name} uses checksum algorithm {algorithm}, this build reads crc32", shard=shard
+        )
+    if len(data) != _HEADER.size + 4 * count:
+        raise IndexMismatchError(
+            f"{name} is {len(data)} bytes, its header says {count} checksums ({_HEADER.size + 4 * count})",
+            shard=shard,
+        )
+    values = array("I")
+    values.frombytes(data[_HEADER.size :])
+    return values if sys.byteorder == "little" else _swapped(values)
+
+
+def _swapped(values: array) -> array:
+    out = array("I", values)
+    out.byteswap()
+    return out
+
+
+def mismatch(
+    shard: str, key: str, field: str, offset: int, got: int, want: int, size: int
+) -> ChecksumMismatchError:
+    """The error for a member whose data differs from what was written (names shard, sample,
+    field and the member's data offset)."""
+    return ChecksumMismatchError(
+        f"field {field!r} ({size} bytes) has crc32 {got:08x}, written as {want:08x}: the sample is damaged",
+        shard=shard,
+        key=key,
+        offset=offset,
+    )
+
+
+class MemberSums:
+    """A shard's recorded checksums, checked as members are read (``TarShardReader``'s
+    ``member_check``): ``self(j, key, field, data, offset)`` for the ``j``-th member of the index."""
+
+    def __init__(self, values: array, shard: str) -> None:
+        self.values = values
+        self.shard = shard
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def __call__(self, j: int, key: str, field: str, data: bytes | memoryview, offset: int) -> None:
+        if j >= len(self.values):
+            raise IndexMismatchError(
+                f"the index has more members than the {len(self.values)} checksums recorded",
+                shard=self.shard,
+                key=key,
+                offset=offset,
+            )
+        got = checksum(data)
+        if got != self.values[j]:
+            raise mismatch(self.shard, key, field, offset, got, self.values[j], len(data))
