@@ -60,7 +60,8 @@ def test_cli_shard_to_s3_then_open_and_verify(s3, bucket, tmp_path):
     summary = json.loads(r.stdout)
     assert summary["samples"] == 10 and summary["shards"] == 3
     names = sorted(p.rsplit("/", 1)[-1] for p in s3.filesystem().ls(f"{bucket}/out"))
-    assert names == ["manifest.json"] + [f"shard-00000{i}.{e}" for i in range(3) for e in ("idx", "tar")]
+    sidecars = ("idx", "sums", "tar")
+    assert names == ["manifest.json"] + [f"shard-00000{i}.{e}" for i in range(3) for e in sidecars]
 
     ds = open_dataset(url, **s3.storage_options)
     got = {ds[i]["__key__"]: {k: v for k, v in ds[i].items() if k != "__key__"} for i in range(len(ds))}
@@ -185,14 +186,15 @@ def test_failed_cli_shard_run_leaves_no_final_object(s3, bucket, tmp_path, fault
 
 
 # The commit copies the temp object to its final name, then deletes the temp (a DELETE request):
-# 4 shards of 3 samples, each its .idx then its .tar, then the manifest -> DELETEs 0..8.
+# 4 shards of 3 samples, each its .idx, .sums then .tar, then the manifest -> DELETEs 0..12.
 @pytest.mark.parametrize(
     ("nth_delete", "stale"),
     [
         pytest.param(0, "shard-000000.idx", id="idx-temp-delete"),
-        pytest.param(1, "shard-000000.tar", id="tar-temp-delete"),
-        pytest.param(3, "shard-000001.tar", id="tar2-temp-delete"),
-        pytest.param(8, "manifest.json", id="manifest-temp-delete"),
+        pytest.param(1, "shard-000000.sums", id="sums-temp-delete"),
+        pytest.param(2, "shard-000000.tar", id="tar-temp-delete"),
+        pytest.param(5, "shard-000001.tar", id="tar2-temp-delete"),
+        pytest.param(12, "manifest.json", id="manifest-temp-delete"),
     ],
 )
 def test_refused_temp_delete_still_commits(s3, bucket, tmp_path, nth_delete, stale):
@@ -217,7 +219,7 @@ def test_refused_temp_delete_still_commits(s3, bucket, tmp_path, nth_delete, sta
     temps = [n for n in names if n.startswith(".")]
     assert len(temps) == 1 and temps[0].startswith(f".{stale}.tmp-"), names
     assert refused[0].path == f"/{bucket}/out/{temps[0]}"
-    finals = [f"shard-00000{i}.{e}" for i in range(4) for e in ("idx", "tar")]
+    finals = [f"shard-00000{i}.{e}" for i in range(4) for e in ("idx", "sums", "tar")]
     assert [n for n in names if not n.startswith(".")] == ["manifest.json", *finals]
     assert "could not be removed" in r.stderr and f"{bucket}/out/{temps[0]}" in r.stderr
     assert "Traceback" not in r.stderr
