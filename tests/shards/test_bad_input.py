@@ -8,6 +8,7 @@ import tarfile
 import pytest
 
 from stallfree.shards.errors import (
+    ChecksumMismatchError,
     CorruptShardError,
     DuplicateKeyError,
     HashMismatchError,
@@ -160,7 +161,12 @@ def test_hash_mismatch(tar_dataset):
         ds[5]
     assert info.value.shard == SHARD1
     problems = ds.verify()
-    assert [(type(p), p.shard) for p in problems] == [(HashMismatchError, SHARD1)]
+    # the shard's sha256, and the per-member CRC32 naming the damaged sample
+    assert [(type(p), p.shard) for p in problems] == [
+        (HashMismatchError, SHARD1),
+        (ChecksumMismatchError, SHARD1),
+    ]
+    assert problems[1].key == "sample00005"
 
 
 def test_missing_shard(tar_dataset):
