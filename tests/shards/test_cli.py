@@ -36,7 +36,12 @@ def folder(tmp_path_factory) -> Path:
 def sharded(folder: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli-out") / "ds"
     # --no-shuffle: the tests below read the shards back in source (class) order
-    assert main(["shard", str(folder), str(out), "--max-samples", "5", "--no-shuffle", "--no-progress", "--json"]) == 0
+    assert (
+        main(
+            ["shard", str(folder), str(out), "--max-samples", "5", "--no-shuffle", "--no-progress", "--json"]
+        )
+        == 0
+    )
     return out
 
 

@@ -259,7 +259,15 @@ def test_manifest_transform_round_trips_and_is_validated() -> None:
 def test_a_bad_image_stops_the_run_under_raise(bad_folder: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     res = cli(
-        "shard", str(bad_folder), str(out), "--max-side", str(N), "--no-progress", "--workers", "2", "--no-shuffle"
+        "shard",
+        str(bad_folder),
+        str(out),
+        "--max-side",
+        str(N),
+        "--no-progress",
+        "--workers",
+        "2",
+        "--no-shuffle",
     )
     assert res.returncode == 1
     # One shard, read in order (--no-shuffle): c/text is the first bad sample.
