@@ -1,0 +1,281 @@
+"""An S3 bucket one real round trip away, for the object-storage benchmarks: ``s3rver`` (npm) in a
+NetLab storage namespace, behind a counting HTTP proxy, behind latency relays.
+
+    client (node0) --> relay storage:9000+ms (one-way delay ms) --> counter 127.0.0.1:4600
+                   --> s3rver 127.0.0.1:4568 (objects are files: a ranged GET reads the range)
+
+Why s3rver and not moto: moto answers a ranged GET by reading the whole object (see
+``bench_s3_server.py`` for the measurement), so a ranged reader pays a whole-shard read per GET
+there and nowhere else. Why a counting proxy: s3rver keeps no request log; the proxy records each
+request (method, path, query, Range, status) and the response body bytes it forwarded, and answers
+``GET /_count`` (the log as JSON) and ``DELETE /_count`` (clear it) itself; ``_`` cannot start a
+bucket name, so those paths never shadow a request.
+
+Every delay in ``delays_ms`` gets its own relay port, so one run measures 0, 10 and 25 ms side by
+side on one server. Run ``python benchmarks/s3lab.py count --listen A:P --to A:P`` for the proxy
+alone (what ``S3Lab`` starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+S3RVER = REPO / ".venv-s3bench" / "node" / "node_modules" / ".bin" / "s3rver"
+S3RVER_KEY = "S3RVER"  # s3rver's fixed access key id and secret
+REGION = "us-east-1"
+S3RVER_PORT, COUNT_PORT, RELAY_BASE = 4568, 4600, 9000
+
+
+# -- s3rver ----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def s3rver_process(address: str, port: int, popen: Any = subprocess.Popen) -> Iterator[tuple[str, Any]]:
+    """``s3rver`` on ``address:port`` (0: any) with a fresh data folder; yields (endpoint, process)."""
+    if not S3RVER.exists():
+        raise RuntimeError(f"{S3RVER} missing: cd .venv-s3bench/node && npm install s3rver@3.7.1")
+    data = Path(tempfile.mkdtemp(prefix="s3rver-"))
+    proc = popen(
+        [str(S3RVER), "-d", str(data), "-a", address, "-p", str(port), "--silent"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        seen = []
+        while not seen or "listening on" not in seen[-1]:
+            seen.append(proc.stdout.readline())
+            if not seen[-1] or len(seen) > 20:
+                raise RuntimeError(f"s3rver did not start: {''.join(seen)!r}")
+        line = seen[-1]
+        yield f"http://{line.strip().rsplit(' ', 1)[1]}", proc
+    finally:
+        proc.kill()
+        proc.wait(10)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def wait_http(endpoint: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            urllib.request.urlopen(endpoint + "/", timeout=5).read()
+            return
+        except urllib.error.HTTPError:
+            return  # it answered
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+# -- the counting proxy ----------------------------------------------------------------------------
+def _headers(head: bytes) -> tuple[str, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    fields = {}
+    for line in lines[1:]:
+        if ":" in line:
+            k, v = line.split(":", 1)
+            fields[k.strip().lower()] = v.strip()
+    return lines[0], fields
+
+
+async def _copy_body(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, fields: dict[str, str], no_body: bool
+) -> int:
+    """Forward one message body (Content-Length or chunked); returns its payload bytes."""
+    if no_body:
+        return 0
+    if "chunked" in fields.get("transfer-encoding", "").lower():
+        total = 0
+        while True:
+            size_line = await reader.readuntil(b"\r\n")
+            writer.write(size_line)
+            size = int(size_line.split(b";")[0].strip(), 16)
+            if size == 0:
+                while True:  # trailers, then the blank line
+                    line = await reader.readuntil(b"\r\n")
+                    writer.write(line)
+                    if line == b"\r\n":
+                        return total
+            writer.write(await reader.readexactly(size + 2))
+            total += size
+            await writer.drain()
+    left = int(fields.get("content-length", "0"))
+    total = left
+    while left:
+        piece = await reader.read(min(left, 1 << 16))
+        if not piece:
+            raise ConnectionError("body cut short")
+        writer.write(piece)
+        left -= len(piece)
+        await writer.drain()
+    return total
+
+
+class Counter:
+    def __init__(self, to: tuple[str, int]) -> None:
+        self.to = to
+        self.log: list[dict[str, Any]] = []
+
+    async def handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        sr = sw = None
+        try:
+            while True:
+                try:
+                    head = await cr.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                first, fields = _headers(head)
+                method, target = first.split(" ")[:2]
+                if target.startswith("/_count"):
+                    body = json.dumps(self.log).encode()
+                    if method == "DELETE":
+                        self.log = []
+                    cw.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+                    await cw.drain()
+                    continue
+                if sr is None:
+                    sr, sw = await asyncio.open_connection(*self.to)
+                if fields.get("expect", "").lower() == "100-continue":  # answer it here, strip it there
+                    cw.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                    head = b"\r\n".join(
+                        ln for ln in head.split(b"\r\n") if not ln.lower().startswith(b"expect:")
+                    )
+                sw.write(head)
+                await _copy_body(cr, sw, fields, False)
+                await sw.drain()
+                while True:
+                    rhead = await sr.readuntil(b"\r\n\r\n")
+                    status_line, rfields = _headers(rhead)
+                    status = int(status_line.split(" ")[1])
+                    cw.write(rhead)
+                    if status != 100:
+                        break
+                no_body = method == "HEAD" or status in (204, 304)
+                sent = await _copy_body(sr, cw, rfields, no_body)
+                await cw.drain()
+                path, _, query = target.partition("?")
+                self.log.append(
+                    {"method": method, "path": path, "query": query, "range": fields.get("range"),
+                     "status": status, "bytes": sent}
+                )  # fmt: skip
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return
+        finally:
+            for w in (cw, sw):
+                if w is not None:
+                    w.close()
+
+
+async def _serve_counter(listen: tuple[str, int], to: tuple[str, int]) -> None:
+    counter = Counter(to)
+    server = await asyncio.start_server(
+        counter.handle, listen[0], listen[1], reuse_address=True, limit=1 << 20
+    )
+    sys.stdout.write(f"listening on {listen[0]}:{listen[1]}\n")
+    sys.stdout.flush()
+    async with server:
+        await server.serve_forever()
+
+
+# -- the lab -------------------------------------------------------------------------------------
+class S3Lab:
+    """NetLab(nodes=1) with s3rver, the counter and one relay per delay in storage (a context
+    manager). ``endpoint(ms)`` is the URL a client in node0 uses for that one-way delay."""
+
+    def __init__(self, delays_ms: Sequence[int] = (0, 10, 25)) -> None:
+        from stallfree.testing.netlab import NetLab
+
+        self.delays_ms = tuple(delays_ms)
+        self.lab = NetLab(nodes=1)
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> S3Lab:
+        lab = self._stack.enter_context(self.lab)
+        self._stack.enter_context(
+            s3rver_process(
+                "127.0.0.1", S3RVER_PORT, popen=lambda argv, **kw: lab.popen("storage", argv, **kw)
+            )
+        )
+        counter = lab.popen(
+            "storage",
+            [sys.executable, str(Path(__file__).resolve()), "count",
+             "--listen", f"127.0.0.1:{COUNT_PORT}", "--to", f"127.0.0.1:{S3RVER_PORT}"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        if not counter.stdout.readline().startswith("listening"):
+            raise RuntimeError("the counting proxy did not start")
+        for ms in self.delays_ms:
+            lab.relay("storage", RELAY_BASE + ms, to=("127.0.0.1", COUNT_PORT), one_way_delay_s=ms / 1000)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def endpoint(self, ms: int) -> str:
+        return f"http://{self.lab.storage.address}:{RELAY_BASE + ms}"
+
+    def run_in_node(self, argv: Sequence[str], timeout: float) -> int:
+        return self.lab.run("node0", list(argv), timeout=timeout, cwd=REPO).returncode
+
+
+# -- client-side helpers (used inside node0) ------------------------------------------------------
+def aws_env(endpoint: str) -> dict[str, str]:
+    return {
+        "AWS_ACCESS_KEY_ID": S3RVER_KEY,
+        "AWS_SECRET_ACCESS_KEY": S3RVER_KEY,
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": REGION,
+        "AWS_ENDPOINT_URL": endpoint,
+        "S3_ENDPOINT_URL": endpoint,  # MosaicML Streaming's own variable
+        "AWS_ALLOW_HTTP": "true",  # object_store (obstore, used by LitData) refuses http:// without it
+    }
+
+
+def storage_options(endpoint: str) -> dict[str, Any]:
+    return {
+        "key": S3RVER_KEY,
+        "secret": S3RVER_KEY,
+        "endpoint_url": endpoint,
+        "client_kwargs": {"region_name": REGION},
+        "skip_instance_cache": True,
+    }
+
+
+def requests_log(endpoint: str, clear: bool = False) -> list[dict[str, Any]]:
+    req = urllib.request.Request(endpoint + "/_count", method="DELETE" if clear else "GET")
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _address(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="s3lab.py")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("count", help="a counting HTTP/1.1 proxy")
+    c.add_argument("--listen", required=True, type=_address)
+    c.add_argument("--to", required=True, type=_address)
+    args = ap.parse_args(argv)
+    asyncio.run(_serve_counter(args.listen, args.to))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
