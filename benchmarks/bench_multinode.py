@@ -200,7 +200,7 @@ def plot(results: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     configs = sorted({r["nodes"] for r in results})
-    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4.6), squeeze=False, sharey=True)
     for ax, n in zip(axes[0], configs, strict=True):
         rows = [r for r in results if r["nodes"] == n]
         width = 0.8 / len(rows)
@@ -211,7 +211,7 @@ def plot(results: list[dict], path: str) -> None:
         ax.set_xticks(np.arange(n) + 0.4 - width / 2, [f"node{i}" for i in range(n)])
         ax.set_title(f"{n} nodes, last epoch")
         ax.set_ylabel("stall % (time blocked in next())")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=4)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
