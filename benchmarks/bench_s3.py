@@ -110,8 +110,15 @@ def _count(batch: Any) -> int:
 
 def stallfree_epoch(s3: S3Server, args: argparse.Namespace, order: str) -> int:
     ds = open_dataset(f"s3://{BUCKET}/wds", **s3.storage_options)
+    # shuffle=True: without it order="auto" resolves to "sequential" (runs before this fix measured that)
     loader = SFDataLoader(
-        ds, batch_size=args.batch, num_workers=args.workers, order=order, seed=0, collate_fn=_keys_only
+        ds,
+        batch_size=args.batch,
+        shuffle=True,
+        num_workers=args.workers,
+        order=order,
+        seed=0,
+        collate_fn=_keys_only,
     )
     n = sum(_count(b) for b in loader)
     del loader

@@ -1,0 +1,379 @@
+"""One bucket, a real round trip away: stallfree beside WebDataset, MosaicML Streaming, LitData and
+Amazon's s3torchconnector, over the same samples, requests and bytes counted at the server.
+
+The bucket is ``s3rver`` (a ranged GET costs what it returns; moto reads the whole object per
+ranged GET, see ``bench_s3_server.py``) in a NetLab storage namespace, behind a counting proxy and
+one latency relay per ``--delays`` value (``s3lab.S3Lab``); this process re-runs itself in node0,
+so every request crosses the relay. The dataset (``--samples`` x ``--sample-kb`` KB random ``bin``
++ ``cls``) is uploaded once per format, shards of ``--shard-mb`` MB:
+  s3://bench/wds   tars + .idx + manifest by ``stallfree shard FOLDER s3://bench/wds --no-shuffle``
+  s3://bench/mds   ``streaming.MDSWriter``
+  s3://bench/lit   ``litdata.optimize`` to a local folder, then uploaded as it is
+Readers, each one DataLoader of ``--workers`` workers, batch ``--batch``, two epochs: cold (open
+included, fresh local caches) and warm (the same loader's next epoch; local caches kept):
+  stallfree-block   ``stallfree.DataLoader(open_dataset(s3://bench/wds), shuffle=True)``: order
+                    "auto" = "block" for remote data (shards shuffled, samples inside windows of 8)
+  webdataset        ``webdataset.WebDataset`` over presigned URLs (shards shuffled, 1000-sample buffer)
+  streaming         ``streaming.StreamingDataset(remote=s3://bench/mds, shuffle=True)``
+  litdata           ``litdata.StreamingDataset(s3://bench/lit, shuffle=True)``
+  s3torchconnector  ``S3IterableDataset.from_objects`` of the tars (shuffled per epoch, sharded
+                    over workers) + webdataset's tar expander and a 1000-sample buffer
+Per reader and epoch: samples/s, seconds to the first batch, GETs, requests and response bytes per
+sample at the server, and two shuffle figures (so nobody wins by not shuffling): distinct tar
+shards per batch (of the stallfree layout; a sequential reader scores 1) and Spearman's rank
+correlation between delivery order and storage order (0 for a perfect shuffle, 1 sequential).
+Every epoch must deliver every sample exactly once.
+
+    .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --delays 0 10 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from s3lab import S3Lab, aws_env, requests_log, storage_options
+
+BUCKET = "bench"
+READERS = ("stallfree-block", "webdataset", "streaming", "litdata", "s3torchconnector")
+
+
+# -- data --------------------------------------------------------------------------------------------
+def make_source(root: Path, n: int, size: int) -> None:
+    root.mkdir(parents=True)
+    block = os.urandom(size + 4096)
+    for i in range(n):
+        off = (i * 61) % 4096
+        (root / f"s{i:06d}.bin").write_bytes(block[off : off + size])
+        (root / f"s{i:06d}.cls").write_bytes(str(i % 10).encode())
+
+
+def _sample(src: Path, i: int) -> dict[str, Any]:
+    key = f"s{i:06d}"
+    return {
+        "key": key,
+        "bin": (src / f"{key}.bin").read_bytes(),
+        "cls": int((src / f"{key}.cls").read_text()),
+    }
+
+
+def upload(src: Path, tmp: Path, n: int, shard_mb: int, endpoint: str) -> dict[str, Any]:
+    import s3fs
+
+    env = {**os.environ, **aws_env(endpoint)}
+    fs = s3fs.S3FileSystem(**storage_options(endpoint))
+    fs.call_s3("create_bucket", Bucket=BUCKET)
+    cmd = [sys.executable, "-m", "stallfree", "shard", str(src), f"s3://{BUCKET}/wds"]
+    # --no-shuffle: storage order = key order in every format, so the shuffle figures compare alike
+    cmd += ["--max-bytes", f"{shard_mb}MB", "--no-progress", "--json", "--no-shuffle"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        raise RuntimeError(f"stallfree shard failed: {r.stderr[-2000:]}")
+    from streaming import MDSWriter
+
+    with MDSWriter(
+        out=f"s3://{BUCKET}/mds", columns={"key": "str", "bin": "bytes", "cls": "int"},
+        size_limit=shard_mb * 1_000_000, compression=None, progress_bar=False,
+    ) as w:  # fmt: skip
+        for i in range(n):
+            w.write(_sample(src, i))
+    import litdata
+
+    lit = tmp / "lit"
+    litdata.optimize(
+        fn=_lit_item, inputs=[(str(src), i) for i in range(n)], output_dir=str(lit),
+        chunk_bytes=f"{shard_mb}MB", num_workers=1, mode="overwrite",
+    )  # fmt: skip
+    fs.put(str(lit) + "/", f"{BUCKET}/lit/", recursive=True)
+    shutil.rmtree(lit)
+    fs.invalidate_cache()
+    tars = sorted(p for p in fs.ls(f"{BUCKET}/wds", detail=False) if p.endswith(".tar"))
+    return {"tars": tars, "mds": len([p for p in fs.ls(f"{BUCKET}/mds", detail=False) if p.endswith(".mds")]),
+            "lit": len([p for p in fs.ls(f"{BUCKET}/lit", detail=False) if p.endswith(".bin")])}  # fmt: skip
+
+
+def _lit_item(job: tuple[str, int]) -> dict[str, Any]:
+    return _sample(Path(job[0]), job[1])
+
+
+# -- readers: each a function (endpoint, args, scratch) -> an iterable of epochs ------------------
+def _keys_only(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {
+        "__key__": [s["__key__"] if "__key__" in s else s["key"] for s in samples],
+        "cls": [s["cls"] for s in samples],
+        "bin": [s["bin"] for s in samples],
+    }
+
+
+def stallfree_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+    from stallfree import DataLoader
+    from stallfree.shards.open import open_dataset
+
+    ds = open_dataset(f"s3://{BUCKET}/wds", **storage_options(endpoint))
+    # shuffle=True, as torch's: without it order "auto" is "sequential" (the old bench_s3.py's slip)
+    return DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers, seed=0,
+                      collate_fn=_keys_only, persistent_workers=True)  # fmt: skip
+
+
+def webdataset_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+    import s3fs
+    import torch
+    import webdataset as wds
+
+    fs = s3fs.S3FileSystem(**storage_options(endpoint))
+    tars = sorted(p for p in fs.ls(f"{BUCKET}/wds", detail=False) if p.endswith(".tar"))
+    urls = [fs.url(t, expires=3600) for t in tars]
+    ds = (
+        wds.WebDataset(urls, shardshuffle=len(urls), seed=0, detshuffle=True, empty_check=False)
+        .shuffle(1000)
+        .batched(args.batch, collation_fn=_keys_only, partial=True)
+    )
+    return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers, persistent_workers=True)
+
+
+def streaming_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+    import torch
+    from streaming import StreamingDataset
+    from streaming.base.util import clean_stale_shared_memory
+
+    clean_stale_shared_memory()
+    ds = StreamingDataset(remote=f"s3://{BUCKET}/mds", local=str(scratch / "mds"), shuffle=True, shuffle_seed=0,
+                          batch_size=args.batch)  # fmt: skip
+    return torch.utils.data.DataLoader(ds, batch_size=args.batch, num_workers=args.workers, collate_fn=_keys_only,
+                                       persistent_workers=True)  # fmt: skip
+
+
+def litdata_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+    import litdata
+    from litdata.streaming import downloader
+
+    # LitData hands obstore fixed client options without allow_http, so an http:// endpoint fails
+    # with reqwest's BadScheme whatever the environment says; set it in place (workers fork it)
+    downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
+    opts = {"endpoint_url": endpoint, "aws_access_key_id": "S3RVER", "aws_secret_access_key": "S3RVER"}
+    ds = litdata.StreamingDataset(
+        f"s3://{BUCKET}/lit", shuffle=True, seed=0, storage_options=opts,
+        cache_dir=str(scratch / "lit-cache"),
+    )  # fmt: skip
+    return litdata.StreamingDataLoader(
+        ds, batch_size=args.batch, num_workers=args.workers, collate_fn=_keys_only
+    )
+
+
+class _S3TorchTars:
+    """s3torchconnector's iterable of tar objects, reshuffled per epoch, expanded into samples by
+    webdataset's tar parser, through a 1000-sample buffer (its documented webdataset pairing)."""
+
+    def __init__(self, endpoint: str, tars: list[str], batch: int) -> None:
+        self.endpoint, self.tars, self.batch, self.epoch = endpoint, tars, batch, 0
+
+    def __iter__(self):
+        import webdataset as wds
+        from s3torchconnector import S3ClientConfig, S3IterableDataset
+
+        uris = list(self.tars)
+        random.Random(self.epoch).shuffle(uris)
+        self.epoch += 1
+        objs = S3IterableDataset.from_objects(
+            uris, region="us-east-1", endpoint=self.endpoint, enable_sharding=True,
+            s3client_config=S3ClientConfig(force_path_style=True),
+        )  # fmt: skip
+        streams = ({"url": o.key, "stream": o} for o in objs)
+        samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(streams))
+        buf = wds.filters.shuffle(1000)(
+            {"key": s["__key__"].rsplit("/", 1)[-1], "bin": s["bin"], "cls": int(s["cls"])} for s in samples
+        )
+        chunk = []
+        for s in buf:
+            chunk.append(s)
+            if len(chunk) == self.batch:
+                yield _keys_only(chunk)
+                chunk = []
+        if chunk:
+            yield _keys_only(chunk)
+
+
+def s3torch_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+    import s3fs
+    import torch
+
+    fs = s3fs.S3FileSystem(**storage_options(endpoint))
+    tars = [f"s3://{p}" for p in sorted(fs.ls(f"{BUCKET}/wds", detail=False)) if p.endswith(".tar")]
+    return torch.utils.data.DataLoader(
+        _Iter(_S3TorchTars(endpoint, tars, args.batch)), batch_size=None, num_workers=args.workers
+    )
+
+
+class _Iter(__import__("torch").utils.data.IterableDataset):
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+
+LOADERS: dict[str, Callable[[str, argparse.Namespace, Path], Any]] = {
+    "stallfree-block": stallfree_loader,
+    "webdataset": webdataset_loader,
+    "streaming": streaming_loader,
+    "litdata": litdata_loader,
+    "s3torchconnector": s3torch_loader,
+}
+
+
+# -- measurement -------------------------------------------------------------------------------------
+def shuffle_quality(batches: list[list[str]], shard_of: np.ndarray) -> dict[str, float]:
+    idx = np.array([int(k[1:]) for b in batches for k in b])
+    per_batch = [len({int(shard_of[int(k[1:])]) for k in b}) for b in batches if b]
+    pos = np.arange(len(idx), dtype=float)
+    rank = np.argsort(np.argsort(idx)).astype(float)
+    rho = float(np.corrcoef(pos, rank)[0, 1]) if len(idx) > 1 else 1.0
+    return {"shards/batch": float(np.mean(per_batch)), "rank corr": rho}
+
+
+def run_reader(
+    name: str, endpoint: str, setup: str, args: argparse.Namespace, n: int, shard_of: np.ndarray
+) -> list[dict]:
+    out = []
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as scratch:
+        requests_log(setup, clear=True)
+        t0 = time.perf_counter()
+        loader = LOADERS[name](endpoint, args, Path(scratch))
+        for epoch in ("cold", "warm"):
+            if epoch == "warm":
+                requests_log(setup, clear=True)
+                t0 = time.perf_counter()
+            if hasattr(loader, "set_epoch"):  # stallfree's loader, as a training loop calls it
+                loader.set_epoch(1 if epoch == "warm" else 0)
+            batches, first = [], None
+            for b in loader:
+                if first is None:
+                    first = time.perf_counter() - t0
+                batches.append(list(b["__key__"]))
+            sec = time.perf_counter() - t0
+            log = requests_log(setup)
+            keys = [k for b in batches for k in b]
+            if len(keys) != n or len(set(keys)) != n:
+                raise RuntimeError(f"{name} {epoch}: {len(keys)} samples, {len(set(keys))} distinct, of {n}")
+            out.append({
+                "reader": name, "epoch": epoch, "samples/s": n / sec, "first batch s": first,
+                "GETs/sample": sum(r["method"] == "GET" for r in log) / n,
+                "requests/sample": len(log) / n,
+                "KB/sample": sum(r["bytes"] for r in log) / n / 1000,
+                **shuffle_quality(batches, shard_of),
+            })  # fmt: skip
+        del loader
+        gc.collect()
+    return out
+
+
+def inner(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.WARNING)
+    endpoints = json.loads(args.endpoints)
+    setup = endpoints["0"]
+    os.environ.update(aws_env(setup))
+    with tempfile.TemporaryDirectory(prefix="bench_s3_netns_") as tmp:
+        src = Path(tmp) / "src"
+        make_source(src, args.samples, args.sample_kb * 1000)
+        t0 = time.perf_counter()
+        meta = upload(src, Path(tmp), args.samples, args.shard_mb, setup)
+        meta["upload_s"] = time.perf_counter() - t0
+        shutil.rmtree(src)
+    from stallfree.shards.open import open_dataset
+
+    ds = open_dataset(f"s3://{BUCKET}/wds", **storage_options(setup))
+    sizes = [s.samples for s in ds.manifest.shards]
+    shard_of = np.repeat(np.arange(len(sizes)), sizes)
+    n = len(ds)
+    rows = []
+    for ms in args.delays:
+        os.environ.update(aws_env(endpoints[str(ms)]))
+        for name in args.readers:
+            try:
+                for r in run_reader(name, endpoints[str(ms)], setup, args, n, shard_of):
+                    rows.append({"delay ms": ms, **r})
+            except Exception as exc:  # noqa: BLE001 - one peer failing is a row, not the run
+                traceback.print_exc()
+                rows.append(
+                    {
+                        "delay ms": ms,
+                        "reader": name,
+                        "epoch": "-",
+                        "error": f"{type(exc).__name__}: {exc}"[:300],
+                    }
+                )
+            sys.stderr.write(f"done {name} at {ms} ms\n")
+    meta.update(samples=n, tar_shards=len(sizes), tars=None)
+    print(json.dumps({"meta": meta, "rows": rows}))
+    return 0
+
+
+def main(argv: Iterable[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=2000)
+    ap.add_argument("--sample-kb", type=int, default=100)
+    ap.add_argument("--shard-mb", type=int, default=16)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--delays", type=int, nargs="+", default=[10])
+    ap.add_argument("--readers", nargs="+", default=list(READERS), choices=READERS)
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--endpoints", help=argparse.SUPPRESS)
+    args = ap.parse_args(list(argv) if argv is not None else None)
+    if args.inner:
+        return inner(args)
+    t_start = time.perf_counter()
+    with S3Lab(sorted({0, *args.delays})) as lab:
+        endpoints = {str(ms): lab.endpoint(ms) for ms in lab.delays_ms}
+        argv2 = [sys.executable, str(Path(__file__).resolve()), "--inner", "--endpoints", json.dumps(endpoints),
+                 "--samples", str(args.samples), "--sample-kb", str(args.sample_kb), "--shard-mb", str(args.shard_mb),
+                 "--workers", str(args.workers), "--batch", str(args.batch), "--delays", *map(str, args.delays),
+                 "--readers", *args.readers]  # fmt: skip
+        done = lab.lab.run("node0", argv2, timeout=3600, stdout=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        return done.returncode
+    res = json.loads(done.stdout.strip().splitlines()[-1])
+    res["meta"]["total_s"] = time.perf_counter() - t_start
+    res["meta"]["load_avg"] = os.getloadavg()
+    if args.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    m = res["meta"]
+    print(
+        f"{m['samples']} samples x {args.sample_kb} KB, s3rver behind the relay; {m['tar_shards']} tar / "
+        f"{m['mds']} MDS / {m['lit']} LitData shards of ~{args.shard_mb} MB; {args.workers} workers, batch "
+        f"{args.batch}; load average {m['load_avg'][0]:.1f}; upload {m['upload_s']:.0f} s, run {m['total_s']:.0f} s"
+    )
+    print(
+        "| delay ms | reader | epoch | samples/s | first batch s | GETs/sample | KB/sample | shards/batch | rank corr |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res["rows"]:
+        if "error" in r:
+            print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} |||||")
+            continue
+        print(
+            f"| {r['delay ms']} | {r['reader']} | {r['epoch']} | {r['samples/s']:.0f} | {r['first batch s']:.2f} | "
+            f"{r['GETs/sample']:.3f} | {r['KB/sample']:.1f} | {r['shards/batch']:.1f} | {r['rank corr']:.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
