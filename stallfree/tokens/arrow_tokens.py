@@ -256,7 +256,7 @@ class ArrowTokenSource:
                 raise IndexError(f"token range [{s}, {s + c}) outside [0, {end}) of {self.url}")
             total += c
         out = np.empty(total, self.dtype)
-        item, buf, fds = self.dtype.itemsize, memoryview(out).cast("B"), {}
+        item, buf, files = self.dtype.itemsize, memoryview(out).cast("B"), {}
         i = 0
         for s, c in runs:
             while c > 0:  # the hot loop (a batch's 16 windows): plain ints, one pread each
@@ -265,11 +265,11 @@ class ArrowTokenSource:
                 f = owner[p]
                 flat = self._flats[f] if at[p] >= 0 else None
                 if flat is not None and flat.dtype == self.dtype:
-                    fd = fds.get(f)
-                    if fd is None:
-                        fd = fds[f] = flat.fileno()
+                    handle = files.get(f)
+                    if handle is None:  # held (not just its fd) while this call reads through it
+                        handle = files[f] = flat.handle()
                     token = at[p] + s - first[p]
-                    if os.preadv(fd, [buf[i * item : (i + n) * item]], token * item) != n * item:
+                    if os.preadv(handle.fileno(), [buf[i * item : (i + n) * item]], token * item) != n * item:
                         flat.read_into(token, out[i : i + n])  # the rest, or the error saying why not
                 else:
                     out[i : i + n] = self._read_piece(p, s - first[p], s - first[p] + n)

@@ -126,7 +126,9 @@ class FlatFile:
                 shard=self.url,
                 offset=min(size, self.size),
             )
-        self._file = f  # a racing thread's own copy is simply collected: pread has no position
+        # two threads opening at once: the last one stays here, the other's file closes when its
+        # reader lets go of it (every reader holds the object it reads through, never just its fd)
+        self._file = f
         return f
 
     def read(self, start: int, stop: int) -> np.ndarray:
@@ -182,13 +184,15 @@ class FlatFile:
         ):
             self._pread_into(f, out, start, start + c)  # the rest, or why not
 
-    def fileno(self) -> int:
-        """This process's descriptor of the local file (opened, and its size checked, on first
-        use): for a source that issues its own preads. Remote files have none (ValueError)."""
+    def handle(self) -> Any:
+        """This process's open local file (opened, and its size checked, on first use), for a
+        source that issues its own preads. Hold the object, not its descriptor, while reading:
+        a racing thread's first open may replace it here, and it closes when the last user lets
+        go. Remote files have none (ValueError)."""
         f = self._local_file()
         if f is None:
             raise ValueError(f"{self.url} is not a local file")
-        return f.fileno()
+        return f
 
     def locate(self, token: int) -> tuple[str, int]:
         """(file, byte offset) of token ``token``, for error messages."""

@@ -128,3 +128,21 @@ def test_a_file_grown_after_open_is_an_error_where_it_is_next_opened(tmp_path, l
         copy.read(0, 10)
     assert exc.value.shard == bin_path and exc.value.offset == size
     assert f"changed after it was opened: it was {size} bytes, it is now {size + 64}" in str(exc.value)
+
+
+@pytest.mark.parametrize("layout", ["megatron", "arrow"])
+def test_threads_opening_the_file_at_once_read_right(tmp_path, layout):
+    """The loader's fetch threads may all read first at once: each holds the file object it reads
+    through, so one thread's open replacing another's never closes a descriptor in use."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    source, _ = _corpus(tmp_path, layout)
+    ds = TokenDataset(source, SEQ, dtype="int32")
+    want = ds.get_batch(list(range(len(ds))))["input_ids"]
+    rows = [list(range(k, len(ds), 8)) for k in range(8)]
+    for _ in range(10):
+        fresh = pickle.loads(pickle.dumps(ds))  # nothing opened yet
+        with ThreadPoolExecutor(8) as pool:
+            got = [b["input_ids"] for b in pool.map(fresh.get_batch, rows)]
+        for r, g in zip(rows, got, strict=True):
+            assert g.tolist() == want[r].tolist()
