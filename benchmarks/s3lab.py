@@ -185,7 +185,8 @@ async def _serve_counter(listen: tuple[str, int], to: tuple[str, int]) -> None:
     server = await asyncio.start_server(
         counter.handle, listen[0], listen[1], reuse_address=True, limit=1 << 20
     )
-    sys.stdout.write(f"listening on {listen[0]}:{listen[1]}\n")
+    host, port = server.sockets[0].getsockname()[:2]  # port 0: the one the kernel chose
+    sys.stdout.write(f"listening on {host}:{port}\n")
     sys.stdout.flush()
     async with server:
         await server.serve_forever()
