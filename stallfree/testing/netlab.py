@@ -327,7 +327,8 @@ class NetLab:
     ) -> subprocess.Popen:
         """A latency relay in ``host``: connections to ``host.address:port`` are forwarded to
         ``to`` (an address reachable from ``host``), every chunk held ``one_way_delay_s`` in each
-        direction. Returns once it listens."""
+        direction. Returns once it listens. ``cut(relay)`` / ``mend(relay)`` partition and heal
+        that one service."""
         h = self.host(host)
         argv = [
             sys.executable, "-m", "stallfree.testing.netlab", "relay",
@@ -340,6 +341,16 @@ class NetLab:
             p.kill()
             raise RuntimeError(f"relay in {h.name} did not start: {line!r}")
         return p
+
+    @staticmethod
+    def cut(relay: subprocess.Popen) -> None:
+        """Partition the service behind ``relay`` (100% loss for its connections, new and open)."""
+        relay.send_signal(signal.SIGUSR1)
+
+    @staticmethod
+    def mend(relay: subprocess.Popen) -> None:
+        """Heal ``cut``: held traffic goes through, as TCP's retransmissions would."""
+        relay.send_signal(signal.SIGUSR2)
 
 
 def _is_group_leader(pid: int) -> bool:
@@ -364,8 +375,11 @@ def _kill_namespace_processes(netns: str) -> None:
 
 
 # -- the latency relay (runs as its own process inside a namespace) ---------------------------------
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float) -> None:
-    """Copy ``reader`` to ``writer``, each chunk written ``delay_s`` after it was read, in order."""
+async def _pump(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float, flowing: asyncio.Event
+) -> None:
+    """Copy ``reader`` to ``writer``, each chunk written ``delay_s`` after it was read, in order;
+    nothing is written while ``flowing`` is clear (a partition: held, as TCP retransmits, until healed)."""
     queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -375,6 +389,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
             wait = due - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            await flowing.wait()
             if not data:
                 with contextlib.suppress(OSError):
                     if writer.can_write_eof():
@@ -400,7 +415,17 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
 
 
 async def _serve_relay(listen: tuple[str, int], to: tuple[str, int], delay_s: float) -> None:
+    """Serve until killed. SIGUSR1 cuts the relayed flow (100% loss: nothing passes, new
+    connections are not answered), SIGUSR2 heals it: a partition of this one service, where
+    ``NetLab.partition`` cuts a whole host."""
+    flowing = asyncio.Event()
+    flowing.set()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGUSR1, flowing.clear)
+    loop.add_signal_handler(signal.SIGUSR2, flowing.set)
+
     async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        await flowing.wait()
         await asyncio.sleep(delay_s)  # the SYN's trip
         try:
             server_r, server_w = await asyncio.open_connection(*to)
@@ -409,7 +434,9 @@ async def _serve_relay(listen: tuple[str, int], to: tuple[str, int], delay_s: fl
             return
         await asyncio.sleep(delay_s)  # the SYN-ACK's trip back
         try:
-            await asyncio.gather(_pump(client_r, server_w, delay_s), _pump(server_r, client_w, delay_s))
+            await asyncio.gather(
+                _pump(client_r, server_w, delay_s, flowing), _pump(server_r, client_w, delay_s, flowing)
+            )
         finally:
             for w in (client_w, server_w):
                 w.close()

@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -261,3 +262,40 @@ def test_four_nodes_of_one_rank_each_share_the_cluster_cache(job, tmp_path):
     print(f"4 nodes: storage bytes per epoch / data: {cold / job['payload']:.3f} {warm / job['payload']:.3f}")
     assert job["payload"] * 0.9 <= cold <= job["payload"] * 1.2
     assert warm < 0.05 * job["payload"]
+
+
+def test_a_cache_node_partitioned_mid_epoch_then_healed(job, tmp_path):
+    """Node 1's cache server becomes unreachable (100% loss on its flows; node 1 itself stays up)
+    after batch 1 of epoch 2 and heals 3 s later: every epoch still delivers each sample exactly
+    once, and epoch 4 is served from the cluster again (the tier came back)."""
+    lab: NetLab = job["lab"]
+    node1 = lab.nodes[1]
+    relay = lab.relay(node1, CACHE_PORT + 10, to=(node1.address, CACHE_PORT), one_way_delay_s=0.0)
+    urls = [job["cache_urls"][0], f"redis://{node1.address}:{CACHE_PORT + 10}"]
+    out = tmp_path / "out"
+    out.mkdir()
+    healer: list[threading.Timer] = []
+
+    def partition() -> None:
+        lab.cut(relay)
+        healer.append(threading.Timer(3.0, lab.mend, args=(relay,)))
+        healer[0].start()
+
+    procs = _launch({**job, "cache_urls": urls}, out, epochs=4, kill_at_epoch=2)
+    try:
+        _wait(procs, out, timeout=240, on_kill=partition)
+    finally:
+        for t in healer:
+            t.join()
+    records = _records(out)
+    for epoch in range(4):
+        got = [k for r in records for k in r["epochs"][epoch]]
+        assert len(got) == len(set(got)) == SAMPLES and set(got) == job["keys"], f"epoch {epoch}"
+    cold, warm, cut, healed = np.diff([0, *records[0]["storage_bytes"]])
+    payload = job["payload"]
+    print(
+        f"partition: storage bytes per epoch / data: {cold / payload:.3f} {warm / payload:.3f} {cut / payload:.3f} {healed / payload:.3f}"
+    )
+    assert warm < 0.05 * payload
+    assert cut <= 0.6 * payload  # at most node 1's share re-read while it was cut off
+    assert healed < 0.05 * payload  # node 1's cache is used again after the heal
