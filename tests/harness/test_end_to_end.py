@@ -74,10 +74,17 @@ def test_injected_delay_gives_the_expected_stall_share(loader):
         slow_delay_s=delay,
     )
     report = run_bench(cfg)
-    expected = batch * delay / (batch * delay + step_ms / 1e3)
+    # Sleeps are minimums, never exact: on a loaded machine (the suite runs in parallel) both
+    # overshoot, so check what they bound instead of 40 / 60 to two decimals. The fetch's sleeps
+    # must be counted as wait (a harness that booked them as compute would report ~0 ms here),
+    # and a step is at least the wait plus the sleep step.
+    wait_ms = batch * delay * 1e3
     for r in report["loaders"][loader]["ranks"]:
-        assert abs(r["stall_share"] - expected) <= 0.05, (r["stall_share"], expected)
-    assert abs(report["loaders"][loader]["job"]["stall_share"] - expected) <= 0.05
+        assert r["wait_p50_ms"] >= 0.98 * wait_ms, r
+        assert r["step_p50_ms"] >= 0.98 * (wait_ms + step_ms), r
+        assert 0.3 <= r["stall_share"] <= 0.95, r  # 2/3 at the sleeps' minimum
+    job = report["loaders"][loader]["job"]
+    assert job["stall_share"] == max(r["stall_share"] for r in report["loaders"][loader]["ranks"])
 
 
 def test_unrunnable_loader_is_skipped_with_its_reason(capsys):
