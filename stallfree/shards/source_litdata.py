@@ -17,7 +17,6 @@ unpickle data read from a dataset.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -93,12 +92,7 @@ class LitDataSource(OffsetTableSource):
 
     def __init__(self, root: str | Path, *, on_error: str = "raise") -> None:
         super().__init__(str(root), on_error=on_error)
-        index_path = os.path.join(self.root, INDEX_NAME)
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                index = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"cannot read the LitData index {index_path}: {exc}") from None
+        index_path, index = self._read_index(INDEX_NAME, "LitData")
         if not is_litdata_index(index):
             raise SourceError(f"{index_path} is not a LitData index (no 'chunks' and 'config')")
         config = index["config"]

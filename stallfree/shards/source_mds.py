@@ -15,7 +15,6 @@ decoded to values. ``pkl`` columns are refused: we never unpickle data read from
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 from pathlib import Path
@@ -59,12 +58,7 @@ class MDSSource(OffsetTableSource):
 
     def __init__(self, root: str | Path, *, on_error: str = "raise") -> None:
         super().__init__(str(root), on_error=on_error)
-        index_path = os.path.join(self.root, INDEX_NAME)
-        try:
-            with open(index_path, encoding="utf-8") as f:
-                index = json.load(f)
-        except (OSError, ValueError) as exc:
-            raise SourceError(f"cannot read the MDS index {index_path}: {exc}") from None
+        index_path, index = self._read_index(INDEX_NAME, "MDS")
         if not is_mds_index(index):
             raise SourceError(f"{index_path} is not an MDS index (no 'shards' list)")
         self.files = []

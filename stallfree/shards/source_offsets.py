@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bz2
 import gzip
+import json
 import logging
 import os
 import struct
@@ -98,6 +99,16 @@ class OffsetTableSource(Source):
 
     def decode(self, fi: int, data: bytes, where: str) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _read_index(self, name: str, what: str) -> tuple[str, Any]:
+        """``(path, parsed JSON)`` of the index file ``name`` under the root; ``SourceError``
+        naming ``what`` (the format) when it is missing or not JSON."""
+        path = os.path.join(self.root, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return path, json.load(f)
+        except (OSError, ValueError) as exc:
+            raise SourceError(f"cannot read the {what} index {path}: {exc}") from None
 
     def _list(self) -> list[Item]:
         items: list[Item] = []
