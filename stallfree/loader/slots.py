@@ -50,11 +50,13 @@ class Slots:
     def acquire(self) -> int:
         """A slot for the next batch; never waits (a handover slot once the pool is all held)."""
         self._drain()
-        while len(self.free) > self.max_slots:  # a burst of kept batches is over: shrink back
-            k = self.free.pop()
-            self._vacate(k)
-            self.pooled -= 1
-            self.dropped.append(k)
+        if len(self.free) > self.max_slots:  # a burst of kept batches is over: shrink back
+            while len(self.free) > self.max_slots:
+                k = self.free.pop()
+                self._vacate(k)
+                self.pooled -= 1
+                self.dropped.append(k)
+            shm.trim_heap()
         if self.free:
             return self.free.pop()
         if self.vacant:
