@@ -57,8 +57,9 @@ class LoaderOptions:
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {self.on_error!r}")
-        if self.order not in ("auto", *order_mod.ORDERS):
-            raise ValueError(f"order must be 'auto' or one of {order_mod.ORDERS}, got {self.order!r}")
+        if self.order != "auto" and self.order not in order_mod.order_names():
+            names = order_mod.order_names()
+            raise ValueError(f"order must be 'auto' or one of {names}, got {self.order!r}")
         if self.uneven not in order_mod.UNEVEN:
             raise ValueError(f"uneven must be one of {order_mod.UNEVEN}, got {self.uneven!r}")
         check_max_failures(self.max_failures)

@@ -20,7 +20,7 @@ last ``len % W`` positions (a few samples are skipped in that epoch).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -28,7 +28,6 @@ import numpy as np
 
 from stallfree.mix import permute as perm
 
-ORDERS = ("global", "block", "sequential")
 UNEVEN = ("pad", "drop")
 CHUNK = 1 << 15  # positions computed per call when walking a share: numpy's per-call cost amortised
 
@@ -147,6 +146,60 @@ def materialise(order: Order) -> np.ndarray:
     return order.at(np.arange(order.n, dtype=np.int64)).astype(np.int64)
 
 
+@dataclass(frozen=True)
+class OrderRequest:
+    """What an order factory is given: the epoch's key and the dataset's shape."""
+
+    seed: int
+    epoch: int
+    n: int
+    shard_sizes: tuple[int, ...] | None = None  # the dataset's shard sizes, when it has shards
+    window: int = 8  # shards per window (the ``window=`` loader option)
+
+
+OrderFactory = Callable[[OrderRequest], Order]
+
+# name -> factory: ``order=`` is checked against (LoaderOptions) and built from (make_order) this
+# one table, so a new order is one file with one ``register_order`` line; the built-ins are below.
+_ORDERS: dict[str, OrderFactory] = {}
+
+
+def register_order(name: str, factory: OrderFactory, *, replace: bool = False) -> None:
+    """Make ``order=name`` build its epoch order with ``factory(OrderRequest) -> Order``.
+
+    The factory must be a pure function of the request (the same request, the same bijection of
+    ``range(n)``): exact resume on any world size rests on that. Orders are built in the main
+    process only, so a factory need not be importable by the workers."""
+    if not name or name == "auto":
+        raise ValueError(f"an order needs a name other than 'auto', got {name!r}")
+    if name in _ORDERS and not replace:
+        raise ValueError(f"order {name!r} is already registered (pass replace=True to redefine it)")
+    _ORDERS[name] = factory
+
+
+def unregister_order(name: str) -> None:
+    """Forget a registered order (tests that register a toy one)."""
+    _ORDERS.pop(name, None)
+
+
+def order_names() -> tuple[str, ...]:
+    """The registered order names, in registration order."""
+    return tuple(_ORDERS)
+
+
+def _block(req: OrderRequest) -> Order:
+    if req.shard_sizes is None:
+        raise ValueError("block order needs the dataset's shard_sizes")
+    if sum(req.shard_sizes) != req.n:
+        raise ValueError(f"shard_sizes sum to {sum(req.shard_sizes)} but the dataset has {req.n} samples")
+    return Blocked(req.seed, req.epoch, req.shard_sizes, req.window)
+
+
+register_order("global", lambda req: Shuffled(req.seed, req.epoch, req.n))
+register_order("block", _block)
+register_order("sequential", lambda req: Sequential(req.n))
+
+
 def make_order(
     seed: int,
     epoch: int,
@@ -156,19 +209,15 @@ def make_order(
     shard_sizes: Sequence[int] | None = None,
     window: int = 8,
 ) -> Order:
-    """The epoch's order as a function (``mode`` is global, block or sequential)."""
-    if mode == "sequential":
-        return Sequential(n)
-    if mode == "global":
-        return Shuffled(int(seed), int(epoch), int(n))
-    if mode == "block":
-        if shard_sizes is None:
-            raise ValueError("block order needs the dataset's shard_sizes")
-        sizes = tuple(int(s) for s in shard_sizes)
-        if sum(sizes) != n:
-            raise ValueError(f"shard_sizes sum to {sum(sizes)} but the dataset has {n} samples")
-        return Blocked(int(seed), int(epoch), sizes, window)
-    raise ValueError(f"order must be one of {ORDERS}, got {mode!r}")
+    """The epoch's order as a function; ``mode`` names a registered order (``order_names()``)."""
+    factory = _ORDERS.get(mode)
+    if factory is None:
+        raise ValueError(f"order must be one of {order_names()}, got {mode!r}")
+    sizes = None if shard_sizes is None else tuple(int(s) for s in shard_sizes)
+    order = factory(OrderRequest(int(seed), int(epoch), int(n), sizes, int(window)))
+    if order.n != n:
+        raise ValueError(f"order {mode!r} covers {order.n} positions, the dataset has {n} samples")
+    return order
 
 
 def global_order(seed: int, epoch: int, n: int) -> np.ndarray:
