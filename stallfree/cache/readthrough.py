@@ -6,12 +6,15 @@ where, so tests and benchmarks can check that a warm epoch touches storage zero 
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from stallfree.cache.base import Cache, CacheKey
 from stallfree.cache.expect import raw_check
+
+logger = logging.getLogger(__name__)
 
 
 class ReadStats:
@@ -58,35 +61,70 @@ def read_through(
     *,
     fingerprint: str | None = None,
     stats: ReadStats | None = None,
-) -> list[dict[str, Any]]:
+    fetch: Callable[[list[int]], list[Any]] | None = None,
+) -> list[Any]:
     """Samples ``indices`` of ``dataset`` in order, from ``cache`` where present.
 
     Misses are fetched in one batched ``dataset.get_many`` call (or ``dataset[i]`` one by one when
     the dataset has no ``get_many``) and offered to the cache; the cache's policy decides what it
-    keeps. Cache failures are misses (the tiers never raise); storage errors propagate unchanged.
-    Under the ``raw`` stage a cached entry must look like the dataset's own sample
-    (``expect.raw_check``), else it is a miss and deleted.
+    keeps. Cache failures are misses (the tiers never raise; a cache object that does is logged
+    and treated so); storage errors propagate unchanged. Under the ``raw`` stage a cached entry
+    must look like the dataset's own sample (``expect.raw_check``), else it is a miss and deleted.
+
+    ``fetch(missing_indices)`` replaces the storage read for a stage of another form: the loader's
+    stage cache reads and decodes its misses this way, so raw and decoded entries share this one
+    path. A value it returns as an exception (a sample that failed) is handed back in its place and
+    never cached.
     """
     indices = [int(i) for i in indices]
+    read = fetch if fetch is not None else (lambda missing: _fetch(dataset, missing))
     if cache is None:
-        samples = _fetch(dataset, indices)
+        samples = read(indices)
         if stats is not None:
             stats.add(len(indices), 0)
         return samples
     fp = fingerprint if fingerprint is not None else dataset_fingerprint(dataset)
     keys = [CacheKey(fp, i, stage) for i in indices]
-    found = cache.get_many(keys, check=raw_check(dataset) if stage == "raw" else None)
+    found = _lookup(cache, keys, raw_check(dataset) if stage == "raw" else None)
     missing = [pos for pos, value in enumerate(found) if value is None]
     if missing:
-        fetched = _fetch(dataset, [indices[pos] for pos in missing])
+        fetched = read([indices[pos] for pos in missing])
+        if len(fetched) != len(missing):
+            raise RuntimeError(f"the read returned {len(fetched)} samples for {len(missing)} indices")
         fresh = []
         for pos, sample in zip(missing, fetched, strict=True):
             found[pos] = sample
-            fresh.append((keys[pos], sample))
-        cache.put_many(fresh)
+            if not isinstance(sample, BaseException):
+                fresh.append((keys[pos], sample))
+        _store(cache, fresh)
     if stats is not None:
         stats.add(len(indices), len(indices) - len(missing))
-    return found  # type: ignore[return-value]
+    return found
+
+
+def _lookup(cache: Cache, keys: list[CacheKey], check: Any) -> list[Any]:
+    try:
+        found = list(cache.get_many(keys, check=check))
+    except Exception:  # noqa: BLE001 - a broken tier is a miss
+        logger.warning(
+            "cache lookup of %d entries failed; reading them from storage", len(keys), exc_info=True
+        )
+        return [None] * len(keys)
+    if len(found) != len(keys):
+        logger.warning(
+            "cache answered %d values for %d keys; reading them from storage", len(found), len(keys)
+        )
+        return [None] * len(keys)
+    return found
+
+
+def _store(cache: Cache, fresh: list[tuple[CacheKey, Any]]) -> None:
+    if not fresh:
+        return
+    try:
+        cache.put_many(fresh)
+    except Exception:  # noqa: BLE001 - caching is best effort; the samples are still good
+        logger.warning("could not cache %d samples", len(fresh), exc_info=True)
 
 
 def _fetch(dataset: Any, indices: list[int]) -> list[dict[str, Any]]:

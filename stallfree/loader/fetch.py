@@ -56,38 +56,27 @@ class Fetched:
 
 
 def map_with_stage_cache(ctx: WorkerContext, indices: list[int], raw_fetch) -> tuple[list[Any], dict]:
-    """Stage-cached map: hits skip fetch and decode; misses are fetched, decoded and stored."""
-    from stallfree.cache.base import CacheKey
+    """Stage-cached map: hits skip fetch and decode; misses are fetched, decoded and stored, all
+    through ``read_through`` (the raw cache's one path), with the read and the map as its fetch.
+    Failed samples come back in place and are never stored."""
+    from stallfree.cache.readthrough import read_through
 
     plan = ctx.plan
+    spent = {"map_s": 0.0}
+
+    def read_and_map(missing: list[int]) -> list[Any]:
+        raw = raw_fetch(missing)
+        t1 = time.perf_counter()
+        mapped = pipeline.apply_map(raw, missing, plan.map_fn)
+        spent["map_s"] += time.perf_counter() - t1
+        return mapped
+
     t0 = time.perf_counter()
-    keys = [CacheKey(plan.fingerprint, i, plan.cache_stage) for i in indices]
-    try:
-        cached = plan.cache.get_many(keys)
-    except Exception:  # noqa: BLE001 - a broken tier is a miss
-        cached = [None] * len(keys)
-    miss_pos = [p for p, v in enumerate(cached) if v is None]
-    out = list(cached)
-    t1 = time.perf_counter()
-    if miss_pos:
-        miss_idx = [indices[p] for p in miss_pos]
-        raw = raw_fetch(miss_idx)
-        t2 = time.perf_counter()
-        mapped = pipeline.apply_map(raw, miss_idx, plan.map_fn)
-        fresh = []
-        for p, v in zip(miss_pos, mapped, strict=False):
-            out[p] = v
-            if not isinstance(v, pipeline.SampleFailure):
-                fresh.append((keys[p], v))
-        if fresh:
-            try:
-                plan.cache.put_many(fresh)
-            except Exception:  # noqa: BLE001 - caching is best effort; the batch is still good
-                logger.warning("could not cache %d decoded samples", len(fresh), exc_info=True)
-        t3 = time.perf_counter()
-    else:
-        t2 = t3 = t1
-    return out, {"fetch_s": (t1 - t0) + (t2 - t1), "map_s": t3 - t2}
+    out = read_through(
+        plan.dataset, indices, plan.cache, plan.cache_stage, fingerprint=plan.fingerprint, fetch=read_and_map
+    )
+    total = time.perf_counter() - t0
+    return out, {"fetch_s": total - spent["map_s"], "map_s": spent["map_s"]}
 
 
 def source_of(ctx: WorkerContext) -> Any:
