@@ -10,15 +10,17 @@ import hashlib
 import json
 import logging
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import fsspec
 
-from stallfree.shards import manifest_rows
+from stallfree.shards import manifest_rows, manifest_sidecar
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
 from stallfree.shards.idx import idx_path_for
 from stallfree.shards.remote import read_file, url_to_fs
+from stallfree.shards.shard_info import ShardInfo
 from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
 from stallfree.shards.sums import sums_path_for
 
@@ -27,52 +29,6 @@ FORMAT_VERSION = 1
 FORMATS = ("tar", "arrow")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard: ``path`` (relative to the manifest's directory), sample count, size, sha256 hex.
-
-    ``sha256`` is None when unknown (a dataset indexed on the fly, without reading whole shards).
-    ``stamp`` is what identifies the content of a shard indexed on the fly without a sha256: the
-    store's version of the file and its index's hash (``stamps.py``); it is part of the dataset's
-    fingerprint, so a shard changed in place changes it. None (and not written) otherwise.
-    """
-
-    path: str
-    samples: int
-    bytes: int
-    sha256: str | None = None
-    stamp: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
-        if self.stamp is not None:
-            out["stamp"] = self.stamp
-        return out
-
-    @classmethod
-    def from_json(cls, obj: Any, where: str = "manifest") -> ShardInfo:
-        if not isinstance(obj, dict):
-            raise ManifestError(f"{where}: shard entry must be an object, got {type(obj).__name__}")
-        try:
-            path, samples, size = obj["path"], obj["samples"], obj["bytes"]
-        except KeyError as exc:
-            raise ManifestError(f"{where}: shard entry lacks {exc.args[0]!r}: {obj!r}") from None
-        sha = obj.get("sha256")
-        if not isinstance(path, str) or not path:
-            raise ManifestError(f"{where}: shard path must be a non-empty string: {obj!r}")
-        for name, value in (("samples", samples), ("bytes", size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ManifestError(
-                    f"{where}: shard {path}: {name} must be a non-negative integer: {value!r}"
-                )
-        if sha is not None and not (isinstance(sha, str) and len(sha) == 64):
-            raise ManifestError(f"{where}: shard {path}: sha256 must be 64 hex digits or null: {sha!r}")
-        stamp = obj.get("stamp")
-        if stamp is not None and not isinstance(stamp, str):
-            raise ManifestError(f"{where}: shard {path}: stamp must be a string or null: {stamp!r}")
-        return cls(path, samples, size, sha, stamp)
 
 
 @dataclass
@@ -86,13 +42,14 @@ class Manifest:
     ``stallfree shard --max-side``); ``checksums`` names the per-member checksum every tar shard
     has in a ``.sums`` sidecar (``"crc32"``, ``sums.py``; None: none recorded, as for datasets
     written before them or indexed with ``stallfree index``); ``extra`` keeps unknown top-level
-    keys on round trips.
+    keys on round trips. ``shards`` is a list, or a read-only ``ShardTable`` when the manifest
+    was read from its binary sidecar (``manifest_sidecar.py``).
     """
 
     version: int
     format: str
     fields: list[str]
-    shards: list[ShardInfo]
+    shards: Sequence[ShardInfo]
     classes: list[str] | None = None
     skipped: list[dict[str, Any]] = field(default_factory=list)
     field_types: dict[str, str] | None = None
@@ -102,16 +59,30 @@ class Manifest:
 
     @property
     def samples(self) -> int:
+        if isinstance(self.shards, manifest_sidecar.ShardTable):
+            return self.shards.total_samples
         return sum(s.samples for s in self.shards)
 
     @property
     def bytes(self) -> int:
+        if isinstance(self.shards, manifest_sidecar.ShardTable):
+            return self.shards.total_bytes
         return sum(s.bytes for s in self.shards)
+
+    def sample_counts(self) -> list[int]:
+        """Every shard's sample count, in order (from the sidecar's column, when read from one)."""
+        if isinstance(self.shards, manifest_sidecar.ShardTable):
+            return self.shards.sample_counts()
+        return [s.samples for s in self.shards]
 
     @property
     def fingerprint(self) -> str:
         """Stable hex id of the content: format, fields and every shard's path, count, size, hash
         (and stamp, for shards indexed on the fly: ``ShardInfo.stamp``)."""
+        if isinstance(self.shards, manifest_sidecar.ShardTable):  # recorded when the sidecar was written
+            known = self.shards.fingerprint_for(self.version, self.format, self.fields)
+            if known is not None:
+                return known
         # the sorted compact JSON of {version, format, fields, shards}, written directly (manifest_rows)
         text = manifest_rows.fingerprint_text(self.version, self.format, self.fields, self.shards)
         return hashlib.sha256(text.encode()).hexdigest()[:32]
@@ -157,7 +128,11 @@ class Manifest:
         return json.dumps(self.to_json(), indent=1) + "\n"
 
     @classmethod
-    def from_json(cls, obj: Any, where: str = "manifest") -> Manifest:
+    def from_json(
+        cls, obj: Any, where: str = "manifest", shards: Sequence[ShardInfo] | None = None
+    ) -> Manifest:
+        """The manifest in JSON object ``obj``, checked; ``shards``, when given, stands for its
+        ``shards`` list (a sidecar's table, checked when it was read)."""
         if not isinstance(obj, dict):
             raise ManifestError(f"{where}: expected a JSON object, got {type(obj).__name__}")
         version = obj.get("version")
@@ -174,9 +149,11 @@ class Manifest:
         fields = obj.get("fields")
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
             raise ManifestError(f"{where}: 'fields' must be a list of strings")
-        shards = obj.get("shards")
-        if not isinstance(shards, list):
-            raise ManifestError(f"{where}: 'shards' must be a list")
+        if shards is None:
+            entries = obj.get("shards")
+            if not isinstance(entries, list):
+                raise ManifestError(f"{where}: 'shards' must be a list")
+            shards = [ShardInfo.from_json(s, where) for s in entries]
         classes = obj.get("classes")
         if classes is not None and not (
             isinstance(classes, list) and all(isinstance(c, str) for c in classes)
@@ -210,7 +187,7 @@ class Manifest:
             version=version,
             format=fmt,
             fields=list(fields),
-            shards=[ShardInfo.from_json(s, where) for s in shards],
+            shards=shards,
             classes=list(classes) if classes is not None else None,
             skipped=list(skipped),
             field_types=dict(field_types) if field_types is not None else None,
@@ -228,22 +205,58 @@ class Manifest:
         return cls.from_json(obj, where)
 
     @classmethod
-    def load(cls, url: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any) -> Manifest:
-        """Read a manifest from ``url`` (a ``manifest.json`` file or a directory holding one)."""
+    def load(
+        cls,
+        url: str,
+        fs: fsspec.AbstractFileSystem | None = None,
+        *,
+        sidecar: bool = True,
+        **storage_options: Any,
+    ) -> Manifest:
+        """Read a manifest from ``url`` (a ``manifest.json`` file or a directory holding one).
+
+        A big one (``manifest_sidecar.SIDECAR_MIN_BYTES``) is read through its binary sidecar
+        when one made from it is beside it (``sidecar=False``: parse the JSON regardless)."""
         fs, path = _manifest_path(url, fs, storage_options)
         try:  # checked and retried like every remote read (shards.remote)
             text = read_file(fs, path, shard=MANIFEST_NAME)
         except MissingShardError:
             raise MissingShardError(f"no manifest at {path}", shard=MANIFEST_NAME) from None
+        if sidecar and len(text) >= manifest_sidecar.SIDECAR_MIN_BYTES:
+            found = _read_sidecar(fs, path, text)
+            if found is not None:
+                return cls.from_json(found.manifest, where=path, shards=found.shards)
         return cls.loads(text, where=path)
 
-    def save(self, url: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any) -> str:
-        """Write atomically to ``url`` (a ``.json`` path or a directory); returns the path written."""
+    def save(
+        self,
+        url: str,
+        fs: fsspec.AbstractFileSystem | None = None,
+        *,
+        sidecar: bool = True,
+        **storage_options: Any,
+    ) -> str:
+        """Write atomically to ``url`` (a ``.json`` path or a directory); returns the path written.
+        A big manifest also gets its binary sidecar (after the JSON: the JSON is the commit
+        point; a sidecar that could not be written only costs the next open its speed)."""
         from stallfree.shards.atomic import atomic_write_bytes
 
         fs, path = _manifest_path(url, fs, storage_options)
-        atomic_write_bytes(fs, path, self.dumps().encode())
+        data = self.dumps().encode()
+        atomic_write_bytes(fs, path, data)
+        if sidecar and len(data) >= manifest_sidecar.SIDECAR_MIN_BYTES:
+            self._save_sidecar(fs, path, data)
         return path
+
+    def _save_sidecar(self, fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+        from stallfree.shards.atomic import atomic_write_bytes
+
+        side = manifest_sidecar.sidecar_path_for(path)
+        try:
+            body = manifest_sidecar.encode(self.to_json(), self.shards, self.fingerprint, data)
+            atomic_write_bytes(fs, side, body)
+        except Exception as exc:  # noqa: BLE001 - the manifest stands; a stale sidecar is detected
+            log.warning("could not write %s (%s); %s opens from its JSON", side, exc, path)
 
     def check_written(self, fs: fsspec.AbstractFileSystem, root: str) -> None:
         """Before committing: every shard is in place with its recorded size (and a tar's ``.idx``
@@ -273,6 +286,18 @@ class Manifest:
         if replacing is not None:
             remove_replaced(fs, root, replacing, self)
         return path
+
+
+def _read_sidecar(fs: fsspec.AbstractFileSystem, path: str, text: bytes) -> manifest_sidecar.Sidecar | None:
+    """The sidecar beside manifest ``path`` (whose bytes are ``text``), if there is one made
+    from it; raises ``ManifestError`` if it is damaged."""
+    side = manifest_sidecar.sidecar_path_for(path)
+    try:
+        data = read_file(fs, side, shard=posixpath.basename(side))
+    except MissingShardError:
+        log.debug("%s has no sidecar: parsing its JSON", path)
+        return None
+    return manifest_sidecar.decode(data, side, text)
 
 
 def _check_transform(transform: Any, where: str) -> None:

@@ -233,7 +233,7 @@ class ShardedDataset:
         self._fs_url = fs_url
         self._storage_options = dict(storage_options)
         self._scanned = scanned
-        self.shard_sizes: list[int] = [s.samples for s in manifest.shards]
+        self.shard_sizes: list[int] = manifest.sample_counts()
         starts, total = [], 0
         for n in self.shard_sizes:
             starts.append(total)
