@@ -1,0 +1,227 @@
+"""A remote ``ShardedDataset`` read from node-local staged copies of its shards.
+
+Why: in block order a batch takes a few rows of each shard of its window; read where they lie,
+that is one ranged GET per sample (issue 20). Here the first read of a shard stages it whole
+(``remote.read_parts``: 16 MB ranged GETs, ``concurrency`` at once; its ``.idx``, and its
+``.sums`` under ``verify_samples``, beside it) into a ``staging.StagingArea`` shared by the
+node's processes, and its samples are read from the local copy, with the checks a local shard
+gets (size, index against headers, member checksums). The dataset's order is never touched.
+
+A staged shard is checked against the manifest before anyone reads it: size, and sha256 where
+the manifest records one (``stallfree shard`` does), so an object rewritten after the dataset
+was written, or between two of its parts, is a ``HashMismatchError`` naming it, not wrong data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import posixpath
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+import fsspec
+
+from stallfree.shards import remote
+from stallfree.shards.errors import HashMismatchError, MissingShardError, ShardReadError
+from stallfree.shards.idx import idx_path_for
+from stallfree.shards.readers import ArrowShardReader, TarShardReader
+from stallfree.shards.staging import StagedFile, Staging, StagingArea
+from stallfree.shards.sums import MemberSums, parse_sums, sums_path_for
+
+log = logging.getLogger(__name__)
+
+_LOCAL = fsspec.filesystem("file")
+
+
+@dataclass(frozen=True)
+class _Format:
+    """What staging needs of a shard format: the files beside a shard (path -> path; a missing
+    one is skipped) and how to open a local copy."""
+
+    sidecars: Callable[[str, bool], list[str]]
+    open: Callable[[str, Any, Any], Any]  # (local path, ShardInfo, member_check) -> reader
+
+
+def _tar_sidecars(path: str, verify_samples: bool) -> list[str]:
+    return [idx_path_for(path)] + ([sums_path_for(path)] if verify_samples else [])
+
+
+_FORMATS = {
+    "tar": _Format(
+        _tar_sidecars,
+        lambda local, info, check: TarShardReader(_LOCAL, local, info.path, info, member_check=check),
+    ),
+    "arrow": _Format(
+        lambda path, verify: [], lambda local, info, check: ArrowShardReader(_LOCAL, local, info.path, info)
+    ),
+}
+
+
+class _Open:
+    """A shard's local reader and the pins that keep its staged files."""
+
+    def __init__(self, reader: Any, pins: list[StagedFile]) -> None:
+        self.reader, self.pins = reader, pins
+
+    def close(self) -> None:
+        self.reader.close()
+        for p in self.pins:
+            p.close()
+
+
+class StagedShards:
+    """Reads of ``dataset`` (a remote ``ShardedDataset``) served from staged shards.
+
+    ``stage(shards)`` starts staging shards in the background (on ``executor``);
+    ``get_many(indices)`` stages what it needs and waits for it. At most ``keep_open`` shards
+    stay open (and pinned) per process; closed ones stay staged until the area needs room."""
+
+    def __init__(self, dataset: Any, staging: Staging, executor: Executor, keep_open: int = 32) -> None:
+        if dataset.format not in _FORMATS:
+            raise ShardReadError(
+                f"staging reads tar and arrow shards, not {dataset.format!r}", shard=dataset.url
+            )
+        self.dataset = dataset
+        self.staging = staging
+        self.area = StagingArea(staging.resolved_root(), staging.cap_bytes)
+        # after a fork the dataset's client is the parent's (not fork-safe): warm() renews it
+        dataset.warm([], executor)
+        self._fs = dataset.fs
+        self._format = _FORMATS[dataset.format]
+        self._namespace = dataset.fingerprint
+        self._executor = executor
+        self._keep_open = max(1, keep_open)
+        self._lock = threading.Lock()
+        self._open: OrderedDict[int, _Open] = OrderedDict()  # most recently used last
+        self._pending: dict[int, Future] = {}
+
+    def stage(self, shards: Sequence[int]) -> None:
+        """Start staging (and opening) ``shards`` not open or on their way; returns at once."""
+        with self._lock:
+            for s in dict.fromkeys(int(x) for x in shards):
+                if s not in self._open and s not in self._pending:
+                    self._pending[s] = self._executor.submit(self._prepare, s)
+
+    def _wait(self, s: int) -> Any:
+        """Shard ``s``'s open reader (staging it first if need be)."""
+        with self._lock:
+            opened = self._open.get(s)
+            if opened is not None:
+                self._open.move_to_end(s)
+                return opened.reader
+            fut = self._pending.get(s)
+            if fut is None:
+                fut = self._pending[s] = self._executor.submit(self._prepare, s)
+        try:
+            opened = fut.result()
+        finally:
+            with self._lock:
+                if self._pending.get(s) is fut:
+                    del self._pending[s]
+        with self._lock:
+            current = self._open.setdefault(s, opened)
+            self._open.move_to_end(s)
+            while len(self._open) > self._keep_open:
+                _, old = self._open.popitem(last=False)
+                if old is not current:
+                    old.close()
+        if current is not opened:
+            opened.close()
+        return current.reader
+
+    def get_many(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """Samples for ``indices`` in order, each shard staged once and read locally."""
+        by_shard: dict[int, tuple[list[int], list[int]]] = {}
+        for pos, index in enumerate(indices):
+            s, row = self.dataset.locate(index)
+            positions, rows = by_shard.setdefault(s, ([], []))
+            positions.append(pos)
+            rows.append(row)
+        self.stage(list(by_shard))
+        out: list[Any] = [None] * len(indices)
+        for s, (positions, rows) in by_shard.items():
+            for pos, sample in zip(positions, self._wait(s).get_many(rows), strict=True):
+                out[pos] = sample
+        return out
+
+    def _prepare(self, s: int) -> _Open:
+        """Stage shard ``s`` and its sidecars, open the local copy."""
+        ds = self.dataset
+        info = ds.manifest.shards[s]
+        path = ds.shard_path(s)
+        pins: list[StagedFile] = []
+        try:
+            main = self.area.stage(self._namespace, info.path, lambda f: self._fetch_shard(path, info, f))
+            pins.append(main)
+            for side in self._format.sidecars(path, bool(ds.verify_samples)):
+                name = posixpath.join(posixpath.dirname(info.path), posixpath.basename(side))
+                try:
+                    pins.append(
+                        self.area.stage(
+                            self._namespace, name, lambda f, p=side: self._fetch_small(p, info.path, f)
+                        )
+                    )
+                except MissingShardError:
+                    if side.endswith(".sums"):
+                        raise MissingShardError(
+                            f"missing checksums {posixpath.basename(side)} (the manifest records them for every tar)",
+                            shard=info.path,
+                        ) from None
+                    # no .idx beside it: the local reader scans the copy's headers
+            check = self._member_sums(pins, info.path) if ds.verify_samples else None
+            reader = self._format.open(main.path, info, check)
+        except BaseException:
+            for p in pins:
+                p.close()
+            raise
+        return _Open(reader, pins)
+
+    def _fetch_shard(self, path: str, info: Any, f: BinaryIO) -> None:
+        """Shard bytes from the store into ``f``, checked against the manifest's size and sha256."""
+        fs = self._fs
+        digest = hashlib.sha256() if info.sha256 else None
+        got = 0
+        parts = remote.read_parts(
+            fs,
+            path,
+            info.bytes,
+            shard=info.path,
+            part_bytes=self.staging.part_bytes,
+            concurrency=self.staging.concurrency,
+        )
+        for _, data in parts:
+            f.write(data)
+            if digest is not None:
+                digest.update(data)
+            got += len(data)
+        if digest is not None and digest.hexdigest() != info.sha256:
+            raise HashMismatchError(
+                f"{remote.describe(fs, path)} changed: sha256 of the {got} bytes read is {digest.hexdigest()}, "
+                f"the manifest records {info.sha256} (the object was rewritten after the dataset was "
+                "written, or while it was read)",
+                shard=info.path,
+            )
+        log.debug("staged %s (%d bytes)", info.path, got)
+
+    def _fetch_small(self, path: str, shard: str, f: BinaryIO) -> None:
+        f.write(remote.read_file(self._fs, path, shard=shard))
+
+    @staticmethod
+    def _member_sums(pins: list[StagedFile], shard: str) -> MemberSums:
+        sums = next(p for p in pins if p.path.endswith(".sums"))
+        with open(sums.path, "rb") as f:
+            return MemberSums(parse_sums(f.read(), shard), shard)
+
+    def close(self) -> None:
+        with self._lock:
+            opened, self._open = list(self._open.values()), OrderedDict()
+        for o in opened:
+            o.close()
+
+
+__all__ = ["StagedShards"]
