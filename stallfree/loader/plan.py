@@ -41,6 +41,7 @@ class WorkerPlan:
     max_slots: int = 3
     threads: int = 1  # threads per worker running map_fn
     fetch_threads: int = 1  # tasks each worker's fetch thread reads at once
+    staging: Any = None  # shards.staging.Staging: stage whole shards node-locally (block order, remote)
     in_process: bool = False  # num_workers=0: one thread of the main process
     start_method: str | None = None
     parent_pid: int = 0

@@ -11,6 +11,11 @@ tasks ahead of need (``warm(shards, executor)``). Concurrency over shards is the
 feature; this module only owns the pool and touches no private of the dataset (it once drove
 ``_open_reader``, ``_readers``, ``_open_lock``, ``_setup`` and ``_pid`` itself).
 
+With ``staging`` (the loader's ``staging=`` option; on by default for block order) the wrapper
+reads through ``shards.staged_reads.StagedShards`` instead: each shard is fetched whole, once
+per node, into a local staging area, and its samples are read from there; ``warm`` then stages
+the queued tasks' shards ahead of need.
+
 Local datasets are not wrapped: their reads are page-cache copies where threads only add overhead.
 """
 
@@ -22,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from stallfree.loader import contracts
+from stallfree.shards.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -40,9 +46,14 @@ class ConcurrentShards:
     """Wraps a remote ``ShardedDataset``: ``get_many`` reads its shards concurrently (opening the
     missing ones concurrently first) on this worker's pool; other attributes are the dataset's."""
 
-    def __init__(self, dataset: Any, threads: int = 8) -> None:
+    def __init__(self, dataset: Any, threads: int = 8, staging: Staging | None = None) -> None:
         self._ds = dataset
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stallfree-shard")
+        self._staged = None
+        if staging is not None:
+            from stallfree.shards.staged_reads import StagedShards
+
+            self._staged = StagedShards(dataset, staging, self._pool)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)
@@ -51,18 +62,28 @@ class ConcurrentShards:
         return len(self._ds)
 
     def __getitem__(self, index: int) -> Any:
+        if self._staged is not None:
+            return self._staged.get_many([index])[0]
         return self._ds[index]
 
     def warm(self, shards: Sequence[int]) -> None:
-        """Start opening ``shards`` (those not open or opening) in the background; returns at once."""
-        self._ds.warm(shards, self._pool)
+        """Start opening (or staging) ``shards`` in the background; returns at once."""
+        if self._staged is not None:
+            self._staged.stage(shards)
+        else:
+            self._ds.warm(shards, self._pool)
 
     def shards_of(self, indices: Sequence[int]) -> list[int]:
         return self._ds.shards_of(indices)
 
     def get_many(self, indices: Sequence[int]) -> list[dict[str, Any]]:
-        """Samples for ``indices`` in order: one read per shard, run concurrently."""
+        """Samples for ``indices`` in order: one read per shard, run concurrently (or from
+        staged copies)."""
+        if self._staged is not None:
+            return self._staged.get_many(indices)
         return self._ds.get_many(indices, executor=self._pool)
 
     def close(self) -> None:
+        if self._staged is not None:
+            self._staged.close()
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -97,7 +97,7 @@ def _start(ctx: WorkerContext) -> None:
                 return
     if isinstance(plan.batch_decode, contracts.ThreadedDecoder):
         plan.batch_decode.use_threads(plan.threads)  # this worker's share of the cores
-    ctx.source = shardio.ConcurrentShards(plan.dataset) if ctx.path.concurrent else None
+    ctx.source = shardio.ConcurrentShards(plan.dataset, staging=plan.staging) if ctx.path.concurrent else None
     if plan.cache is not None:
         from stallfree.cache.readthrough import ReadStats
 
