@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Idempotent dev set-up: Debian packages (redis-server; gcc and libjpeg-turbo's headers for the C
-# extension), a venv in .venv, Python packages.
+# extension), a venv in .venv, Python packages. Packages install with uv when it can be had (pip
+# install uv): on a fresh 2-core machine it installs requirements-dev.txt in about 12 s where pip
+# takes about 2 minutes (same packages, same versions). uv gets pip's configuration (indexes,
+# find-links, constraints, certificate), so both pick the same wheels; without uv, pip installs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v redis-server >/dev/null 2>&1; then
@@ -11,6 +14,57 @@ if [ ! -f /usr/include/jpeglib.h ] || ! command -v gcc >/dev/null 2>&1; then
   echo "setup: installing gcc and libjpeg62-turbo-dev (apt-get)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libjpeg62-turbo-dev >/dev/null
 fi
+# uv_pip_args DIR: the configuration pip in DIR's venv installs with (pip.conf files and PIP_*
+# variables) as uv flags, one a line. uv reads neither, and without them it would miss the local
+# wheels and indexes pip is pointed at. pip's precedence: PIP_* over [install] over [global]; its
+# "best version across every index" is uv's unsafe-best-match.
+uv_pip_args() {
+  local line scope key value rank item
+  declare -A values=() ranks=()
+  while IFS= read -r line; do  # scope.key='value'
+    scope=${line%%.*} key=${line#*.} key=${key%%=*} value=${line#*=} value=${value#\'} value=${value%\'}
+    case $scope in
+      :env:) rank=3 ;;
+      install) rank=2 ;;
+      global) rank=1 ;;
+      *) continue ;;
+    esac
+    if [ "$rank" -gt "${ranks[$key]:-0}" ]; then
+      values[$key]=$value ranks[$key]=$rank
+    fi
+  done < <("$1/bin/pip" config list 2>/dev/null)
+  printf '%s\n' --index-strategy unsafe-best-match
+  for key in index-url extra-index-url find-links constraint; do
+    for item in ${values[$key]:-}; do  # pip splits these lists on whitespace
+      case $key in
+        constraint) printf '%s\n' --constraint "$item" ;;
+        *) printf '%s\n' "--$key" "$item" ;;
+      esac
+    done
+  done
+  if [ -n "${values[cert]:-}" ]; then
+    printf '%s\n' "CERT=${values[cert]}"
+  fi
+}
+# uv_install DIR PIP-INSTALL-ARGS...: install with uv into DIR's venv; fails when uv cannot be had
+# or cannot install them (then pip does).
+uv_install() {
+  local dir=$1 line flags=() cert_env=()
+  shift
+  if [ ! -x "$dir/bin/uv" ]; then
+    "$dir/bin/pip" install -q --disable-pip-version-check uv >/dev/null 2>&1 || return 1
+  fi
+  while IFS= read -r line; do
+    case $line in
+      CERT=*) cert_env=("SSL_CERT_FILE=${line#CERT=}") ;;  # the CA bundle pip trusts, for uv
+      *) flags+=("$line") ;;
+    esac
+  done < <(uv_pip_args "$dir")
+  if ! env "${cert_env[@]}" "$dir/bin/uv" pip install -q --python "$dir/bin/python" "${flags[@]}" "$@"; then
+    echo "setup: uv could not install into $dir; trying pip" >&2
+    return 1
+  fi
+}
 # venv_for DIR REQUIREMENTS: a venv in DIR with REQUIREMENTS installed (again only when they changed).
 venv_for() {
   local dir=$1 reqs=$2 stamp=$1/.stallfree-setup
@@ -22,7 +76,10 @@ venv_for() {
     || [ examples/requirements.txt -nt "$stamp" ]; then
     echo "setup: installing Python packages into $dir" >&2
     # examples/requirements.txt (Lightning): tests/examples runs the examples on every torch CI tests
-    "$dir/bin/pip" install -q --disable-pip-version-check -r "$reqs" -r examples/requirements.txt
+    local wanted=(-r "$reqs" -r examples/requirements.txt)
+    if ! uv_install "$dir" "${wanted[@]}"; then
+      "$dir/bin/pip" install -q --disable-pip-version-check "${wanted[@]}"
+    fi
     touch "$stamp"
   fi
 }
