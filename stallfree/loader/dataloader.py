@@ -22,6 +22,7 @@ import logging
 import warnings
 import weakref
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,10 +34,10 @@ from stallfree.loader import contracts
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
 from stallfree.loader.options import LoaderOptions, plan
-from stallfree.loader.plan import MainPlan, WorkerPlan, worker_cores
+from stallfree.loader.plan import MainPlan, worker_cores
 from stallfree.loader.prefetch import Assembler, failure_budget
 from stallfree.loader.progress import EpochProgress
-from stallfree.loader.sources import EpochIndices, OrderIndices, SamplerIndices, StreamIndices
+from stallfree.loader.sources import EpochIndices, IndexSource, StreamIndices
 from stallfree.loader.state import LoaderState
 from stallfree.loader.stats import LoaderStats
 from stallfree.loader.world import World, resolve_world
@@ -128,6 +129,17 @@ class DataLoader(tud.DataLoader[T_co]):
             custom_sampler=sampler is not None or batch_sampler is not None,
             num_workers=self.num_workers,
             iterable=isinstance(dataset, tud.IterableDataset),
+            drop_last=self.drop_last,
+            collate_fn=None if self.collate_fn is tud.default_collate else self.collate_fn,
+            auto_collation=compat.auto_collation(self),
+            index_sampler=compat.index_sampler(self),
+            sampler=self.sampler,
+            generator=self.generator,
+            worker_init_fn=self.worker_init_fn,
+            prefetch_factor=self.prefetch_factor,
+            in_order=self.in_order,
+            pin_memory=self.pin_memory,
+            timeout=self.timeout,
             seed=seed,
             cache=cache,
             decode=decode,
@@ -143,13 +155,16 @@ class DataLoader(tud.DataLoader[T_co]):
             fetch_threads=1 if fetch_threads is None else fetch_threads,
             autotune=bool(autotune),
             memory_budget=int(memory_budget),
+            job_world=resolve_world(None),
+            cuda=torch.cuda.is_available(),
+            worker_cores=worker_cores(self.num_workers),
         )
-        self._plan = plan(dataset, self._options)
+        decided = plan(dataset, self._options)
+        if decided.needs_seed:  # drawn only here, so torch's RNG advances as it always did
+            decided = decided.with_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator)))
+        self._plan = decided
         self._user_collate = collate_fn
         self._tuner = None
-        self._world = self._options.world or resolve_world(None)
-        self._device = self._resolve_device(device)
-        self._seed = self._resolve_seed(seed, generator) if self._plan.fast else int(seed or 0)
         self._stats = LoaderStats()
         self._next_epoch = 0
         self._resume_from = 0  # positions (our order) or batches (sampler, iterable) to skip
@@ -157,31 +172,14 @@ class DataLoader(tud.DataLoader[T_co]):
         self._engine: Engine | None = None
         self._progress: EpochProgress | None = None
 
-    # -- construction helpers ------------------------------------------------------------
-    def _resolve_seed(self, seed: int | None, generator: Any) -> int:
-        if seed is not None:
-            return int(seed)
-        if self._world.size > 1:
-            return 0  # every rank must agree without talking: DistributedSampler's default
-        return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
-
-    def _resolve_device(self, device: Any) -> torch.device | None:
-        if device is None:
-            return None
-        dev = torch.device(device)
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            logger.warning("device=%s requested but CUDA is not available; batches stay on the CPU", dev)
-            return None
-        return dev
-
     # -- public API -----------------------------------------------------------------------
     @property
     def seed(self) -> int:
-        return self._seed
+        return int(self._plan.seed or 0)
 
     @property
     def world(self) -> World:
-        return self._world
+        return self._plan.world
 
     @property
     def fast_path(self) -> bool:
@@ -215,10 +213,10 @@ class DataLoader(tud.DataLoader[T_co]):
         if p is not None:
             epoch, resume = (p.epoch + 1, 0) if p.done else (p.epoch, source.resume_point(p))
         return LoaderState(
-            seed=self._seed,
+            seed=self.seed,
             epoch=epoch,
             mode=self._plan.mode,
-            world_size=self._world.size,
+            world_size=self.world.size,
             dataset=contracts.mixture_state(self.dataset),
             **source.state_fields(resume),
         ).to_dict()
@@ -240,7 +238,7 @@ class DataLoader(tud.DataLoader[T_co]):
             self.dataset.check_state(st.dataset, allow_reweight=allow_reweight)
             reweighted = allow_reweight
         self._resume_from = self._index_source().resume_from(st, reweighted=reweighted)
-        self._seed = st.seed
+        self._plan = self._plan.with_seed(st.seed)
         self._next_epoch = st.epoch
         self._progress = None
 
@@ -257,8 +255,8 @@ class DataLoader(tud.DataLoader[T_co]):
         out = self._stats.as_dict()
         out.update(
             path=self._plan.mode,
-            rank=self._world.rank,
-            world_size=self._world.size,
+            rank=self.world.rank,
+            world_size=self.world.size,
             num_workers=self.num_workers,
             epoch=self._progress.epoch if self._progress is not None else self._next_epoch,
         )
@@ -303,69 +301,11 @@ class DataLoader(tud.DataLoader[T_co]):
         self._active = None
 
     # -- the pipeline: one plan, two index sources ---------------------------------------------------
-    def _index_source(self) -> OrderIndices | SamplerIndices | StreamIndices:
-        """Where this loader's indices come from (its mode's one difference), with the resume
-        state it keeps; built on demand (the seed changes with ``load_state_dict``)."""
-        if self._plan.mode == "iterable":
-            return StreamIndices()
-        if not self._plan.fast:
-            return SamplerIndices(self)
-        return OrderIndices(
-            self.dataset,
-            order=self._plan.order,
-            seed=self._seed,
-            world=self._world,
-            uneven=self._options.uneven,
-            window=self._options.window,
-            batch_size=self.batch_size,
-            drop_last=self.drop_last,
-        )
-
-    def _worker_plan(self, base_seed: int) -> WorkerPlan:
-        placement = self._plan.decode
-        fingerprint = contracts.fingerprint_of(self.dataset)
-        if self._options.cache is not None and fingerprint is None:
-            raise ValueError(
-                "cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)"
-            )
-        return WorkerPlan(
-            dataset=self.dataset,
-            num_workers=self.num_workers,
-            collate_fn=None if self.collate_fn is tud.default_collate else self.collate_fn,
-            auto_collation=compat.auto_collation(self),
-            map_fn=placement.map_fn,
-            batch_decode=placement.in_workers,
-            send_raw=placement.send_raw,
-            cache=self._options.cache,
-            cache_stage=placement.cache_stage if self._options.cache is not None else None,
-            fingerprint=fingerprint,
-            on_error=self._options.on_error,
-            worker_init_fn=self.worker_init_fn,
-            base_seed=base_seed,
-            max_slots=(self.prefetch_factor or 2) + 1,
-            threads=self._threads(),
-            fetch_threads=self._options.fetch_threads,
-        )
-
-    def _main_plan(self, n_workers: int, samples: int) -> MainPlan:
-        pf = self.prefetch_factor or 2
-        placement = self._plan.decode
-        return MainPlan(
-            depth=max(1, pf) * n_workers,  # like torch: prefetch_factor x workers batches in flight
-            prefetch_factor=pf,
-            in_order=self.in_order,
-            pin_memory=self.pin_memory and torch.cuda.is_available(),
-            device=self._device,
-            decode_batch=placement.in_main,
-            worker_decode=placement.where == "workers",
-            finish=placement.finish,
-            on_error=self._options.on_error,
-            budget=failure_budget(self._options.max_failures, samples)
-            if self._options.on_error != "raise"
-            else None,
-            timeout=self.timeout or 0,
-            worker_timeout=self._options.worker_timeout,
-        )
+    def _index_source(self) -> IndexSource:
+        """Where this loader's indices come from, with the resume state it keeps (the plan's;
+        ``load_state_dict`` replaces the plan's seed)."""
+        assert self._plan.source is not None
+        return self._plan.source
 
     def _engine_for(self, base_seed: int) -> tuple[Engine, bool]:
         """The worker pool for the next iteration, and whether the iterator owns (and ends) it."""
@@ -383,7 +323,8 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._new_engine(base_seed), True
 
     def _new_engine(self, base_seed: int) -> Engine:
-        return Engine(self._worker_plan(base_seed), self.num_workers, self.multiprocessing_context)
+        worker = replace(self._plan.worker, base_seed=base_seed)  # the epoch's; the rest is the plan's
+        return Engine(worker, self.num_workers, self.multiprocessing_context)
 
     def _pipeline_iter(self) -> LoaderIterator:
         epoch, resume = self._next_epoch, self._resume_from
@@ -392,7 +333,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._plan.ordered:
             self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
         engine, owns = self._engine_for(ep.base_seed)
-        rank, seed = self._world.rank, self._seed
+        rank, seed = self.world.rank, self.seed
 
         def decode_seed(seq: int) -> int:
             return int(np.random.SeedSequence([seed & (2**63 - 1), epoch, rank, seq]).generate_state(1)[0])
@@ -401,7 +342,7 @@ class DataLoader(tud.DataLoader[T_co]):
             core = Assembler(
                 engine,
                 ep.batches,
-                self._main_plan(engine.n, ep.progress.samples),
+                self._main_plan(ep.progress.samples),
                 decode_seed=decode_seed,
                 stats=self._stats,
                 owns_engine=owns,
@@ -417,6 +358,12 @@ class DataLoader(tud.DataLoader[T_co]):
         self._active = weakref.ref(it)
         return it
 
+    def _main_plan(self, samples: int) -> MainPlan:
+        """The plan's main-process value with this epoch's failure budget."""
+        o = self._options
+        budget = failure_budget(o.max_failures, samples) if o.on_error != "raise" else None
+        return replace(self._plan.main, budget=budget)
+
     def _make_tuner(self, n_workers: int) -> Any:
         """The depth tuner (kept across epochs so a tuned depth carries over), or None."""
         if not self._options.autotune:
@@ -431,14 +378,6 @@ class DataLoader(tud.DataLoader[T_co]):
                 memory_budget=self._options.memory_budget,
             )
         return self._tuner
-
-    def _threads(self) -> int:
-        """Decode threads per worker: as asked, else the cores left per worker (1 to 4)."""
-        if self._options.decode_threads is not None:
-            return self._options.decode_threads
-        if self._plan.decode.where != "sample":
-            return 1  # no per-sample decode of ours to spread
-        return worker_cores(self.num_workers)
 
     # -- generic path -------------------------------------------------------------------
     def _generic_iter(self) -> _GenericIter:

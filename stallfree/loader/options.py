@@ -13,13 +13,17 @@ mode branch either. Table tests: tests/loader/test_options.py.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
+
+import torch
 
 from stallfree.loader import contracts
 from stallfree.loader import order as order_mod
 from stallfree.loader.contracts import DecodePlacement
+from stallfree.loader.plan import MainPlan, WorkerPlan
 from stallfree.loader.prefetch import check_max_failures
+from stallfree.loader.sources import IndexSource, OrderIndices, SamplerIndices, StreamIndices
 from stallfree.loader.world import World
 
 logger = logging.getLogger(__name__)
@@ -38,6 +42,21 @@ class LoaderOptions:
     custom_sampler: bool = False  # sampler= or batch_sampler= was given
     num_workers: int = 0
     iterable: bool = False  # an IterableDataset (it decides what each worker yields)
+    drop_last: bool = False
+    collate_fn: Any = None  # what torch chose or was given; None: its default_collate
+    auto_collation: bool = True  # torch batches samples (a batch sampler is set)
+    index_sampler: Any = None  # what torch's iterator draws indices from (sampler mode)
+    sampler: Any = None
+    generator: Any = None
+    worker_init_fn: Any = None
+    prefetch_factor: int | None = None
+    in_order: bool = True
+    pin_memory: bool = False
+    timeout: float = 0
+    # Facts of this process, read at the edge (DataLoader.__init__) so plan() stays pure.
+    job_world: World = World(0, 1)  # torch.distributed's world (used unless ``world`` is given)
+    cuda: bool = False  # torch.cuda.is_available()
+    worker_cores: int = 1  # cores each worker may give decode threads (plan.worker_cores)
     seed: int | None = None
     cache: Any = None
     decode: Any = None
@@ -80,12 +99,22 @@ class LoaderOptions:
 
 @dataclass(frozen=True)
 class LoaderPlan:
-    """What a loader does, decided once at construction (see :func:`plan`)."""
+    """What a loader does, decided once at construction (see :func:`plan`): the mode and order
+    chosen, where ``decode=`` runs, and the three values the loader runs on: where indices come
+    from (``source``, which keeps the resume state), what each worker does (``worker``) and what
+    the main process does with each batch (``main``). The only fields set later are per epoch
+    (``dataclasses.replace``): the workers' base seed and the epoch's failure budget."""
 
     mode: str  # fast (our order and rank split) | sampler (a sampler through our workers) | iterable
     order: str  # the epoch order in fast mode (order.py); "sequential" otherwise
     decode: DecodePlacement
     ordered: bool  # the dataset orders itself (a mixture): read in sequence, epoch set in workers
+    seed: int | None = None  # None: to be drawn (fast mode, no seed=, one rank): see ``needs_seed``
+    world: World = World(0, 1)
+    device: torch.device | None = None
+    source: IndexSource | None = None
+    worker: WorkerPlan | None = None
+    main: MainPlan | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -95,10 +124,21 @@ class LoaderPlan:
     def fast(self) -> bool:
         return self.mode == "fast"
 
+    @property
+    def needs_seed(self) -> bool:
+        """The order needs a seed nobody gave: the caller draws one (torch's RNG, or ``generator``)
+        and passes it to :meth:`with_seed`; drawn only then, so torch's RNG advances as before."""
+        return self.seed is None
+
+    def with_seed(self, seed: int) -> LoaderPlan:
+        """The same plan under another seed (a drawn one, or a restored state's)."""
+        source = self.source.reseeded(int(seed)) if self.source is not None else None
+        return replace(self, seed=int(seed), source=source)
+
 
 def plan(dataset: Any, options: LoaderOptions) -> LoaderPlan:
-    """The mode, order and decode placement for ``dataset`` under ``options``; raises ValueError
-    for combinations that cannot work.
+    """The mode, order, decode placement, index source, worker plan and main plan for
+    ``dataset`` under ``options``; raises ValueError for combinations that cannot work.
 
     - ``fast``: a map-style dataset with no sampler and a batch size, when shuffled, sharded,
       self-ordering, or given one of our options (``seed``/``cache``/``decode``/``world``/``device``).
@@ -136,4 +176,104 @@ def plan(dataset: Any, options: LoaderOptions) -> LoaderPlan:
         order = ("block" if remote else "global") if o.shuffle else "sequential"
     elif not o.shuffle and order != "sequential" and fast and not sharded:
         logger.info("order=%r with shuffle=%r: using the requested order", order, o.shuffle)
-    return LoaderPlan(mode, order, placement, ordered)
+    fingerprint = contracts.fingerprint_of(dataset)
+    if o.cache is not None and fingerprint is None:
+        raise ValueError("cache= needs a dataset with a .fingerprint (stallfree.open_dataset provides one)")
+    world = o.world or o.job_world
+    seed = _seed(o, fast, world)
+    device = _device(o)
+    return LoaderPlan(
+        mode,
+        order,
+        placement,
+        ordered,
+        seed=seed,
+        world=world,
+        device=device,
+        source=_index_source(dataset, o, mode, order, 0 if seed is None else seed, world),
+        worker=_worker_plan(dataset, o, placement, fingerprint),
+        main=_main_plan(o, placement, device),
+    )
+
+
+def _seed(o: LoaderOptions, fast: bool, world: World) -> int | None:
+    if not fast or o.seed is not None:
+        return int(o.seed or 0)
+    return (
+        0 if world.size > 1 else None
+    )  # every rank must agree without talking: DistributedSampler's default
+
+
+def _device(o: LoaderOptions) -> torch.device | None:
+    if o.device is None:
+        return None
+    dev = torch.device(o.device)
+    if dev.type == "cuda" and not o.cuda:
+        logger.warning("device=%s requested but CUDA is not available; batches stay on the CPU", dev)
+        return None
+    return dev
+
+
+def _index_source(
+    dataset: Any, o: LoaderOptions, mode: str, order: str, seed: int, world: World
+) -> IndexSource:
+    """Where the loader's indices come from (its mode's one difference), with its resume state."""
+    if mode == "iterable":
+        return StreamIndices()
+    if mode == "sampler":
+        return SamplerIndices(o.index_sampler, o.sampler, o.generator, o.auto_collation)
+    return OrderIndices(
+        dataset=dataset,
+        order=order,
+        seed=seed,
+        world=world,
+        uneven=o.uneven,
+        window=o.window,
+        batch_size=int(o.batch_size or 1),
+        drop_last=o.drop_last,
+    )
+
+
+def _worker_plan(
+    dataset: Any, o: LoaderOptions, placement: DecodePlacement, fingerprint: str | None
+) -> WorkerPlan:
+    if o.decode_threads is not None:
+        threads = o.decode_threads
+    else:  # the cores left per worker, for a per-sample decode of ours to spread over
+        threads = o.worker_cores if placement.where == "sample" else 1
+    return WorkerPlan(
+        dataset=dataset,
+        num_workers=o.num_workers,
+        collate_fn=o.collate_fn,
+        auto_collation=o.auto_collation,
+        map_fn=placement.map_fn,
+        batch_decode=placement.in_workers,
+        send_raw=placement.send_raw,
+        cache=o.cache,
+        cache_stage=placement.cache_stage if o.cache is not None else None,
+        fingerprint=fingerprint,
+        on_error=o.on_error,
+        worker_init_fn=o.worker_init_fn,
+        max_slots=(o.prefetch_factor or 2) + 1,
+        threads=threads,
+        fetch_threads=o.fetch_threads,
+        in_process=o.num_workers == 0,
+    )
+
+
+def _main_plan(o: LoaderOptions, placement: DecodePlacement, device: torch.device | None) -> MainPlan:
+    pf = o.prefetch_factor or 2
+    return MainPlan(
+        depth=max(1, pf) * max(1, o.num_workers),  # like torch: prefetch_factor x workers in flight
+        prefetch_factor=pf,
+        in_order=o.in_order,
+        pin_memory=o.pin_memory and o.cuda,
+        device=device,
+        decode_batch=placement.in_main,
+        worker_decode=placement.where == "workers",
+        finish=placement.finish,
+        on_error=o.on_error,
+        budget=None,  # per epoch: failure_budget(max_failures, the epoch's samples)
+        timeout=o.timeout or 0,
+        worker_timeout=o.worker_timeout,
+    )

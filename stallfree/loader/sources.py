@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from stallfree.loader import _torch_compat as compat
 from stallfree.loader import contracts
 from stallfree.loader import order as order_mod
 from stallfree.loader.progress import EpochProgress
@@ -44,31 +43,23 @@ def _derived_seed(*parts: int) -> int:
     return int(np.random.SeedSequence([p & (2**63 - 1) for p in parts]).generate_state(1)[0])
 
 
+@dataclass(frozen=True)
 class OrderIndices:
     """Our order: a pure function of (seed, epoch, dataset length), ranks take equal slices."""
 
-    unit = "positions"
+    dataset: Any
+    order: str
+    seed: int
+    world: World
+    uneven: str
+    window: int
+    batch_size: int
+    drop_last: bool
+    unit: ClassVar[str] = "positions"
 
-    def __init__(
-        self,
-        dataset: Any,
-        *,
-        order: str,
-        seed: int,
-        world: World,
-        uneven: str,
-        window: int,
-        batch_size: int,
-        drop_last: bool,
-    ) -> None:
-        self.dataset = dataset
-        self.order = order
-        self.seed = seed
-        self.world = world
-        self.uneven = uneven
-        self.window = window
-        self.batch_size = batch_size
-        self.drop_last = drop_last
+    def reseeded(self, seed: int) -> OrderIndices:
+        """The same order under another seed (a drawn seed, or a restored state's)."""
+        return replace(self, seed=int(seed))
 
     def __len__(self) -> int:
         n, w, bs = len(self.dataset), self.world.size, self.batch_size
@@ -90,7 +81,9 @@ class OrderIndices:
         start = min(resume_from, len(self.dataset))  # a saved end-of-epoch state: nothing left
         w = self.world
         share = order_mod.RankShare(self.epoch_order(epoch), start, w.rank, w.size, self.uneven)
-        plan = order_mod.batches(share, self.batch_size, self.drop_last)  # each batch computed when dispatched
+        plan = order_mod.batches(
+            share, self.batch_size, self.drop_last
+        )  # each batch computed when dispatched
         samples = plan.samples
         progress = EpochProgress(epoch, self.unit, start=start, planned=samples, samples=samples)
         base_seed = _derived_seed(self.seed, epoch, w.rank, 7)
@@ -120,7 +113,11 @@ class BatchResume:
     """Resume by batches received (torch's sampler, an iterable dataset's stream): the batches
     before are skipped (sampler: indices only; a stream replays and discards)."""
 
-    unit = "batches"
+    unit: ClassVar[str] = "batches"
+
+    def reseeded(self, seed: int) -> BatchResume:
+        """Unchanged: torch's sampler (or the stream) draws its own randomness."""
+        return self
 
     def resume_point(self, progress: EpochProgress) -> int:
         return progress.received
@@ -132,6 +129,7 @@ class BatchResume:
         return state.batches
 
 
+@dataclass(frozen=True)
 class StreamIndices(BatchResume):
     """An ``IterableDataset``'s own stream, on torch's iterator: only its progress and resume
     state are ours."""
@@ -140,27 +138,34 @@ class StreamIndices(BatchResume):
         return EpochProgress(epoch, self.unit, received=resume_from)
 
 
+@dataclass(frozen=True)
 class SamplerIndices(BatchResume):
-    """torch's sampler (or batch sampler), as torch's DataLoader draws from it."""
+    """torch's sampler (or batch sampler), as torch's DataLoader draws from it: ``index_sampler``
+    is what torch's iterator draws from (the batch sampler when batching), ``sampler`` what a
+    fractional failure budget is a fraction of, ``generator`` the workers' base seed's source."""
 
-    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
-        self.loader = loader
+    index_sampler: Any
+    sampler: Any
+    generator: Any
+    auto_collation: bool
 
     def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
-        loader = self.loader
-        source: Any = iter(compat.index_sampler(loader))
-        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
-        if not compat.auto_collation(loader):
+        source: Any = iter(self.index_sampler)
+        base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        if not self.auto_collation:
             source = ([i] for i in source)  # one index per task (maybe itself a list: bulk reads)
         if resume_from:
             source = itertools.islice(source, resume_from, None)
         try:
-            total: int | None = max(0, len(compat.index_sampler(loader)) - resume_from)
+            total: int | None = max(0, len(self.index_sampler) - resume_from)
         except TypeError:
             total = None
         try:
-            samples = len(loader.sampler)  # what a fractional failure budget is a fraction of
+            samples = len(self.sampler)  # what a fractional failure budget is a fraction of
         except TypeError:
             samples = 0
         progress = EpochProgress(epoch, self.unit, received=resume_from, samples=samples)
         return EpochIndices(source, total, progress, base_seed)
+
+
+IndexSource = OrderIndices | SamplerIndices | StreamIndices
