@@ -9,11 +9,13 @@ Programmatic entry::
     report = run_bench(BenchConfig(dataset="./shards", loaders=["stallfree", "torch"], nproc=2, steps=20))
     print(format_table(report))
 
-Modules: config (BenchConfig), phases (the measured runs, typed), runner (launch on loopback,
-run the phases), errors (RankFailed, one error line), metrics (stall accounting), loaders
-(adapters), steps (the step), datasets / fixtures (bench data), analyze (differential analysis,
-what-if), tune (workers x prefetch sweep), report (table, JSON, PNG). runner imports analyze,
-report and tune; at module level analyze and tune import only config and phases, and inside
-functions loaders (loader_available), datasets (analyze) and report (phase_entry); loaders imports
-report for the decode column's recipe label.
+Modules: config (BenchConfig, frozen), plan (the bench resolved once: BenchPlan of PhaseRuns,
+and BenchData, the datasets opened once per process), phases (the measured runs, typed), runner
+(launch on loopback, run the plan's phases), errors (RankFailed, one error line), metrics (stall
+accounting), loaders (adapters), steps (the step), datasets / fixtures (bench data), analyze
+(differential analysis, what-if), tune (workers x prefetch sweep), report (table, JSON, PNG).
+runner imports analyze, plan, report and tune; plan imports analyze, datasets and tune; at
+module level analyze and tune import only config and phases, and inside functions loaders
+(loader_available), datasets (analyze) and report (phase_entry); loaders imports report for the
+decode column's recipe label.
 """

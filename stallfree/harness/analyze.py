@@ -59,18 +59,8 @@ def whatif_share(cfg: BenchConfig, dataset_bytes: float) -> float:
     return cfg.whatif_cache_fraction
 
 
-def probe_dataset(cfg: BenchConfig) -> Any:
-    """The dataset the analysis probes for sample sizes and memory read speed: the fast copy
-    (``warm_from``) when there is one. Opened once per bench and passed to both steps below."""
-    from stallfree.harness.datasets import resolve_dataset
-
-    if cfg.warm_from:
-        return resolve_dataset(cfg.warm_from)
-    return resolve_dataset(cfg.dataset, cfg.storage_options)
-
-
 def analysis_phases(cfg: BenchConfig, dataset: Any) -> dict[Probe, Phase]:
-    """The phase measuring each probe; ``dataset`` from :func:`probe_dataset`. The cold training
+    """The phase measuring each probe; ``dataset`` is the one probed (``plan.BenchData.probe``). The cold training
     run is the loader's own bench phase when that one runs with no warm cache."""
     from stallfree.harness.datasets import mean_sample_bytes
 
@@ -158,7 +148,7 @@ def analyze(
 ) -> dict[str, Any]:
     """Rates, stall split, what-if prediction vs measurement, and advice, from the ``results`` of
     the ``plan``'s phases (see :func:`analysis_phases`); sample sizes and memory read speed are
-    probed on ``dataset`` (see :func:`probe_dataset`)."""
+    probed on ``dataset`` (``plan.BenchData.probe``)."""
     from stallfree.harness.report import phase_entry
 
     def job(probe: Probe) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """What a bench is asked to do: the settings the CLI fills from its flags (and torchrun's env).
 
-Its own module so the phase planners (analyze.py, tune.py) and the launcher (runner.py) share it
-without importing each other.
+Frozen: it is made once (by the CLI, or a caller of ``run_bench``) and planned once
+(``plan.plan_bench``); nothing downstream changes it. Its own module so the phase planners
+(analyze.py, tune.py, plan.py) and the launcher (runner.py) share it without importing each other.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass
+@dataclass(frozen=True)
 class BenchConfig:
     """Everything a bench needs; the CLI fills it from flags (and torchrun's env, when present)."""
 

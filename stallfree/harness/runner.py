@@ -17,6 +17,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from stallfree.harness import analyze, report, tune
 from stallfree.harness.config import BenchConfig
 from stallfree.harness.errors import RankFailed, error_line
 from stallfree.harness.phases import Phase, Purpose, Variant
+from stallfree.harness.plan import BenchData, BenchPlan, PhaseRun, loader_phases, open_data, plan_bench
 
 # BenchConfig, Phase and RankFailed are part of the programmatic entry (see harness/__init__.py).
 __all__ = ["BenchConfig", "Phase", "RankFailed", "loader_phases", "rank_main", "run_bench", "run_phases"]
@@ -79,67 +81,77 @@ class _Subset:
         return [self[i] for i in indices]
 
 
-def _phase_dataset(cfg: BenchConfig, phase: Phase, base: Any, warm: Any) -> Any:
+@dataclass(frozen=True)
+class RankPlace:
+    """Where this process sits in the job: its rank, the world, and its place on its node."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_size: int
+
+
+def _phase_dataset(run: PhaseRun, data: BenchData) -> Any:
     from stallfree.harness.datasets import PartialCache, SlowDataset
 
-    ds = SlowDataset(base, cfg.slow_delay_s) if cfg.slow_delay_s > 0 else base
-    fraction = cfg.cache_fraction if phase.cache_fraction is None else phase.cache_fraction
+    phase = run.phase
+    if phase.loader == "synthetic":
+        return data.dataset
+    ds = SlowDataset(data.dataset, run.slow_delay_s) if run.slow_delay_s > 0 else data.dataset
+    warm = data.warm
     if phase.variant is Variant.CACHED:
         subset = phase.subset or len(ds)
         return PartialCache(_Subset(ds, subset), 1.0, None if warm is None else _Subset(warm, subset))
-    if phase.variant is Variant.COLD and fraction <= 0:
+    if phase.variant is Variant.COLD and run.cache_fraction <= 0:
         return ds
-    return PartialCache(ds, fraction, warm)
+    return PartialCache(ds, run.cache_fraction, warm)
 
 
-def _run_phase(
-    cfg: BenchConfig, phase: Phase, base: Any, warm: Any, rank: int, world: int, dist: Any
-) -> dict[str, Any]:
+def _run_phase(run: PhaseRun, data: BenchData, place: RankPlace, dist: Any) -> dict[str, Any]:
     from stallfree.harness.loaders import LoaderSettings, make_adapter
     from stallfree.harness.metrics import RankMetrics
     from stallfree.harness.steps import batch_size_of, make_step
 
-    step_kind = phase.step or cfg.step
+    step_kind, rank = run.step, place.rank
     step = make_step(
         "sleep" if step_kind == "none" else step_kind,
-        0.0 if step_kind == "none" else cfg.step_ms,
-        device=cfg.device,
-        seed=cfg.seed,
+        0.0 if step_kind == "none" else run.step_ms,
+        device=run.device,
+        seed=run.seed,
     )
     settings = LoaderSettings(
-        dataset=_phase_dataset(cfg, phase, base, warm) if phase.loader != "synthetic" else base,
+        dataset=_phase_dataset(run, data),
         rank=rank,
-        world_size=world,
-        local_rank=cfg.local_rank if cfg.rank is not None else rank,
-        local_size=(cfg.local_size or world) if cfg.rank is not None else world,
-        batch_size=cfg.batch_size,
-        workers=cfg.workers if phase.workers is None else phase.workers,
-        prefetch=cfg.prefetch if phase.prefetch is None else phase.prefetch,
-        image_size=cfg.image_size,
-        seed=cfg.seed,
-        decode=cfg.decode,
-        device=cfg.device,
-        worker_start=cfg.worker_start,
-        extra=dict(cfg.loader_options) if phase.loader == "stallfree" else {},
+        world_size=place.world,
+        local_rank=place.local_rank,
+        local_size=place.local_size,
+        batch_size=run.batch_size,
+        workers=run.workers,
+        prefetch=run.prefetch,
+        image_size=run.image_size,
+        seed=run.seed,
+        decode=run.decode,
+        device=run.device,
+        worker_start=run.worker_start,
+        extra=dict(run.loader_options),
     )
     try:
-        adapter = make_adapter(phase.loader, settings)
+        adapter = make_adapter(run.phase.loader, settings)
     except (ValueError, ImportError) as exc:  # e.g. a tar-only reader on a non-tar dataset
-        logger.warning("rank %d: loader %s cannot run on this dataset: %s", rank, phase.loader, exc)
+        logger.warning("rank %d: loader %s cannot run on this dataset: %s", rank, run.phase.loader, exc)
         return {"skipped": str(exc)}
-    steps = phase.steps or cfg.steps
-    metrics = RankMetrics(rank, warmup=cfg.warmup)
+    metrics = RankMetrics(rank, warmup=run.warmup)
     grads = step.grads()
-    if dist is not None and cfg.device.startswith("cuda"):
-        grads = grads.to(cfg.device)
+    if dist is not None and run.device.startswith("cuda"):
+        grads = grads.to(run.device)
     try:
         batches = adapter.batches()
         if dist is not None:
             dist.barrier()
         metrics.start()
         perf = time.perf_counter
-        for i in range(cfg.warmup + steps):
-            if i == cfg.warmup:
+        for i in range(run.warmup + run.steps):
+            if i == run.warmup:
                 metrics.begin_measured()
             t0 = perf()
             batch = next(batches)
@@ -158,7 +170,7 @@ def _run_phase(
         adapter.close()
     return {
         "summary": metrics.summary(),
-        "timeline": metrics.timeline() if cfg.timeline else [],
+        "timeline": metrics.timeline() if run.timeline else [],
         "stats": _jsonable(stats),
         "decode": decode,
     }
@@ -172,41 +184,46 @@ def _jsonable(value: Any) -> Any:
         return json.loads(json.dumps(value, default=str))
 
 
-def _progress(cfg: BenchConfig, phases: list[Phase], rank: int) -> Any:
-    if not cfg.progress or rank != 0:
+def _progress(show: bool, phases: int, rank: int) -> Any:
+    if not show or rank != 0:
         return None
     import sys
 
     from tqdm import tqdm
 
-    return tqdm(total=len(phases), desc="bench phases", unit="phase", file=sys.stderr)
+    return tqdm(total=phases, desc="bench phases", unit="phase", file=sys.stderr)
 
 
 def rank_main(
-    cfg: BenchConfig,
-    phases: list[Phase],
+    plan: BenchPlan,
     rank: int,
     world: int,
     out_path: str | None,
     store_port: int | None = None,
+    data: BenchData | None = None,
 ) -> list[dict] | None:
-    """Body of one rank: join the process group, run every phase, gather to rank 0.
+    """Body of one rank: join the process group, run every phase of ``plan``, gather to rank 0.
 
-    The group meets at the launcher's :func:`loopback_store` on ``store_port`` when given (spawned
-    ranks), else at ``cfg.init_method`` (inside torchrun). Returns (on rank 0) one entry per
-    phase: ``{"phase": ..., "ranks": [per-rank results]}``.
+    ``data`` is the bench's data when this process opened it already (one rank in the launching
+    process); a spawned rank opens it here, once. The group meets at the launcher's
+    :func:`loopback_store` on ``store_port`` when given (spawned ranks), else at the config's
+    ``init_method`` (inside torchrun). Returns (on rank 0) one entry per phase:
+    ``{"phase": ..., "ranks": [per-rank results]}``.
     """
     import torch
     import torch.distributed as dist
 
-    from stallfree.harness.datasets import resolve_dataset
-
+    cfg = plan.config
+    in_job = cfg.rank is not None  # inside torchrun: the node's layout comes from its env
+    place = RankPlace(
+        rank, world, cfg.local_rank if in_job else rank, (cfg.local_size or world) if in_job else world
+    )
     torch.set_num_threads(1)
     group = None
     if world > 1:
         backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
         if backend == "nccl":
-            torch.cuda.set_device(cfg.local_rank if cfg.rank is not None else rank)
+            torch.cuda.set_device(place.local_rank)
         timeout = datetime.timedelta(seconds=600)
         if store_port is not None:  # a client of the launcher's store: nothing listens here
             store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timeout)
@@ -216,16 +233,15 @@ def rank_main(
                 backend, init_method=cfg.init_method, rank=rank, world_size=world, timeout=timeout
             )
         group = dist
-    bar = _progress(cfg, phases, rank)
+    bar = _progress(cfg.progress, len(plan.runs), rank)
     try:
-        base = resolve_dataset(cfg.dataset, cfg.storage_options)
-        warm = resolve_dataset(cfg.warm_from) if cfg.warm_from else None
+        data = data if data is not None else open_data(cfg)
         results = []
-        for phase in phases:
-            logger.info("rank %d: phase %s", rank, phase.label)
+        for run in plan.runs:
+            logger.info("rank %d: phase %s", rank, run.phase.label)
             if bar is not None:
-                bar.set_postfix_str(phase.label)
-            mine = _run_phase(cfg, phase, base, warm, rank, world, group)
+                bar.set_postfix_str(run.phase.label)
+            mine = _run_phase(run, data, place, group)
             if bar is not None:
                 bar.update(1)
             if group is not None:
@@ -233,7 +249,7 @@ def rank_main(
                 dist.all_gather_object(gathered, mine)
             else:
                 gathered = [mine]
-            results.append({"phase": phase.as_dict(), "ranks": gathered})
+            results.append({"phase": run.phase.as_dict(), "ranks": gathered})
     finally:
         if bar is not None:  # also when a phase raised, so an error prints below the bar
             bar.close()
@@ -246,8 +262,7 @@ def rank_main(
 
 def _spawned(
     rank: int,
-    cfg: BenchConfig,
-    phases: list[Phase],
+    plan: BenchPlan,
     world: int,
     out_path: str,
     log_level: int,
@@ -255,7 +270,7 @@ def _spawned(
 ) -> None:
     logging.basicConfig(level=log_level, format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     try:
-        rank_main(cfg, phases, rank, world, out_path, store_port)
+        rank_main(plan, rank, world, out_path, store_port)
     except BaseException as exc:
         # When one rank fails, its peers fail right after in the collective (gloo: "connection
         # closed"); the parent reports the earliest failure, the cause, not whichever it sees first.
@@ -275,14 +290,16 @@ def _first_failure(out_path: str, world: int) -> tuple[int, str] | None:
     return (min(seen)[1], min(seen)[2]) if seen else None
 
 
-def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
-    """Run ``phases`` on ``cfg.nproc`` freshly spawned ranks, or, when ``cfg.rank`` is set (inside
-    torchrun), in this process as that rank. Returns the gathered results on rank 0, else None."""
+def run_phases(plan: BenchPlan, data: BenchData | None = None) -> list[dict] | None:
+    """Run ``plan``'s phases on ``config.nproc`` freshly spawned ranks, or in this process (one
+    rank, or, when ``config.rank`` is set, inside torchrun as that rank: then on ``data`` when
+    this process opened it already). Returns the gathered results on rank 0, else None."""
+    cfg = plan.config
     if cfg.rank is not None:
         world = cfg.world_size or 1
         if world > 1 and not cfg.init_method:
             raise ValueError("running inside a job of several ranks needs init_method (tcp://MASTER:PORT)")
-        return rank_main(cfg, phases, cfg.rank, world, None)
+        return rank_main(plan, cfg.rank, world, None, data=data)
     if cfg.device.startswith("cuda"):
         import torch
 
@@ -291,7 +308,7 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
                 f"--nproc {cfg.nproc} ranks on CUDA need as many GPUs; {torch.cuda.device_count()} visible"
             )
     if cfg.nproc == 1:
-        return rank_main(cfg, phases, 0, 1, None)
+        return rank_main(plan, 0, 1, None, data=data)
     import torch.multiprocessing as mp
     from torch.multiprocessing.spawn import ProcessException
 
@@ -301,7 +318,7 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
         try:
             mp.start_processes(
                 _spawned,
-                args=(cfg, phases, cfg.nproc, out_path, logging.getLogger().level, port),
+                args=(plan, cfg.nproc, out_path, logging.getLogger().level, port),
                 nprocs=cfg.nproc,
                 join=True,
                 start_method="spawn",
@@ -317,26 +334,9 @@ def run_phases(cfg: BenchConfig, phases: list[Phase]) -> list[dict] | None:
         return json.loads(Path(out_path).read_text())
 
 
-def loader_phases(cfg: BenchConfig) -> tuple[list[Phase], dict[str, str]]:
-    """One cold phase per requested loader that can run here, and the reasons for those skipped."""
-    from stallfree.harness.loaders import loader_available
-
-    phases, skipped = [], {}
-    for name in cfg.loaders:
-        reason = loader_available(name)
-        if reason:
-            skipped[name] = reason
-            logger.warning("skipping loader %s: %s", name, reason)
-        else:
-            phases.append(Phase(name))
-    return phases, skipped
-
-
-def _dataset_len(cfg: BenchConfig) -> int | None:
-    from stallfree.harness.datasets import resolve_dataset
-
+def _dataset_len(data: BenchData) -> int | None:
     try:
-        return len(resolve_dataset(cfg.dataset, cfg.storage_options))
+        return len(data.dataset)
     except Exception as exc:  # informative only: the bench itself already ran on it
         logger.warning("could not read the dataset length for the report: %s", exc)
         return None
@@ -344,22 +344,20 @@ def _dataset_len(cfg: BenchConfig) -> int | None:
 
 def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
     """The programmatic entry: run the loaders (and analysis / tuning when asked) and return the
-    report dict (see report.build_report); None on ranks other than 0 inside torchrun."""
+    report dict (see report.build_report); None on ranks other than 0 inside torchrun.
+
+    The config is validated and planned once (harness/plan.py), and the data opened once in this
+    process; the ranks run the plan's values."""
     cfg.validate()
-    phases, skipped = loader_phases(cfg)
-    probe = analyze.probe_dataset(cfg) if cfg.analyze else None
-    plan = analyze.analysis_phases(cfg, probe) if cfg.analyze else {}
-    extra = [p for p in plan.values() if p not in phases]  # the cold run may be a loader's own
-    if cfg.tune:
-        extra += tune.tune_phases(cfg)
-    if not phases and not extra:
-        raise ValueError(f"no requested loader can run here: {skipped}")
+    data = open_data(cfg)
+    plan = plan_bench(cfg, data)
     started = time.time()
-    gathered = run_phases(cfg, phases + extra)
+    gathered = run_phases(plan, data)
     if gathered is None:
         return None
+    skipped = dict(plan.skipped)
     results: dict[Phase, dict[str, Any]] = {}
-    for phase, r in zip(phases + extra, gathered, strict=True):
+    for phase, r in zip(plan.phases, gathered, strict=True):
         reason = next((x["skipped"] for x in r["ranks"] if "skipped" in x), None)
         if reason is None:
             results[phase] = r
@@ -367,11 +365,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any] | None:
             skipped[phase.label] = reason
         else:
             raise ValueError(f"phase {phase.label} could not run: {reason}")
-    ran = [results[p] for p in phases if p in results]
+    ran = [results[p] for p in plan.bench if p in results]
     rep = report.build_report(cfg, ran, skipped, elapsed_s=time.time() - started)
-    rep["dataset_samples"] = _dataset_len(cfg)
+    rep["dataset_samples"] = _dataset_len(data)
     if cfg.analyze:
-        rep["analysis"] = analyze.analyze(cfg, results, plan, probe)
+        rep["analysis"] = analyze.analyze(cfg, results, plan.analysis, data.probe)
     if cfg.tune:
         rep["tune"] = tune.summarize(cfg, results)
     return rep
