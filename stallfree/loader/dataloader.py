@@ -63,7 +63,10 @@ class DataLoader(tud.DataLoader[T_co]):
     ``decode_threads`` (threads per worker running the per-sample ``decode``; default: the cores
     left per worker, 1 to 4 — PIL-style decoders release the GIL), ``fetch_threads`` (tasks each
     worker reads at once, default 1; more hides remote latency: worth it with a deep prefetch), ``autotune`` (adapt the number
-    of batches in flight from queue occupancy and consumer waits, within ``memory_budget`` bytes).
+    of batches in flight from queue occupancy and consumer waits, within ``memory_budget`` bytes),
+    ``staging`` (None: for block order over remote shards each worker stages whole shards in a
+    node-local directory shared by the node's processes and reads samples from there; False:
+    off; a directory or a ``stallfree.shards.staging.Staging(root=, cap_bytes=)``).
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class DataLoader(tud.DataLoader[T_co]):
         fetch_threads: int | None = None,
         autotune: bool = False,
         memory_budget: int = 1 << 30,
+        staging: Any = None,
     ) -> None:
         if collate_fn is None and batch_size is not None and contracts.orders_itself(dataset):
             collate_fn = contracts.own_collate_of(dataset)  # a mixture batches its sources (mix/collate.py)
@@ -155,6 +159,7 @@ class DataLoader(tud.DataLoader[T_co]):
             fetch_threads=1 if fetch_threads is None else fetch_threads,
             autotune=bool(autotune),
             memory_budget=int(memory_budget),
+            staging=staging,
             job_world=resolve_world(None),
             cuda=torch.cuda.is_available(),
             worker_cores=worker_cores(self.num_workers),

@@ -25,6 +25,7 @@ from stallfree.loader.plan import MainPlan, WorkerPlan
 from stallfree.loader.prefetch import check_max_failures
 from stallfree.loader.sources import IndexSource, OrderIndices, SamplerIndices, StreamIndices
 from stallfree.loader.world import World
+from stallfree.shards.staging import Staging
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,9 @@ class LoaderOptions:
     fetch_threads: int = 1
     autotune: bool = False
     memory_budget: int = 1 << 30
+    # None: stage whole shards node-locally for block order over remote shards; False: never;
+    # a directory, or a shards.staging.Staging (where, how many bytes at most)
+    staging: Any = None
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -88,6 +92,8 @@ class LoaderOptions:
             raise ValueError(f"fetch_threads must be >= 1, got {self.fetch_threads}")
         if self.memory_budget <= 0:
             raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
+        if not (self.staging is None or isinstance(self.staging, bool | str | Staging)):
+            raise ValueError(f"staging must be None, a bool, a directory or a Staging, got {self.staging!r}")
         if self.iterable and (self.cache is not None or self.decode is not None):
             raise ValueError("cache= and decode= need a map-style dataset (one with __getitem__ and __len__)")
 
@@ -191,9 +197,30 @@ def plan(dataset: Any, options: LoaderOptions) -> LoaderPlan:
         world=world,
         device=device,
         source=_index_source(dataset, o, mode, order, 0 if seed is None else seed, world),
-        worker=_worker_plan(dataset, o, placement, fingerprint),
+        worker=_worker_plan(dataset, o, placement, fingerprint, staging_for(dataset, o, order)),
         main=_main_plan(o, placement, device),
     )
+
+
+def staging_for(dataset: Any, o: LoaderOptions, order: str) -> Staging | None:
+    """Whether (and where) the workers stage whole shards: by default for block order over a
+    remote sharded dataset (a window's shards are read whole, once per node, instead of one
+    ranged GET per sample), when asked (``staging=`` a directory or a ``Staging``) for any
+    order over one; never with ``staging=False``, in-process reads or a cache (hits need no shard)."""
+    if o.staging is False or o.num_workers == 0 or o.cache is not None:
+        return None
+    if not (contracts.is_sharded(dataset) and isinstance(dataset, contracts.ConcurrentShardSource)):
+        return None
+    try:
+        if not contracts.is_remote(dataset):
+            return None
+    except Exception:  # noqa: BLE001 - an unreachable store: the reads report it
+        return None
+    if isinstance(o.staging, Staging):
+        return o.staging
+    if isinstance(o.staging, str):
+        return Staging(root=o.staging)
+    return Staging() if (order == "block" or o.staging is True) else None
 
 
 def _seed(o: LoaderOptions, fast: bool, world: World) -> int | None:
@@ -235,7 +262,11 @@ def _index_source(
 
 
 def _worker_plan(
-    dataset: Any, o: LoaderOptions, placement: DecodePlacement, fingerprint: str | None
+    dataset: Any,
+    o: LoaderOptions,
+    placement: DecodePlacement,
+    fingerprint: str | None,
+    staging: Staging | None = None,
 ) -> WorkerPlan:
     if o.decode_threads is not None:
         threads = o.decode_threads
@@ -257,6 +288,7 @@ def _worker_plan(
         max_slots=(o.prefetch_factor or 2) + 1,
         threads=threads,
         fetch_threads=o.fetch_threads,
+        staging=staging,
         in_process=o.num_workers == 0,
     )
 

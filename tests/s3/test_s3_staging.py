@@ -1,0 +1,260 @@
+"""Node-local staging of whole shards (``shards/staging.py``, ``shards/staged_reads.py``) against a
+real S3 API server (moto in its own process); requests counted at the server. Block order over a
+bucket read sample by sample cost one GET per sample; staged, each shard file is fetched once
+per node, and the next epoch reads nothing remote."""
+
+import collections
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from stallfree import DataLoader
+from stallfree.shards.errors import HashMismatchError
+from stallfree.shards.open import open_dataset
+from stallfree.shards.staged_reads import StagedShards
+from stallfree.shards.staging import Staging, StagingArea
+from stallfree.shards.writer import ShardWriter
+
+TIMEOUT = 120
+SHARDS, PER_SHARD = 8, 10
+
+
+def _write(s3, url, shards=SHARDS, per_shard=PER_SHARD):
+    samples = {}
+    with ShardWriter(url, format="tar", max_samples=per_shard, **s3.storage_options) as w:
+        for i in range(shards * per_shard):
+            key = f"s{i:03d}"
+            samples[key] = os.urandom(1500 + 7 * i)
+            w.write({"__key__": key, "bin": samples[key], "cls": i % 4})
+    return samples
+
+
+def _keys(batch):
+    return [(s["__key__"], s["bin"]) for s in batch]
+
+
+def _counts(s3):
+    """GETs per object name (``shard-000003.tar``) since the last reset."""
+    return collections.Counter(r.path.rsplit("/", 1)[-1] for r in s3.requests() if r.method == "GET")
+
+
+def test_block_epochs_fetch_each_shard_once_then_nothing(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=0, collate_fn=_keys,
+                    persistent_workers=True, staging=str(tmp_path / "stage"))  # fmt: skip
+    assert dl._plan.order == "block" and dl._plan.worker.staging.root == str(tmp_path / "stage")
+    for epoch in range(2):
+        s3.reset()
+        dl.set_epoch(epoch)
+        got = [item for batch in dl for item in batch]
+        assert sorted(k for k, _ in got) == sorted(samples)  # every sample exactly once
+        assert all(data == samples[k] for k, data in got)
+        gets = _counts(s3)
+        if epoch == 0:  # two workers, one node: each shard and its .idx fetched once, in one GET each
+            tars = [f"shard-{s:06d}.tar" for s in range(SHARDS)]
+            idxs = [f"shard-{s:06d}.idx" for s in range(SHARDS)]
+            assert gets == collections.Counter(tars + idxs)
+        else:  # everything staged: the warm epoch asks the bucket for nothing
+            assert gets == collections.Counter()
+    del dl
+
+
+def test_staging_is_on_by_default_for_block_order_only(s3, bucket):
+    url = f"s3://{bucket}/ds"
+    _write(s3, url, shards=2)
+    ds = open_dataset(url, **s3.storage_options)
+    block = DataLoader(ds, batch_size=4, shuffle=True, num_workers=1)
+    assert block._plan.order == "block" and block._plan.worker.staging == Staging()
+    assert (
+        DataLoader(ds, batch_size=4, shuffle=True, num_workers=1, order="global")._plan.worker.staging is None
+    )
+    assert (
+        DataLoader(ds, batch_size=4, shuffle=True, num_workers=1, staging=False)._plan.worker.staging is None
+    )
+    assert DataLoader(ds, batch_size=4, shuffle=True, num_workers=0)._plan.worker.staging is None
+    with pytest.raises(ValueError, match="staging must be None, a bool, a directory or a Staging"):
+        DataLoader(ds, batch_size=4, shuffle=True, staging=3)
+
+
+def test_resume_mid_window_is_exact(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+
+    def loader():
+        return DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=5, collate_fn=_keys,
+                          staging=str(tmp_path / "stage"))  # fmt: skip
+
+    full = [k for batch in loader() for k, _ in batch]
+    it = iter(dl := loader())
+    first = [k for _ in range(5) for k, _ in next(it)]  # 20 samples: inside the first window of 8 shards
+    state = json.loads(json.dumps(dl.state_dict()))
+    del it
+    again = loader()
+    again.load_state_dict(state)
+    rest = [k for batch in again for k, _ in batch]
+    assert first + rest == full  # the same order, nothing lost or repeated
+    assert sorted(full) == sorted(samples)
+
+
+def test_staging_stays_within_its_cap(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    sizes = [s.bytes for s in ds.manifest.shards]
+    cap = int(2.5 * max(sizes)) + 4096  # two shards and their indexes, not three
+    with ThreadPoolExecutor(4) as pool:
+        staged = StagedShards(ds, Staging(root=str(tmp_path), cap_bytes=cap), pool, keep_open=1)
+        area = StagingArea(str(tmp_path), cap)
+        for s in range(SHARDS):  # one shard at a time, each read whole
+            rows = range(s * PER_SHARD, (s + 1) * PER_SHARD)
+            got = staged.get_many(list(rows))
+            assert {g["__key__"]: g["bin"] for g in got} == {
+                k: samples[k] for k in (f"s{i:03d}" for i in rows)
+            }
+            assert area.staged_bytes() <= cap
+        staged.close()
+    names = sorted(
+        n for n in os.listdir(area.path_of(ds.fingerprint, "x").rsplit("/", 1)[0]) if n.endswith(".tar")
+    )
+    assert names == [f"shard-{s:06d}.tar" for s in (SHARDS - 2, SHARDS - 1)]  # the least recently used went
+
+
+def test_a_changed_object_is_an_error_not_wrong_data(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    _write(s3, url, shards=2)
+    ds = open_dataset(url, **s3.storage_options)
+    fs = s3.filesystem()
+    key = f"{bucket}/ds/shard-000001.tar"
+    data = bytearray(fs.cat_file(key))
+    data[1536] ^= 0xFF  # inside the first member's data: same size, same names, other bytes
+    fs.pipe_file(key, bytes(data))
+    with ThreadPoolExecutor(2) as pool:
+        staged = StagedShards(ds, Staging(root=str(tmp_path)), pool)
+        assert len(staged.get_many(list(range(PER_SHARD)))) == PER_SHARD  # shard 0 is intact
+        with pytest.raises(HashMismatchError, match=r"shard-000001\.tar .*changed: sha256") as info:
+            staged.get_many([PER_SHARD])
+        staged.close()
+    assert info.value.shard == "shard-000001.tar"
+    staged_names = os.listdir(os.path.dirname(StagingArea(str(tmp_path)).path_of(ds.fingerprint, "x")))
+    assert "shard-000001.tar" not in staged_names and "shard-000000.tar" in staged_names
+
+
+def test_a_changed_object_fails_the_loader_in_a_subprocess(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    _write(s3, url, shards=2)
+    fs = s3.filesystem()
+    key = f"{bucket}/ds/shard-000000.tar"
+    data = bytearray(fs.cat_file(key))
+    data[1536] ^= 0xFF
+    script = textwrap.dedent(f"""
+        import json, sys
+        from stallfree import DataLoader
+        from stallfree.shards.open import open_dataset
+        ds = open_dataset({url!r}, **json.loads(sys.argv[1]))
+        import s3fs
+        fs = s3fs.S3FileSystem(**json.loads(sys.argv[1]))
+        fs.pipe_file({key!r}, open(sys.argv[2], "rb").read())  # rewritten after the dataset was opened
+        dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, staging=sys.argv[3],
+                        collate_fn=lambda b: [s["__key__"] for s in b])
+        try:
+            list(dl)
+        except Exception as exc:
+            print("RAISED", type(exc).__name__, exc)
+            sys.exit(3)
+        print("NO ERROR")
+    """)
+    (tmp_path / "changed.tar").write_bytes(bytes(data))
+    opts = json.dumps(s3.storage_options)
+    done = subprocess.run(
+        [sys.executable, "-c", script, opts, str(tmp_path / "changed.tar"), str(tmp_path / "stage")],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "RAISED HashMismatchError" in done.stdout and "shard-000000.tar" in done.stdout, done.stdout
+
+
+_SHARE = textwrap.dedent("""
+    import json, sys
+    from concurrent.futures import ThreadPoolExecutor
+    from stallfree.shards.open import open_dataset
+    from stallfree.shards.staged_reads import StagedShards
+    from stallfree.shards.staging import Staging
+    ds = open_dataset(sys.argv[1], **json.loads(sys.argv[2]))
+    print("ready", flush=True)
+    sys.stdin.readline()  # start together
+    with ThreadPoolExecutor(8) as pool:
+        staged = StagedShards(ds, Staging(root=sys.argv[3]), pool)
+        got = staged.get_many(list(range(len(ds)))[::-1])
+        staged.close()
+    print(json.dumps(sorted(g["__key__"] for g in got)))
+""")
+
+
+def test_two_processes_of_a_node_share_one_staging_dir(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    opts = json.dumps(s3.storage_options)
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _SHARE, url, opts, str(tmp_path / "stage")],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    assert [p.stdout.readline().strip() for p in procs] == ["ready", "ready"]  # datasets opened
+    s3.reset()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    for p, (out, err) in zip(procs, outs, strict=True):
+        assert p.returncode == 0, err
+        assert json.loads(out.strip().splitlines()[-1]) == sorted(samples)
+    tars = [f"shard-{s:06d}.tar" for s in range(SHARDS)]
+    idxs = [f"shard-{s:06d}.idx" for s in range(SHARDS)]
+    assert _counts(s3) == collections.Counter(tars + idxs)  # fetched once for both processes
+
+
+_DIE = textwrap.dedent("""
+    import os, sys
+    from stallfree.shards.staging import StagingArea
+    def fill(f):
+        f.write(b"half of it")
+        f.flush()
+        print("filling", flush=True)
+        sys.stdin.readline()
+        os._exit(9)  # dies holding the claim, the file half written
+    StagingArea(sys.argv[1]).stage("ns", "a/shard.tar", fill)
+""")
+
+
+def test_a_dead_fetchers_claim_is_taken_over_and_its_half_file_never_seen(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", _DIE, str(tmp_path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "filling"
+    area = StagingArea(str(tmp_path))
+    final = area.path_of("ns", "a/shard.tar")
+    assert not os.path.exists(final)  # half-written: not visible under its name
+    proc.stdin.write("die\n")
+    proc.stdin.flush()
+    assert proc.wait(TIMEOUT) == 9
+    with area.stage("ns", "a/shard.tar", lambda f: f.write(b"the whole file")) as staged:
+        assert open(staged.path, "rb").read() == b"the whole file"
+    area.trim()  # sweeps the dead writer's partial file
+    assert os.listdir(os.path.dirname(final)) == ["a%2Fshard.tar"]
+
+
+def test_a_pinned_file_is_never_evicted(tmp_path):
+    area = StagingArea(str(tmp_path), cap_bytes=10)
+    with area.stage("ns", "one", lambda f: f.write(b"x" * 8)) as one:
+        with area.stage("ns", "two", lambda f: f.write(b"y" * 8)):
+            assert os.path.exists(one.path)  # over the cap, but both in use
+        area.trim()
+        assert os.path.exists(one.path) and not os.path.exists(area.path_of("ns", "two"))
+    assert area.staged_bytes() == 8
