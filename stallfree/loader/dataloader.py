@@ -168,7 +168,6 @@ class DataLoader(tud.DataLoader[T_co]):
         if decided.needs_seed:  # drawn only here, so torch's RNG advances as it always did
             decided = decided.with_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator)))
         self._plan = decided
-        self._user_collate = collate_fn
         self._tuner = None
         self._stats = LoaderStats()
         self._next_epoch = 0
