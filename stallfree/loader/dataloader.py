@@ -12,8 +12,9 @@ Three modes, chosen from the arguments (``loader.mode``):
 - ``iterable``: an ``IterableDataset`` runs on torch's own machinery (the dataset decides what each
   worker yields), measured for ``stats()``; resume replays and discards.
 
-The mode, order and decode placement are chosen by ``options.plan`` from a frozen
-``LoaderOptions``; the index source (``sources.py``) keeps the resume state.
+The mode, order, decode placement, index source and worker and main plans are decided by
+``options.plan`` from a frozen ``LoaderOptions``, once; the index source (``sources.py``) keeps
+the resume state.
 """
 
 from __future__ import annotations

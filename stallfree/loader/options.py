@@ -3,11 +3,12 @@ from (dataset, options) to what the loader will do.
 
 Before, ``DataLoader.__init__`` was the planner: 125 lines, 33 arguments, 23 mode branches, and
 ``state_dict`` branched on the mode again. Now ``__init__`` lets torch validate torch's
-arguments, builds a :class:`LoaderOptions` (which validates ours, and the facts of torch's the
-plan depends on), and calls :func:`plan`, which decides the mode, the epoch order and where
-``decode=`` runs, and refuses combinations that cannot work. The index source
-(``sources.py``) built from the plan carries the resume state, so saving and restoring it has no
-mode branch either. Table tests: tests/loader/test_options.py.
+arguments, builds a :class:`LoaderOptions` (which validates ours, and carries the facts of
+torch's and of this process the plan depends on), and calls :func:`plan`, which decides the
+mode, the epoch order and where ``decode=`` runs, refuses combinations that cannot work, and
+builds the index source, the ``WorkerPlan`` and the ``MainPlan`` the loader then only runs. The
+index source carries the resume state, so saving and restoring it has no mode branch either.
+Table tests: tests/loader/test_options.py, tests/loader/test_planner.py.
 """
 
 from __future__ import annotations
