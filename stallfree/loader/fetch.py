@@ -96,12 +96,15 @@ def _drain(task_q: Any, backlog: deque) -> bool:
 
 
 def _warm_ahead(source: Any, backlog: deque, warmed: set) -> None:
-    """Open the shards of the worker's queued tasks before their turn (remote sharded datasets)."""
+    """Open (or stage) the shards of the worker's queued tasks before their turn, and, in block
+    order, the next window's shards once the current ones are in (remote sharded datasets)."""
     for task in backlog:
         if (task.gen, task.seq) not in warmed:
             warmed.add((task.gen, task.seq))
             try:
                 source.warm(source.shards_of(task.indices))
+                if task.stage_ahead:
+                    source.prefetch(task.stage_ahead)
             except Exception:  # noqa: BLE001 - warming is a hint; the read reports real errors
                 logger.debug("warming shards ahead failed", exc_info=True)
     if len(warmed) > 4096:

@@ -23,6 +23,7 @@ class Task:
     indices: list[Any]
     decode_seed: int | None = None  # the batch's seed when the workers run the batch decoder
     epoch: int | None = None  # for a dataset with its own epoch order (a mixture): set in the worker
+    stage_ahead: tuple[int, ...] = ()  # block order: the next window's shards, staged while this is read
 
 
 @dataclass(frozen=True)

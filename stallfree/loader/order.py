@@ -127,6 +127,22 @@ class Blocked:
         k = np.searchsorted(self._pstarts, g, side="right") - 1  # 'right': skips empty shards
         return self._starts[self._perm[k]] + (g - self._pstarts[k])
 
+    @property
+    def windows(self) -> int:
+        """How many windows the epoch has."""
+        return len(self._wsize)
+
+    def window_of(self, positions: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The window each epoch position lies in (windows are runs of positions)."""
+        return np.searchsorted(self._wstarts, _positions(positions, self.n), side="right") - 1
+
+    def window_shards(self, w: int) -> np.ndarray:
+        """The shards (dataset numbering) window ``w`` reads, in the order's order: what a
+        reader of an object store fetches whole, and stages ahead while window ``w - 1`` is read."""
+        if not 0 <= w < self.windows:
+            raise IndexError(f"window {w} outside the epoch's {self.windows}")
+        return self._perm[w * self.window : (w + 1) * self.window].copy()
+
 
 @dataclass(frozen=True)
 class Explicit:
@@ -280,13 +296,17 @@ class RankShare:
         k = np.asarray(k, np.int64).reshape(-1)
         if len(k) and (k.min() < 0 or k.max() >= len(self)):
             raise IndexError(f"read {int(k.max())} outside this rank's share of {len(self)}")
+        return self.order.at(self.positions(k))
+
+    def positions(self, k: np.ndarray | Sequence[int]) -> np.ndarray:
+        """The epoch positions of this rank's ``k``-th reads (what ``at`` maps to samples)."""
+        k = np.asarray(k, np.int64).reshape(-1)
         q = self.rank + k * self.world_size
         rest, n = self.rest, self.order.n
         begin = n - rest
         # Pad from the epoch's first positions, not the resume point's: the padded sequence is then
         # one fixed function of (order, world_size), and a resume continues it exactly.
-        pos = np.where(q < rest, begin + q, (q - rest) % max(n, 1))
-        return self.order.at(pos)
+        return np.where(q < rest, begin + q, (q - rest) % max(n, 1))
 
     def slice(self, lo: int, hi: int) -> np.ndarray:
         return self.at(np.arange(max(lo, 0), min(hi, len(self)), dtype=np.int64))
@@ -348,6 +368,15 @@ class Batches(Sequence[np.ndarray]):
         if not 0 <= b < self._n:
             raise IndexError(f"batch {b} out of range ({self._n} batches)")
         return self.share.slice(b * self.batch_size, (b + 1) * self.batch_size)
+
+    def shards_after(self, b: int) -> tuple[int, ...]:
+        """In block order, the shards of the window after the one batch ``b`` starts in (empty
+        for the last window, and for other orders): what a worker stages while it reads ``b``."""
+        order = self.share.order
+        if not isinstance(order, Blocked) or not 0 <= b < self._n:
+            return ()
+        w = int(order.window_of(self.share.positions([b * self.batch_size]))[0]) + 1
+        return tuple(int(s) for s in order.window_shards(w)) if w < order.windows else ()
 
     def __iter__(self) -> Iterator[np.ndarray]:
         bs = self.batch_size

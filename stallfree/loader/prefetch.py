@@ -30,6 +30,7 @@ from stallfree.loader.autotune import DepthTuner
 from stallfree.loader.engine import Engine
 from stallfree.loader.errors import FailureBudgetExceeded, LoaderError, WorkerDiedError, WorkerHungError
 from stallfree.loader.messages import BatchReady, FailedSample, Task, WorkerFailure
+from stallfree.loader.order import Batches
 from stallfree.loader.plan import MainPlan
 from stallfree.loader.stats import LoaderStats
 from stallfree.shards.errors import BatchDecodeError
@@ -101,6 +102,8 @@ class Assembler:
         engine.gen += 1
         self.gen = engine.gen
         self._source = iter(batches)
+        # block order: each task names the next window's shards, for the worker to stage ahead
+        self._shards_after = batches.shards_after if isinstance(batches, Batches) else None
         self._sizes: dict[int, int] = {}  # seq -> positions, for batches not yet handed over
         self._ahead: list[Any] | None = None
         self._exhausted = False
@@ -199,7 +202,8 @@ class Assembler:
                 seq, indices = self._dispatched, self._ahead
                 self._sizes[seq] = len(indices)
                 seed = self.decode_seed(seq) if self.plan.worker_decode else None
-                self.engine.send(w, Task(self.gen, seq, indices, seed, self.epoch))
+                ahead = self._shards_after(seq) if self._shards_after is not None else ()
+                self.engine.send(w, Task(self.gen, seq, indices, seed, self.epoch, ahead))
                 self.outstanding[w] += 1
                 self._dispatched += 1
                 self._credits -= 1

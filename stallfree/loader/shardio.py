@@ -73,6 +73,13 @@ class ConcurrentShards:
         else:
             self._ds.warm(shards, self._pool)
 
+    def prefetch(self, shards: Sequence[int]) -> None:
+        """Stage (or open) ``shards``, needed later, once nothing needed now is on its way."""
+        if self._staged is not None:
+            self._staged.prefetch(shards)
+        else:
+            self._ds.warm(shards, self._pool)
+
     def shards_of(self, indices: Sequence[int]) -> list[int]:
         return self._ds.shards_of(indices)
 

@@ -96,16 +96,50 @@ class StagedShards:
         self._namespace = dataset.fingerprint
         self._executor = executor
         self._keep_open = max(1, keep_open)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a done-callback may run in the thread that holds it
         self._open: OrderedDict[int, _Open] = OrderedDict()  # most recently used last
         self._pending: dict[int, Future] = {}
+        self._needed: set[Future] = set()  # stagings a read asked for (not prefetches)
+        self._later: dict[int, None] = {}  # prefetches waiting for the needed ones to finish
 
     def stage(self, shards: Sequence[int]) -> None:
         """Start staging (and opening) ``shards`` not open or on their way; returns at once."""
         with self._lock:
             for s in dict.fromkeys(int(x) for x in shards):
+                self._later.pop(s, None)
                 if s not in self._open and s not in self._pending:
-                    self._pending[s] = self._executor.submit(self._prepare, s)
+                    self._submit(s, needed=True)
+
+    def prefetch(self, shards: Sequence[int]) -> None:
+        """Stage ``shards`` (the next window's) once every shard a read is waiting for is in:
+        started at once they would share the bandwidth with those and delay the current batch."""
+        with self._lock:
+            for s in dict.fromkeys(int(x) for x in shards):
+                if s not in self._open and s not in self._pending:
+                    self._later[s] = None
+            self._start_later()
+
+    def _submit(self, s: int, needed: bool) -> Future:
+        """Under the lock: stage ``s`` on the pool."""
+        fut = self._pending[s] = self._executor.submit(self._prepare, s)
+        if needed:
+            self._needed.add(fut)
+            fut.add_done_callback(self._needed_done)
+        return fut
+
+    def _needed_done(self, fut: Future) -> None:
+        with self._lock:
+            self._needed.discard(fut)
+            self._start_later()
+
+    def _start_later(self) -> None:
+        """Under the lock: start the waiting prefetches when no needed staging is left."""
+        if self._needed or not self._later:
+            return
+        for s in self._later:
+            if s not in self._open and s not in self._pending:
+                self._submit(s, needed=False)
+        self._later.clear()
 
     def _wait(self, s: int) -> Any:
         """Shard ``s``'s open reader (staging it first if need be)."""
@@ -116,7 +150,8 @@ class StagedShards:
                 return opened.reader
             fut = self._pending.get(s)
             if fut is None:
-                fut = self._pending[s] = self._executor.submit(self._prepare, s)
+                self._later.pop(s, None)
+                fut = self._submit(s, needed=True)
         try:
             opened = fut.result()
         finally:

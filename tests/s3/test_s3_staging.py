@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -258,3 +259,28 @@ def test_a_pinned_file_is_never_evicted(tmp_path):
         area.trim()
         assert os.path.exists(one.path) and not os.path.exists(area.path_of("ns", "two"))
     assert area.staged_bytes() == 8
+
+
+def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
+    from stallfree.loader.order import Blocked
+
+    url = f"s3://{bucket}/ds"
+    _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    stage = tmp_path / "stage"
+    dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=1, seed=0, window=2, collate_fn=_keys,
+                    staging=str(stage), persistent_workers=True)  # fmt: skip
+    order = Blocked(0, 0, tuple(ds.shard_sizes), window=2)
+    expect = {f"shard-{s:06d}.tar" for w in (0, 1) for s in order.window_shards(w)}
+    it = iter(dl)
+    next(it)  # the first of five batches of window 0: the backlog holds only window 0's batches
+    folder = stage / ds.fingerprint
+
+    def staged():
+        return {n for n in os.listdir(folder) if n.endswith(".tar")} if folder.exists() else set()
+
+    deadline = time.monotonic() + TIMEOUT  # a bound on a hang, not a speed requirement
+    while staged() != expect and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert staged() == expect  # window 1 staged ahead; windows 2 and 3 not yet
+    del it, dl
