@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from stallfree.loader.fetch import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ
+from stallfree.loader.first_batch import FirstBatchGate
 from stallfree.loader.messages import Task
 from stallfree.loader.plan import WorkerPlan
 from stallfree.loader.returns import SlotReturns
@@ -48,6 +49,7 @@ class Engine:
         self.storages: dict[tuple[int, int], torch.UntypedStorage] = {}
         self.gen = 0
         self.closed = False
+        self.gate: FirstBatchGate | None = None
         if self.in_process:
             self.plan = replace(plan, in_process=True)
             self.task_qs: list[Any] = [queue.Queue()]
@@ -80,10 +82,19 @@ class Engine:
             self.progress = [ctx.RawArray("q", 4) for _ in range(self.n)]
             for p in self.progress:
                 p[:] = [-1, -1, -1, -1]
+            self.gate = FirstBatchGate(ctx) if self.n > 1 and self.plan.batch_decode is not None else None
             self.procs = [
                 ctx.Process(
                     target=worker_main,
-                    args=(w, self.plan, self.task_qs[w], self.returns[w], self.result_q, self.progress[w]),
+                    args=(
+                        w,
+                        self.plan,
+                        self.task_qs[w],
+                        self.returns[w],
+                        self.result_q,
+                        self.progress[w],
+                        self.gate,
+                    ),
                     daemon=True,
                     name=f"stallfree-worker-{w}",
                 )
@@ -99,6 +110,8 @@ class Engine:
             raise
 
     def send(self, worker: int, task: Task) -> None:
+        if self.gate is not None:  # before the put: the worker reads it once it has the task
+            self.gate.mark_sent(task.gen, task.seq)
         self.task_qs[worker].put(task)
 
     def doing(self, wid: int) -> str:

@@ -35,6 +35,7 @@ from stallfree.loader import contracts, fetch, lifeline, pipeline, rows, shardio
 from stallfree.loader import slots as slots_mod
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.fetch import MAP_IDX, MAP_SEQ, Fetched
+from stallfree.loader.first_batch import FirstBatchGate, FirstDecode
 from stallfree.loader.messages import BatchReady, FailedSample, Task, WorkerFailure
 from stallfree.loader.plan import Where, WorkerPlan
 from stallfree.loader.returns import SlotReturns
@@ -106,17 +107,26 @@ def _start(ctx: WorkerContext) -> None:
 
 
 def worker_main(
-    wid: int, plan: WorkerPlan, task_q: Any, returns: SlotReturns, result_q: Any, progress: Any
+    wid: int,
+    plan: WorkerPlan,
+    task_q: Any,
+    returns: SlotReturns,
+    result_q: Any,
+    progress: Any,
+    gate: FirstBatchGate | None = None,
 ) -> None:
-    """Entry point of one worker (a process, or a thread when ``plan.in_process``)."""
+    """Entry point of one worker (a process, or a thread when ``plan.in_process``). ``gate``:
+    the pool's first batch decodes on every worker's cores (first_batch.py)."""
     if not plan.in_process:
         # results still buffered when told to stop are not needed: never wait on the pipe at exit
         result_q.cancel_join_thread()
     ctx = WorkerContext(wid, plan, progress, plan.read_path)
     _start(ctx)
+    first = FirstDecode(gate, plan.batch_decode, plan.threads, plan.num_workers)
     if ctx.init_error is not None:
         for task in fetch.tasks_of(ctx, task_q):
             result_q.put(WorkerFailure(task.gen, task.seq, wid, None, None, ctx.init_error))
+            first.task_done(task.gen, task.seq)
         return
     stop = threading.Event()
     ready: queue.Queue = queue.Queue(maxsize=2)
@@ -136,9 +146,10 @@ def worker_main(
     try:
         for item in tasks:
             progress[MAP_SEQ], progress[MAP_IDX] = item.task.seq, _first(item.task.indices)
-            msg = _process(ctx, slots, item)
+            msg = _process(ctx, slots, item, first)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
             result_q.put(msg)
+            first.task_done(item.task.gen, item.task.seq)
             if isinstance(msg, BatchReady) and msg.handover:
                 slots.handed_over(msg.slot)  # the consumer's now: this worker lets go of it
             elif (
@@ -317,7 +328,9 @@ def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batc
     )
 
 
-def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> BatchReady | WorkerFailure:
+def _process(
+    ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched, first: FirstDecode | None = None
+) -> BatchReady | WorkerFailure:
     """One task: load its samples, run a worker-side batch decoder, collate into a slot."""
     if item.batch is not None:
         return _collated(ctx, slots, item)
@@ -335,7 +348,11 @@ def _process(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batch
             plan.batch_decode.decode_batch, seed=int(task.decode_seed or 0), alloc=alloc
         )
         try:
-            outcome = pipeline.decode_dropping_failures(decode, good, good_idx, plan.on_error)
+            if first is None:
+                outcome = pipeline.decode_dropping_failures(decode, good, good_idx, plan.on_error)
+            else:
+                with first.around(task.gen, task.seq):
+                    outcome = pipeline.decode_dropping_failures(decode, good, good_idx, plan.on_error)
         except BatchDecodeError as exc:  # on_error="raise": raised as the main process would raise it
             slots.unused(slot)
             pos, key, _ = exc.failures[0] if exc.failures else (0, None, None)
