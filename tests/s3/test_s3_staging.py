@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from stallfree import DataLoader
-from stallfree.shards.errors import HashMismatchError
+from stallfree.shards.errors import ChecksumMismatchError, HashMismatchError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.staged_reads import StagedShards
 from stallfree.shards.staging import Staging, StagingArea
@@ -284,3 +284,27 @@ def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
         time.sleep(0.05)
     assert staged() == expect  # window 1 staged ahead; windows 2 and 3 not yet
     del it, dl
+
+
+def test_verify_samples_reads_the_staged_sums(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url, shards=2)
+    ds = open_dataset(url, verify_samples=True, **s3.storage_options)
+    s3.reset()
+    with ThreadPoolExecutor(2) as pool:
+        staged = StagedShards(ds, Staging(root=str(tmp_path)), pool)
+        got = staged.get_many(list(range(2 * PER_SHARD)))
+        staged.close()
+    assert {g["__key__"]: g["bin"] for g in got} == samples
+    names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "idx", "sums")]
+    assert _counts(s3) == collections.Counter(names)
+    fs = s3.filesystem()  # a recorded checksum that disagrees: the staged read checks members
+    sums = bytearray(fs.cat_file(f"{bucket}/ds/shard-000001.sums"))
+    sums[-1] ^= 0xFF
+    fs.pipe_file(f"{bucket}/ds/shard-000001.sums", bytes(sums))
+    with ThreadPoolExecutor(2) as pool:
+        staged = StagedShards(ds, Staging(root=str(tmp_path / "fresh")), pool)
+        with pytest.raises(ChecksumMismatchError) as info:
+            staged.get_many([2 * PER_SHARD - 1])
+        staged.close()
+    assert info.value.shard == "shard-000001.tar" and info.value.key == "s019"
