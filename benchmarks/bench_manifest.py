@@ -6,8 +6,11 @@ Writes one dataset's manifest (``--shards`` tar shards of 5,000 samples, each wi
 manifest is written: opening reads no shard. Then, each in a fresh process (its own peak RSS),
 ``--repeats`` times, modes interleaved:
 
-  json    : open_dataset on the directory without a sidecar (``manifest.json`` parsed)
-  sidecar : open_dataset on the directory with one (the JSON is hashed, not parsed)
+  json     : open_dataset on the directory without a sidecar (``manifest.json`` parsed whole)
+  streamed : the same JSON parsed one shard entry at a time (``json.JSONDecoder.raw_decode``
+             over the ``shards`` array, each entry a ``ShardInfo`` at once, no list of dicts held),
+             then a ``ShardedDataset`` over it: what a streamed reader would cost (bench-only)
+  sidecar  : open_dataset on the directory with one (the JSON is hashed, not parsed)
 
 and reports per mode (medians): open_s (open_dataset), peak_mib (peak RSS added by it),
 fingerprint_s (the dataset's fingerprint, first ask), lookup_us (``locate`` of 100,000 random
@@ -34,7 +37,7 @@ import time
 from typing import Any
 
 PER_SHARD = 5000
-MODES = ("json", "sidecar")
+MODES = ("json", "streamed", "sidecar")
 
 
 def write(root: str, shards: int) -> None:
@@ -58,6 +61,27 @@ def write(root: str, shards: int) -> None:
     shutil.copy(os.path.join(with_sidecar, MANIFEST_NAME), os.path.join(json_only, MANIFEST_NAME))
 
 
+def open_streamed(directory: str) -> Any:
+    """A ``ShardedDataset`` from ``manifest.json`` parsed entry by entry (see the docstring)."""
+    from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo
+    from stallfree.shards.open import ShardedDataset
+
+    with open(os.path.join(directory, MANIFEST_NAME)) as f:
+        text = f.read()
+    start = text.index('"shards": [') + len('"shards": [')
+    decoder, pos, infos = json.JSONDecoder(), start, []
+    while True:
+        while text[pos] in " \n\t,":
+            pos += 1
+        if text[pos] == "]":
+            break
+        entry, pos = decoder.raw_decode(text, pos)
+        infos.append(ShardInfo.from_json(entry))
+    head = json.loads(text[: start - 1] + "[]" + text[pos + 1 :])  # everything but the shards
+    manifest = Manifest.from_json(head, shards=infos)
+    return ShardedDataset(directory, manifest, directory, "file:///", {})
+
+
 def measure(root: str, mode: str, shards: int) -> dict[str, Any]:
     import psutil
 
@@ -65,10 +89,10 @@ def measure(root: str, mode: str, shards: int) -> dict[str, Any]:
     from stallfree.shards.manifest_sidecar import sidecar_path_for
     from stallfree.shards.open import open_dataset
 
-    directory = os.path.join(root, mode)
+    directory = os.path.join(root, "json" if mode == "streamed" else mode)
     before = psutil.Process().memory_info().rss
     t0 = time.perf_counter()
-    ds = open_dataset(directory)
+    ds = open_streamed(directory) if mode == "streamed" else open_dataset(directory)
     t1 = time.perf_counter()
     fingerprint = ds.fingerprint
     t2 = time.perf_counter()
@@ -148,11 +172,13 @@ def main() -> None:
             f"| {m['lookup_us']:.2f} us | {m['shard_info_us']:.2f} us | {m['json_mib']:.1f} MiB "
             f"| {m['sidecar_mib']:.1f} MiB |"
         )
-    j, s = medians["json"], medians["sidecar"]
-    print(
-        f"sidecar vs json: open {j['open_s'] / s['open_s']:.1f}x faster, "
-        f"peak {j['peak_mib'] / max(s['peak_mib'], 1e-9):.1f}x less"
-    )
+    s = medians["sidecar"]
+    for name in ("json", "streamed"):
+        m = medians[name]
+        print(
+            f"sidecar vs {name}: open {m['open_s'] / s['open_s']:.1f}x faster, "
+            f"peak {m['peak_mib'] / max(s['peak_mib'], 1e-9):.1f}x less"
+        )
 
 
 if __name__ == "__main__":
