@@ -177,6 +177,30 @@ class DataLoader(tud.DataLoader[T_co]):
         self._engine: Engine | None = None
         self._progress: EpochProgress | None = None
 
+    # torch's DataLoader lets these be reassigned after construction (the others raise there);
+    # the plan is made once, so reassigning one makes it again, keeping the seed and the index
+    # source (and with it any restored resume state). As with torch, persistent workers that are
+    # already running keep the plan they were started with.
+    _REPLANNED = frozenset({"collate_fn", "worker_init_fn", "pin_memory", "timeout", "prefetch_factor"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name in self._REPLANNED and "_plan" in self.__dict__:
+            self._replan()
+
+    def _replan(self) -> None:
+        options = replace(
+            self._options,
+            collate_fn=None if self.collate_fn is tud.default_collate else self.collate_fn,
+            worker_init_fn=self.worker_init_fn,
+            pin_memory=self.pin_memory,
+            timeout=self.timeout,
+            prefetch_factor=self.prefetch_factor,
+        )
+        decided = plan(self.dataset, options)
+        self._options = options
+        self._plan = replace(decided, seed=self._plan.seed, source=self._plan.source)
+
     # -- public API -----------------------------------------------------------------------
     @property
     def seed(self) -> int:
