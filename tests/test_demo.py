@@ -2,9 +2,12 @@
 
 import re
 
+import pytest
+
 from stallfree.cli import main
 
 
+@pytest.mark.slow
 def test_demo_shards_loads_and_prints_bench_table(tmp_path, capsys):
     rc = main(
         [

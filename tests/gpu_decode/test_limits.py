@@ -230,6 +230,7 @@ def test_refused_images_follow_on_error_and_name_the_key(refusals, backend, devi
         assert out["rss_growth_mib"] < 1024, out["rss_growth_mib"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "dali"])
 def test_real_12000x8000_jpeg_is_over_the_default_limit(tmp_path, photos, backend):
     """96 M pixels, over PIL's 89.5 M: the CPU backend used to decode it (PIL only refuses at twice

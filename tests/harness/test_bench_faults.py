@@ -86,6 +86,7 @@ def _error_line(rc: int, err: str) -> str:
         ("torch", 2, "rank "),
     ],
 )
+@pytest.mark.slow
 def test_truncated_shard_is_one_error_line(cut_in_data, loader, nproc, prefix):
     root, name, full = cut_in_data
     size = (root / name).stat().st_size
@@ -132,6 +133,7 @@ def _listening(root_pid: int) -> set[tuple[int, str, int]]:
     return found
 
 
+@pytest.mark.slow
 def test_two_rank_bench_listens_on_loopback_only():
     """The rendezvous store (and gloo's own sockets) accept connections from this machine only."""
     proc = _bench(

@@ -15,6 +15,7 @@ from tests.harness._helpers import bench_argv, tiny_config
 LOADERS = "torch,stallfree" if loader_available("stallfree") is None else "torch"
 
 
+@pytest.mark.slow
 def test_two_ranks_cpu_end_to_end_json_adds_up_and_png_written(tmp_path, capsys):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
     rc = main(
@@ -57,6 +58,7 @@ def test_two_ranks_cpu_end_to_end_json_adds_up_and_png_written(tmp_path, capsys)
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loader", ["torch"])
 def test_injected_delay_gives_the_expected_stall_share(loader):
     # Each sample sleeps 10 ms in __getitem__; with no workers the rank fetches its batch of 4

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
@@ -26,6 +27,7 @@ def _run(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_get_disjoint_equal_shares(tmp_path):
     tmp.spawn(_run, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
     import json

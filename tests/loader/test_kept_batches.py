@@ -131,6 +131,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ctx", ["fork", "forkserver"])  # the kernel's tie; the watchdog's
 def test_a_busy_worker_exits_when_the_main_process_is_killed(ctx, tmp_path):
     """A worker stuck in the dataset's code never reaches its idle check of the parent: before

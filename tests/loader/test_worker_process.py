@@ -101,6 +101,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ctx", ["forkserver", "fork", "spawn"])
 def test_workers_exit_when_the_main_process_is_killed(ctx, tmp_path):
     script = tmp_path / "orphan.py"
@@ -190,7 +191,9 @@ def test_workers_do_not_inherit_the_training_process_sigterm_handler():
     """Lightning installs a SIGTERM handler that only logs; forked workers must still end on SIGTERM."""
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        batches = list(DataLoader(_SigtermHandler(), batch_size=2, num_workers=2, multiprocessing_context="fork"))
+        batches = list(
+            DataLoader(_SigtermHandler(), batch_size=2, num_workers=2, multiprocessing_context="fork")
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert [b.tolist() for b in batches] == [[0, 0], [0, 0]]

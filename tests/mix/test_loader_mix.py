@@ -136,6 +136,7 @@ def _gloo_rank(rank: int, world: int, init_file: str, out: str, state_json: str,
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_elastic_resume_3_to_2_gloo_ranks(tmp_path):
     def run(world: int, name: str, state: str, batches: int) -> list:
         out = str(tmp_path / f"{name}.json")

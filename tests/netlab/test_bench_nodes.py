@@ -26,6 +26,7 @@ HERE = Path(__file__).parent
 REPO = HERE.parent.parent
 
 
+@pytest.mark.slow
 def test_bench_under_torchrun_reports_every_rank_of_every_node(tmp_path):
     data = tmp_path / "data" / "ds"
     with stallfree.ShardWriter(str(data), format="tar", max_samples=16) as w:

@@ -193,6 +193,7 @@ def _records(out: Path, world: int = 2) -> list[dict]:
     return [json.loads((out / f"rank-{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_two_nodes_read_storage_once_and_share_one_cluster_cache(job, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -230,6 +231,7 @@ def test_two_nodes_read_storage_once_and_share_one_cluster_cache(job, tmp_path):
         assert cache_listeners == [f"{node.address}:{CACHE_PORT}"], listeners[node.name]
 
 
+@pytest.mark.slow
 def test_a_job_killed_mid_epoch_resumes_exactly_on_fewer_nodes(job, tmp_path):
     """2 nodes stop after batch 3 of epoch 1 (as a preempted job dies); the same state resumes on
     1 node: epoch 1 is completed with every sample exactly once, and epoch 2 runs whole."""
@@ -249,6 +251,7 @@ def test_a_job_killed_mid_epoch_resumes_exactly_on_fewer_nodes(job, tmp_path):
     assert sorted(resumed["epochs"][1]) == sorted(job["keys"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("job", [4], indirect=True)
 def test_four_nodes_of_one_rank_each_share_the_cluster_cache(job, tmp_path):
     out = tmp_path / "out"
@@ -264,6 +267,7 @@ def test_four_nodes_of_one_rank_each_share_the_cluster_cache(job, tmp_path):
     assert warm < 0.05 * job["payload"]
 
 
+@pytest.mark.slow
 def test_a_cache_node_partitioned_mid_epoch_then_healed(job, tmp_path):
     """Node 1's cache server becomes unreachable (100% loss on its flows; node 1 itself stays up)
     after batch 1 of epoch 2 and heals 3 s later: every epoch still delivers each sample exactly

@@ -52,6 +52,7 @@ def _write(s3, url, n=12, fmt="tar", per_shard=5):
     return samples
 
 
+@pytest.mark.slow
 def test_cli_shard_to_s3_then_open_and_verify(s3, bucket, tmp_path):
     expected = _source_folder(tmp_path / "src")
     url = f"s3://{bucket}/out"
