@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import torch.utils.data
+
 from stallfree.loader import contracts
 from stallfree.shards.staging import Staging
 
@@ -53,7 +55,9 @@ class ConcurrentShards:
         if staging is not None:
             from stallfree.shards.staged_reads import StagedShards
 
-            self._staged = StagedShards(dataset, staging, self._pool)
+            info = torch.utils.data.get_worker_info()  # a loader's workers share its windows
+            share = (info.id, info.num_workers) if info is not None else None
+            self._staged = StagedShards(dataset, staging, self._pool, share=share)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)

@@ -19,47 +19,20 @@ import logging
 import posixpath
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 import fsspec
 
-from stallfree.shards import remote
-from stallfree.shards.errors import HashMismatchError, MissingShardError, ShardReadError
-from stallfree.shards.idx import idx_path_for
-from stallfree.shards.readers import ArrowShardReader, TarShardReader
+from stallfree.shards import formats, remote
+from stallfree.shards.errors import HashMismatchError, MissingShardError
+from stallfree.shards.formats import ShardOpen
 from stallfree.shards.staging import StagedFile, Staging, StagingArea
-from stallfree.shards.sums import MemberSums, parse_sums, sums_path_for
 
 log = logging.getLogger(__name__)
 
 _LOCAL = fsspec.filesystem("file")
-
-
-@dataclass(frozen=True)
-class _Format:
-    """What staging needs of a shard format: the files beside a shard (path -> path; a missing
-    one is skipped) and how to open a local copy."""
-
-    sidecars: Callable[[str, bool], list[str]]
-    open: Callable[[str, Any, Any], Any]  # (local path, ShardInfo, member_check) -> reader
-
-
-def _tar_sidecars(path: str, verify_samples: bool) -> list[str]:
-    return [idx_path_for(path)] + ([sums_path_for(path)] if verify_samples else [])
-
-
-_FORMATS = {
-    "tar": _Format(
-        _tar_sidecars,
-        lambda local, info, check: TarShardReader(_LOCAL, local, info.path, info, member_check=check),
-    ),
-    "arrow": _Format(
-        lambda path, verify: [], lambda local, info, check: ArrowShardReader(_LOCAL, local, info.path, info)
-    ),
-}
 
 
 class _Open:
@@ -79,20 +52,28 @@ class StagedShards:
 
     ``stage(shards)`` starts staging shards in the background (on ``executor``);
     ``get_many(indices)`` stages what it needs and waits for it. At most ``keep_open`` shards
-    stay open (and pinned) per process; closed ones stay staged until the area needs room."""
+    stay open (and pinned) per process; closed ones stay staged until the area needs room.
 
-    def __init__(self, dataset: Any, staging: Staging, executor: Executor, keep_open: int = 32) -> None:
-        if dataset.format not in _FORMATS:
-            raise ShardReadError(
-                f"staging reads tar and arrow shards, not {dataset.format!r}", shard=dataset.url
-            )
+    ``share=(i, n)``: this is process ``i`` of ``n`` that read the same windows (a loader's
+    workers): of the shards a batch needs, it fetches its ``n``-th first and takes the rest only
+    then (by then usually staged by the others), so a window's downloads are spread over the
+    processes instead of all landing on the one that got the window's first batch."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        staging: Staging,
+        executor: Executor,
+        keep_open: int = 32,
+        share: tuple[int, int] | None = None,
+    ) -> None:
+        self._format = formats.get_format(dataset.format, where=dataset.url)
         self.dataset = dataset
         self.staging = staging
         self.area = StagingArea(staging.resolved_root(), staging.cap_bytes)
         # after a fork the dataset's client is the parent's (not fork-safe): warm() renews it
         dataset.warm([], executor)
         self._fs = dataset.fs
-        self._format = _FORMATS[dataset.format]
         self._namespace = dataset.fingerprint
         self._executor = executor
         self._keep_open = max(1, keep_open)
@@ -101,14 +82,34 @@ class StagedShards:
         self._pending: dict[int, Future] = {}
         self._needed: set[Future] = set()  # stagings a read asked for (not prefetches)
         self._later: dict[int, None] = {}  # prefetches waiting for the needed ones to finish
+        self._theirs: dict[int, None] = {}  # needed, but the other processes' share: after ours
+        self._share = share if share is not None and share[1] > 1 else None
 
     def stage(self, shards: Sequence[int]) -> None:
         """Start staging (and opening) ``shards`` not open or on their way; returns at once."""
         with self._lock:
-            for s in dict.fromkeys(int(x) for x in shards):
+            new = [
+                s
+                for s in dict.fromkeys(int(x) for x in shards)
+                if s not in self._open and s not in self._pending
+            ]
+            theirs = self._theirs_of(new)
+            for s in new:
                 self._later.pop(s, None)
-                if s not in self._open and s not in self._pending:
+                if s in theirs:
+                    self._theirs[s] = None
+                else:
+                    self._theirs.pop(s, None)
                     self._submit(s, needed=True)
+            self._start_later()
+
+    def _theirs_of(self, shards: list[int]) -> set[int]:
+        """Of ``shards``, those the other processes of the share fetch first."""
+        if self._share is None:
+            return set()
+        i, n = self._share
+        ordered = sorted(shards)
+        return set(ordered) - set(ordered[i::n])
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Stage ``shards`` (the next window's) once every shard a read is waiting for is in:
@@ -133,8 +134,17 @@ class StagedShards:
             self._start_later()
 
     def _start_later(self) -> None:
-        """Under the lock: start the waiting prefetches when no needed staging is left."""
-        if self._needed or not self._later:
+        """Under the lock: once no needed staging of ours is left, start the others' share of
+        what is needed, and when that is in too, the waiting prefetches."""
+        if self._needed:
+            return
+        if self._theirs:
+            for s in self._theirs:
+                if s not in self._open and s not in self._pending:
+                    self._submit(s, needed=True)
+            self._theirs.clear()
+            return
+        if not self._later:
             return
         for s in self._later:
             if s not in self._open and s not in self._pending:
@@ -151,6 +161,7 @@ class StagedShards:
             fut = self._pending.get(s)
             if fut is None:
                 self._later.pop(s, None)
+                self._theirs.pop(s, None)
                 fut = self._submit(s, needed=True)
         try:
             opened = fut.result()
@@ -178,8 +189,11 @@ class StagedShards:
             positions.append(pos)
             rows.append(row)
         self.stage(list(by_shard))
+        with self._lock:  # ours first: the others' share is started once ours is in
+            shards = sorted(by_shard, key=lambda s: s in self._theirs)
         out: list[Any] = [None] * len(indices)
-        for s, (positions, rows) in by_shard.items():
+        for s in shards:
+            positions, rows = by_shard[s]
             for pos, sample in zip(positions, self._wait(s).get_many(rows), strict=True):
                 out[pos] = sample
         return out
@@ -193,7 +207,8 @@ class StagedShards:
         try:
             main = self.area.stage(self._namespace, info.path, lambda f: self._fetch_shard(path, info, f))
             pins.append(main)
-            for side in self._format.sidecars(path, bool(ds.verify_samples)):
+            # staged beside the copy under their own names, where the format's reader looks for them
+            for side in self._format.sidecars(path, with_checksums=bool(ds.verify_samples)):
                 name = posixpath.join(posixpath.dirname(info.path), posixpath.basename(side))
                 try:
                     pins.append(
@@ -202,14 +217,9 @@ class StagedShards:
                         )
                     )
                 except MissingShardError:
-                    if side.endswith(".sums"):
-                        raise MissingShardError(
-                            f"missing checksums {posixpath.basename(side)} (the manifest records them for every tar)",
-                            shard=info.path,
-                        ) from None
-                    # no .idx beside it: the local reader scans the copy's headers
-            check = self._member_sums(pins, info.path) if ds.verify_samples else None
-            reader = self._format.open(main.path, info, check)
+                    pass  # the local reader says what a missing one means (tar: no .idx, scan headers)
+            request = ShardOpen(_LOCAL, main.path, info, verify_samples=bool(ds.verify_samples))
+            reader = self._format.open_reader(request)
         except BaseException:
             for p in pins:
                 p.close()
@@ -245,12 +255,6 @@ class StagedShards:
 
     def _fetch_small(self, path: str, shard: str, f: BinaryIO) -> None:
         f.write(remote.read_file(self._fs, path, shard=shard))
-
-    @staticmethod
-    def _member_sums(pins: list[StagedFile], shard: str) -> MemberSums:
-        sums = next(p for p in pins if p.path.endswith(".sums"))
-        with open(sums.path, "rb") as f:
-            return MemberSums(parse_sums(f.read(), shard), shard)
 
     def close(self) -> None:
         with self._lock:

@@ -308,3 +308,20 @@ def test_verify_samples_reads_the_staged_sums(s3, bucket, tmp_path):
             staged.get_many([2 * PER_SHARD - 1])
         staged.close()
     assert info.value.shard == "shard-000001.tar" and info.value.key == "s019"
+
+
+def test_a_worker_fetches_its_share_of_a_window_first_then_the_rest(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    s3.reset()
+    with ThreadPoolExecutor(8) as pool:  # worker 1 of 2, alone: no other worker takes the rest
+        staged = StagedShards(ds, Staging(root=str(tmp_path)), pool, share=(1, 2))
+        got = staged.get_many(list(range(len(ds))))
+        staged.close()
+    assert {g["__key__"]: g["bin"] for g in got} == samples
+    order = [
+        r.path.rsplit("/", 1)[-1] for r in s3.requests() if r.method == "GET" and r.path.endswith(".tar")
+    ]
+    assert sorted(order[:4]) == [f"shard-{s:06d}.tar" for s in (1, 3, 5, 7)]  # its share, first
+    assert sorted(order[4:]) == [f"shard-{s:06d}.tar" for s in (0, 2, 4, 6)]  # then the others'
