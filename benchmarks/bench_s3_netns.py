@@ -12,7 +12,9 @@ so every request crosses the relay. The dataset (``--samples`` x ``--sample-kb``
 Readers, each one DataLoader of ``--workers`` workers, batch ``--batch``, two epochs: cold (open
 included, fresh local caches) and warm (the same loader's next epoch; local caches kept):
   stallfree-block   ``stallfree.DataLoader(open_dataset(s3://bench/wds), shuffle=True)``: order
-                    "auto" = "block" for remote data (shards shuffled, samples inside windows of 8)
+                    "auto" = "block" for remote data (shards shuffled, samples inside windows of 8),
+                    and with it staging (each shard fetched whole, once per node, into a local
+                    directory: here the reader's fresh scratch folder, so "cold" is cold)
   webdataset        ``webdataset.WebDataset`` over presigned URLs (shards shuffled, 1000-sample buffer)
   streaming         ``streaming.StreamingDataset(remote=s3://bench/mds, shuffle=True)``
   litdata           ``litdata.StreamingDataset(s3://bench/lit, shuffle=True)``
@@ -22,9 +24,10 @@ Per reader and epoch: samples/s, seconds to the first batch, GETs, requests and 
 sample at the server, and two shuffle figures (so nobody wins by not shuffling): distinct tar
 shards per batch (of the stallfree layout; a sequential reader scores 1) and Spearman's rank
 correlation between delivery order and storage order (0 for a perfect shuffle, 1 sequential).
-Every epoch must deliver every sample exactly once.
+Every epoch must deliver every sample exactly once. ``--runs N`` repeats every reader N times
+(runs interleaved: run 1 of every reader, then run 2, ...) and reports each figure's median.
 
-    .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --delays 0 10 25
+    PYTHONPATH=. .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --delays 0 10 25 --runs 3
 """
 
 from __future__ import annotations
@@ -123,9 +126,10 @@ def stallfree_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> 
     from stallfree.shards.open import open_dataset
 
     ds = open_dataset(f"s3://{BUCKET}/wds", **storage_options(endpoint))
-    # shuffle=True, as torch's: without it order "auto" is "sequential" (the old bench_s3.py's slip)
+    # shuffle=True, as torch's: without it order "auto" is "sequential" (the old bench_s3.py's slip);
+    # staging in the scratch folder: the default (the node's temp dir) would outlive the reader
     return DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers, seed=0,
-                      collate_fn=_keys_only, persistent_workers=True)  # fmt: skip
+                      collate_fn=_keys_only, persistent_workers=True, staging=str(scratch / "stage"))  # fmt: skip
 
 
 def webdataset_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
@@ -280,6 +284,16 @@ def run_reader(
     return out
 
 
+def _median(rs: list[dict]) -> dict:
+    """One row of the runs' medians (and every run's samples/s, to show the spread)."""
+    out = {k: rs[0][k] for k in ("reader", "epoch")}
+    for k in rs[0]:
+        if k not in out:
+            out[k] = float(np.median([r[k] for r in rs]))
+    out["runs samples/s"] = [round(r["samples/s"]) for r in rs]
+    return out
+
+
 def inner(args: argparse.Namespace) -> int:
     import logging
 
@@ -300,24 +314,23 @@ def inner(args: argparse.Namespace) -> int:
     sizes = [s.samples for s in ds.manifest.shards]
     shard_of = np.repeat(np.arange(len(sizes)), sizes)
     n = len(ds)
-    rows = []
+    runs: dict[tuple[int, str, str], list[dict]] = {}
+    failed: dict[tuple[int, str], str] = {}
     for ms in args.delays:
         os.environ.update(aws_env(endpoints[str(ms)]))
-        for name in args.readers:
-            try:
-                for r in run_reader(name, endpoints[str(ms)], setup, args, n, shard_of):
-                    rows.append({"delay ms": ms, **r})
-            except Exception as exc:  # noqa: BLE001 - one peer failing is a row, not the run
-                traceback.print_exc()
-                rows.append(
-                    {
-                        "delay ms": ms,
-                        "reader": name,
-                        "epoch": "-",
-                        "error": f"{type(exc).__name__}: {exc}"[:300],
-                    }
-                )
-            sys.stderr.write(f"done {name} at {ms} ms\n")
+        for run in range(args.runs):
+            for name in args.readers:
+                if (ms, name) in failed:
+                    continue
+                try:
+                    for r in run_reader(name, endpoints[str(ms)], setup, args, n, shard_of):
+                        runs.setdefault((ms, name, r["epoch"]), []).append(r)
+                except Exception as exc:  # noqa: BLE001 - one peer failing is a row, not the run
+                    traceback.print_exc()
+                    failed[(ms, name)] = f"{type(exc).__name__}: {exc}"[:300]
+                sys.stderr.write(f"done {name} at {ms} ms, run {run + 1}\n")
+    rows = [{"delay ms": ms, **_median(rs)} for (ms, _, _), rs in runs.items()]
+    rows += [{"delay ms": ms, "reader": name, "epoch": "-", "error": e} for (ms, name), e in failed.items()]
     meta.update(samples=n, tar_shards=len(sizes), tars=None)
     print(json.dumps({"meta": meta, "rows": rows}))
     return 0
@@ -331,6 +344,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--delays", type=int, nargs="+", default=[10])
+    ap.add_argument("--runs", type=int, default=1, help="runs per reader; figures are their medians")
     ap.add_argument("--readers", nargs="+", default=list(READERS), choices=READERS)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -344,6 +358,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         argv2 = [sys.executable, str(Path(__file__).resolve()), "--inner", "--endpoints", json.dumps(endpoints),
                  "--samples", str(args.samples), "--sample-kb", str(args.sample_kb), "--shard-mb", str(args.shard_mb),
                  "--workers", str(args.workers), "--batch", str(args.batch), "--delays", *map(str, args.delays),
+                 "--runs", str(args.runs),
                  "--readers", *args.readers]  # fmt: skip
         done = lab.lab.run("node0", argv2, timeout=3600, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -361,15 +376,16 @@ def main(argv: Iterable[str] | None = None) -> int:
         f"{args.batch}; load average {m['load_avg'][0]:.1f}; upload {m['upload_s']:.0f} s, run {m['total_s']:.0f} s"
     )
     print(
-        "| delay ms | reader | epoch | samples/s | first batch s | GETs/sample | KB/sample | shards/batch | rank corr |"
+        "| delay ms | reader | epoch | samples/s | runs | first batch s | GETs/sample | KB/sample | shards/batch | rank corr |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in res["rows"]:
         if "error" in r:
-            print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} |||||")
+            print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} ||||||")
             continue
         print(
-            f"| {r['delay ms']} | {r['reader']} | {r['epoch']} | {r['samples/s']:.0f} | {r['first batch s']:.2f} | "
+            f"| {r['delay ms']} | {r['reader']} | {r['epoch']} | {r['samples/s']:.0f} | "
+            f"{', '.join(map(str, r['runs samples/s']))} | {r['first batch s']:.2f} | "
             f"{r['GETs/sample']:.3f} | {r['KB/sample']:.1f} | {r['shards/batch']:.1f} | {r['rank corr']:.3f} |"
         )
     return 0
