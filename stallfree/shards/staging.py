@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _LOCK, _TMP = ".lock", ".tmp-"
 MAX_DEFAULT_CAP = 256 << 30
+TRIM_EVERY = 64  # files staged by a process between two walks of the whole area
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,11 @@ class StagingArea:
         self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(root)
         self._trim_lock = threading.Lock()
         self._warned_full = False
+        # bytes staged, as last counted plus what this process staged since: the whole
+        # directory is walked only when that passes the cap, or every TRIM_EVERY files (other
+        # processes stage too), not once per file (a walk of 100,000 files takes a while)
+        self._estimate = self.staged_bytes()
+        self._since_walk = 0
 
     def path_of(self, namespace: str, name: str) -> str:
         return os.path.join(self.root, quote(namespace, safe=""), quote(name, safe=""))
@@ -118,21 +124,37 @@ class StagingArea:
                 pinned = _pin(path)  # another process staged it while this one waited
                 if pinned is not None:
                     return pinned
-                self._fill(path, fill)
-            self.trim(keep=path)
+                pinned = self._fill(path, fill)
+            self._added(pinned.size)
+            return pinned
 
-    def _fill(self, path: str, fill: Callable[[BinaryIO], None]) -> None:
+    def _fill(self, path: str, fill: Callable[[BinaryIO], None]) -> StagedFile:
+        """Write ``path`` through a temporary file; returned pinned (no trim can take it first)."""
         tmp = f"{path}{_TMP}{os.getpid()}-{threading.get_ident()}"
+        fd = -1
         try:
             with open(tmp, "wb") as f:
                 fill(f)
+            fd = os.open(tmp, os.O_RDONLY)
+            fcntl.flock(fd, fcntl.LOCK_SH)
             os.rename(tmp, path)  # visible whole or not at all
         except BaseException:
+            if fd >= 0:
+                os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path + _LOCK)  # later arrivals find the file before they look for a lock
+        return StagedFile(path, fd)
+
+    def _added(self, size: int) -> None:
+        with self._trim_lock:
+            self._estimate += size
+            self._since_walk += 1
+            due = self._estimate > self.cap_bytes or self._since_walk >= TRIM_EVERY
+        if due:
+            self.trim()
 
     def staged_bytes(self) -> int:
         return sum(size for _, size, _ in self._files())
@@ -159,6 +181,7 @@ class StagingArea:
         with self._trim_lock:
             files = self._files()
             total = sum(size for _, size, _ in files)
+            self._estimate, self._since_walk = total, 0
             if total <= self.cap_bytes:
                 return
             for path, size, _ in sorted(files, key=lambda f: f[2]):
@@ -166,6 +189,7 @@ class StagingArea:
                     return
                 if path != keep and _evict(path):
                     total -= size
+                    self._estimate -= size
             if not self._warned_full:
                 self._warned_full = True
                 log.warning(
