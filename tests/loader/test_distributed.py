@@ -13,7 +13,11 @@ from tests.loader.helpers import Numbers
 def _run(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        dl = DataLoader(Numbers(41), batch_size=4, shuffle=True, num_workers=1)  # no seed: ranks agree on 0
+        # workers fork, as they do under torchrun (ranks started by torch's spawn default to spawn,
+        # and every spawned worker would import torch again: seconds each, beside nothing tested)
+        dl = DataLoader(  # no seed: ranks agree on 0
+            Numbers(41), batch_size=4, shuffle=True, num_workers=1, multiprocessing_context="fork"
+        )
         assert dl.world.rank == rank and dl.world.size == world
         mine = [i for b in dl for i in b["i"].tolist()]
         gathered: list = [None] * world

@@ -121,7 +121,9 @@ def test_cache_with_a_mixture_is_refused():
 def _gloo_rank(rank: int, world: int, init_file: str, out: str, state_json: str, batches: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        dl = DataLoader(_mixture(), batch_size=5, num_workers=1)
+        # workers fork, as they do under torchrun (ranks started by torch's spawn default to spawn,
+        # and every spawned worker would import torch again: seconds each, beside nothing tested)
+        dl = DataLoader(_mixture(), batch_size=5, num_workers=1, multiprocessing_context="fork")
         assert dl.world.size == world
         if state_json:
             dl.load_state_dict(json.loads(state_json))
