@@ -28,6 +28,7 @@ import numpy as np
 
 from stallfree.cache.base import CacheKey
 from stallfree.cache.codec import UnexpectedEntry
+from stallfree.shards.formats import find_format
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +114,17 @@ class RawSampleCheck:
 
 
 def raw_check(dataset: Any) -> RawSampleCheck:
-    """The check for ``dataset``'s raw samples: exact for a manifest-backed dataset (tar: every
-    field bytes; Arrow: per column type), a dict with a str ``__key__`` if any for other datasets."""
+    """The check for ``dataset``'s raw samples: exact for a manifest-backed dataset of a registered
+    shard format (``shards.formats``; tar: every field bytes; Arrow, ``typed_fields``: per column
+    type), a dict with a str ``__key__`` if any for other datasets."""
     key_of = getattr(dataset, "key_of", None)
     manifest = getattr(dataset, "manifest", None)
-    fmt = getattr(manifest, "format", None)
+    fmt = find_format(getattr(manifest, "format", None))
     names = getattr(manifest, "fields", None)
-    if fmt not in ("tar", "arrow") or not isinstance(names, list):
+    if fmt is None or not isinstance(names, list):
         return RawSampleCheck(key_of=key_of)
     fields = frozenset(names) if names else None
-    if fmt == "tar":
+    if not fmt.typed_fields:
         return RawSampleCheck(fields, default_types=(bytes,), require_key=True, key_of=key_of)
     types = {n: arrow_field_types(t) for n, t in (getattr(manifest, "field_types", None) or {}).items()}
     return RawSampleCheck(fields, types, require_key=True, key_of=key_of)

@@ -63,6 +63,7 @@ def _field_size(value: Any) -> Any:
 
 def run_inspect(args: argparse.Namespace) -> int:
     from stallfree.shards.errors import ShardError
+    from stallfree.shards.formats import get_format
     from stallfree.shards.open import open_dataset
     from stallfree.shards.scan import resolve
 
@@ -106,7 +107,8 @@ def run_inspect(args: argparse.Namespace) -> int:
     if on_disk:
         print(f"format:      {manifest.format} (manifest version {manifest.version})")
     else:
-        fix = "stallfree index" if manifest.format == "tar" else "stallfree shard"  # index: tars only
+        indexable = get_format(manifest.format).indexable  # (index: tars only)
+        fix = "stallfree index" if indexable else "stallfree shard"
         print(f"format:      {manifest.format} (no manifest.json: indexed on the fly; `{fix}` writes one)")
     print(f"samples:     {n:,} in {len(manifest.shards):,} shard(s)")
     avg = f", {manifest.bytes / n / 1e3:,.1f} KB/sample" if n else ""

@@ -14,6 +14,8 @@ SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "hf", "mds"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from stallfree.shards.formats import format_names
+
     p = sub.add_parser(
         "shard",
         help="write tar or Arrow shards (+ manifest.json, .idx) from images, tables or tars",
@@ -46,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(tar / Arrow / Parquet shards, a Hugging Face save_to_disk directory; e.g. s3://bucket/ds)",
     )
     p.add_argument("dst", help="destination directory: a local path or any fsspec URL")
-    p.add_argument("--format", choices=("tar", "arrow"), default="tar", help="shard format (default tar)")
+    p.add_argument("--format", choices=format_names(), default="tar", help="shard format (default tar)")
     p.add_argument("--source", choices=SOURCE_KINDS, default=None, help="source kind (default: detected)")
     p.add_argument("--max-bytes", default="256MB", help="shard size limit, e.g. 256MB, 1GiB (default 256MB)")
     p.add_argument("--max-samples", type=int, default=None, help="at most N samples per shard")

@@ -11,6 +11,7 @@ image- or document-sized samples; tiny tabular rows pay more.
 from __future__ import annotations
 
 import posixpath
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -106,6 +107,19 @@ class _Sink:
         return True
 
 
+@dataclass(frozen=True)
+class PreparedRow:
+    """A sample for ``ArrowShardWriter.write_prepared``: checked as it is written; ``nbytes`` is
+    ``ArrowShardWriter.estimate``'s guess (0 for what is not a dict: the write says why)."""
+
+    sample: Any
+    nbytes: int
+
+
+def prepare_row(sample: Any) -> PreparedRow:
+    return PreparedRow(sample, ArrowShardWriter.estimate(sample) if isinstance(sample, dict) else 0)
+
+
 class ArrowShardWriter(CommitOnExit):
     """Writes one Arrow IPC file under a temp name, renamed into place on ``close``.
 
@@ -148,6 +162,11 @@ class ArrowShardWriter(CommitOnExit):
     @property
     def fields(self) -> list[str]:
         return [] if self.schema is None else [n for n in self.schema.names if n != KEY]
+
+    @property
+    def field_types(self) -> dict[str, str] | None:
+        """Each field's Arrow type as the manifest records it (None before the schema is known)."""
+        return None if self.schema is None else {f.name: str(f.type) for f in self.schema if f.name != KEY}
 
     @staticmethod
     def estimate(sample: dict[str, Any]) -> int:
@@ -200,6 +219,9 @@ class ArrowShardWriter(CommitOnExit):
             raise WriteError(f"cannot write Arrow batch: {exc}", shard=self.name, key=key) from exc
         self._keys.add(key)
         return self.bytes - start
+
+    def write_prepared(self, prepared: PreparedRow) -> int:
+        return self.write(prepared.sample)
 
     def close(self) -> ShardInfo:
         if self.info is not None:

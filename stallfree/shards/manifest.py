@@ -16,17 +16,14 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import manifest_rows, manifest_sidecar
+from stallfree.shards import formats, manifest_rows, manifest_sidecar
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
-from stallfree.shards.idx import idx_path_for
 from stallfree.shards.remote import read_file, url_to_fs
 from stallfree.shards.shard_info import ShardInfo
 from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
-from stallfree.shards.sums import sums_path_for
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
-FORMATS = ("tar", "arrow")
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +96,9 @@ class Manifest:
         return out
 
     def sidecars(self, path: str) -> list[str]:
-        """The files that go with shard ``path``: a tar's ``.idx`` and, with checksums, ``.sums``."""
-        if not path.endswith(".tar"):
-            return []
-        return [idx_path_for(path)] + ([sums_path_for(path)] if self.checksums else [])
+        """The files that go with shard ``path``, by the format (``formats.py``): a tar's ``.idx``
+        and, with checksums, ``.sums``."""
+        return formats.get_format(self.format, where=MANIFEST_NAME).sidecars(path, bool(self.checksums))
 
     def to_json(self) -> dict[str, Any]:
         obj: dict[str, Any] = dict(self.extra)
@@ -142,9 +138,9 @@ class Manifest:
                 f"{FORMAT_VERSION}; upgrade stallfree or rewrite the dataset with `stallfree shard`)"
             )
         fmt = obj.get("format")
-        if fmt not in FORMATS:
+        if fmt not in formats.format_names():  # (registered formats: formats.py)
             raise ManifestError(
-                f"{where}: unknown shard format {fmt!r} (expected one of {', '.join(FORMATS)})"
+                f"{where}: unknown shard format {fmt!r} (expected one of {formats.choices()})"
             )
         fields = obj.get("fields")
         if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):

@@ -1,8 +1,8 @@
 """``open_dataset(url)``: a map-style dataset over tar or Arrow shards on any fsspec filesystem.
 
 Global index ``i`` -> (shard, row) through the manifest's cumulative counts (bisect), then the
-shard's reader (``readers.py``) fetches the row: memory-mapped slices locally, ranged reads
-remotely. Shards are opened lazily on first use and checked cheaply then.
+shard's reader (opened by its format, ``formats.py``: ``readers.py``) fetches the row: ``pread``
+(tar) or a memory map (Arrow) locally, ranged reads remotely. Shards are opened lazily on first use and checked cheaply then.
 
 Without a manifest (a directory of tars, a glob, a brace pattern ``data-{000..009}.tar``) the
 index is built on the fly from the tar headers (or ``.idx`` files beside them), with a warning
@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import operator
 import os
-import posixpath
 import shlex
 import threading
 from bisect import bisect_right
@@ -25,24 +24,18 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import remote, stamps
+from stallfree.shards import formats, remote
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import ManifestError, MissingShardError, ShardError, ShardReadError
-from stallfree.shards.hf import columns_of_schema
+from stallfree.shards.formats import Format, ShardOpen, ShardReader
 from stallfree.shards.idx import IdxSample
-from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo, join
-from stallfree.shards.readers import ArrowShardReader, TarShardReader
-from stallfree.shards.scan import manifest_for_tars, relative, resolve
-from stallfree.shards.sums import MemberSums, parse_sums, sums_path_for
+from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, join
+from stallfree.shards.scan import resolve
 from stallfree.shards.verify import verify_manifest
 
 log = logging.getLogger(__name__)
 
 _ITER_CHUNK = 64
-# Table files opened without a manifest: Arrow IPC file or stream (Hugging Face ``save_to_disk``
-# writes the stream format under .arrow), Parquet (Hugging Face's Parquet exports). All read as
-# format "arrow": one row per sample, column types kept.
-TABLE_SUFFIXES = (".arrow", ".parquet")
 
 
 def open_dataset(
@@ -65,15 +58,16 @@ def open_dataset(
     except MissingShardError:
         _check_bucket(url, storage_options)
         raise
+    fmt = formats.get_format(manifest.format, where=url)
     if paths is not None:
         log.warning(
             "%s has no manifest.json: indexed %d shard(s) (%d samples) on the fly. %s",
             url,
             len(manifest.shards),
             manifest.samples,
-            _advice(url, manifest.format, is_local(fs)),
+            _advice(url, fmt, is_local(fs)),
         )
-    if verify_samples and (manifest.format != "tar" or not manifest.checksums):
+    if verify_samples and (fmt.checksums is None or not manifest.checksums):
         raise ManifestError(
             f"{url}: verify_samples=True needs the per-sample checksums `stallfree shard` records for "
             f"tar shards, and this {manifest.format} dataset has none (Arrow shards, tars written by "
@@ -95,12 +89,12 @@ def open_dataset(
     )
 
 
-def _advice(url: str, fmt: str, local: bool) -> str:
+def _advice(url: str, fmt: Format, local: bool) -> str:
     """How to open it instantly next time, by format: ``stallfree index`` writes a manifest beside
-    tar shards only (for tables it stops with "no .tar shards"); tables get one by re-sharding,
-    and ``stallfree shard`` reads local files."""
+    the shards of an ``indexable`` format (tars; for tables it stops with "no .tar shards");
+    the others get one by re-sharding, and ``stallfree shard`` reads local files."""
     src = shlex.quote(url)
-    if fmt == "tar":
+    if fmt.indexable:
         return (
             f"Write one with `stallfree index {src}` (or re-shard with `stallfree shard`) "
             "to open it instantly."
@@ -145,67 +139,15 @@ def _check_bucket(url: str, storage_options: dict[str, Any]) -> None:
 def _manifest_for_files(
     fs: fsspec.AbstractFileSystem, root: str, paths: list[str]
 ) -> tuple[Manifest, list[list[IdxSample]] | None]:
-    tars = [p for p in paths if p.endswith(".tar")]
-    if tars and len(tars) == len(paths):
-        return manifest_for_tars(fs, root, paths, stamp_shards=True)
-    arrows = [p for p in paths if p.endswith(TABLE_SUFFIXES)]
-    if len(arrows) != len(paths):
-        raise ShardError(
-            f"a dataset without a manifest must be all .tar or all .arrow / .parquet files: {paths[:5]}"
-        )
-    shards, fields, unversioned = [], {}, []
-    first: tuple[str, Any] | None = None
-    for path in arrows:
-        reader = ArrowShardReader(fs, path, relative(root, path))
-        reader.close()  # what is needed was read when it opened
-        size, version = stamps.store_version(fs, path, relative(root, path))
-        if version is None:
-            unversioned.append(relative(root, path))
-        if first is None:
-            first = (relative(root, path), reader.schema)
-        else:
-            _check_same_schema(first, (relative(root, path), reader.schema))
-        for name in reader.schema.names:
-            if name != "__key__":
-                fields.setdefault(name, None)
-        mark = stamps.stamp(size, version, str(reader.schema))  # the fingerprint follows content
-        shards.append(ShardInfo(relative(root, path), reader.rows, reader.size, None, stamp=mark))
-    stamps.warn_unversioned(fs.unstrip_protocol(root or "/"), unversioned)
-    columns = columns_of_schema(first[1]) if first is not None else None  # HF ClassLabel -> classes
-    extra = {"class_field": columns.class_field} if columns is not None and columns.class_field else {}
-    classes = columns.classes if columns is not None else None
-    return Manifest(FORMAT_VERSION, "arrow", list(fields), shards, classes=classes, extra=extra), None
-
-
-def schema_differences(a: Any, b: Any, name_a: str, name_b: str) -> list[str]:
-    """How two Arrow schemas differ, field by field (order and metadata aside): fields only one
-    has, and fields whose types differ. Empty when they agree. ``__key__`` is not a field: a
-    file without it gets ``stem/row`` keys, so files with and without it mix."""
-    types_a = {f.name: f.type for f in a if f.name != "__key__"}
-    types_b = {f.name: f.type for f in b if f.name != "__key__"}
-    found = []
-    for name, t in types_a.items():
-        if name not in types_b:
-            found.append(f"{name!r} only in {name_a}")
-        elif types_b[name] != t:
-            found.append(f"{name!r} is {t} in {name_a} but {types_b[name]} in {name_b}")
-    found += [f"{name!r} only in {name_b}" for name in types_b if name not in types_a]
-    return found
-
-
-def _check_same_schema(first: tuple[str, Any], other: tuple[str, Any]) -> None:
-    """Table files read as one dataset must share one schema, as pyarrow's datasets and Hugging
-    Face ``datasets`` require: a glob over different tables used to open silently as one, with
-    each sample's fields depending on the file it came from."""
-    (name_a, a), (name_b, b) = first, other
-    found = schema_differences(a, b, name_a, name_b)
-    if found:
-        shown = "; ".join(found[:6]) + (f"; and {len(found) - 6} more" if len(found) > 6 else "")
-        raise ShardError(
-            f"{name_a} and {name_b} have different schemas ({shown}): the table files of one dataset "
-            "must share one schema (open each kind separately, or mix them with stallfree.mix)",
-            shard=name_b,
-        )
+    """A manifest for shard files that have none, made by the one format they all belong to."""
+    fmt = formats.format_of_files(paths)
+    if fmt is None:
+        raise ShardError(f"a dataset without a manifest must be {formats.scan_choices()} files: {paths[:5]}")
+    found = fmt.scan(fs, root, paths)
+    manifest = Manifest(
+        FORMAT_VERSION, fmt.name, found.fields, found.shards, classes=found.classes, extra=found.extra
+    )
+    return manifest, found.indices
 
 
 class ShardedDataset:
@@ -245,7 +187,7 @@ class ShardedDataset:
     def _setup(self, fs: fsspec.AbstractFileSystem | None) -> None:
         self._fs = fs
         self._pid = os.getpid()
-        self._readers: list[TarShardReader | ArrowShardReader | None] = [None] * len(self.shard_sizes)
+        self._readers: list[ShardReader | None] = [None] * len(self.shard_sizes)
         self._open_lock = threading.Lock()
         self._opening: dict[int, Future] = {}  # shards being opened ahead (warm), under _open_lock
         self._local = fs is not None and is_local(fs)
@@ -303,7 +245,7 @@ class ShardedDataset:
         if not self._local and self._pid != os.getpid():
             self._setup(None)  # forked: remote clients do not survive fork
 
-    def _reader(self, s: int) -> TarShardReader | ArrowShardReader:
+    def _reader(self, s: int) -> ShardReader:
         self._check_fork()
         reader = self._readers[s]
         if reader is not None:
@@ -322,30 +264,22 @@ class ShardedDataset:
                 self._readers[s] = reader
         return reader
 
-    def _open_reader(self, s: int, verify_hash: bool) -> TarShardReader | ArrowShardReader:
+    def _open_reader(self, s: int, verify_hash: bool) -> ShardReader:
         info = self.manifest.shards[s]
         path, fs = self.shard_path(s), self.fs
+        fmt = formats.get_format(self.manifest.format, where=self.url)
+        request = ShardOpen(
+            fs,
+            path,
+            info,
+            index=self._scanned[s] if self._scanned is not None else None,
+            verify_hash=verify_hash,
+            verify_samples=self.verify_samples,
+        )
         try:
-            if self.manifest.format == "tar":
-                samples = self._scanned[s] if self._scanned is not None else None
-                check = self._member_sums(s) if self.verify_samples else None
-                return TarShardReader(fs, path, info.path, info, samples, verify_hash, member_check=check)
-            return ArrowShardReader(fs, path, info.path, info, verify_hash)
+            return fmt.open_reader(request)
         except PermissionError as exc:
             raise denied(fs.unstrip_protocol(path), exc, info.path) from None
-
-    def _member_sums(self, s: int) -> MemberSums:
-        """Shard ``s``'s recorded checksums (its ``.sums``; read once, when the shard opens)."""
-        info = self.manifest.shards[s]
-        sums = sums_path_for(self.shard_path(s))
-        try:
-            data = remote.read_file(self.fs, sums, shard=info.path)
-        except MissingShardError:
-            raise MissingShardError(
-                f"missing checksums {posixpath.basename(sums)} (the manifest records them for every tar)",
-                shard=info.path,
-            ) from None
-        return MemberSums(parse_sums(data, info.path), info.path)
 
     def __len__(self) -> int:
         return self._len

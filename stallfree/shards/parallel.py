@@ -31,9 +31,10 @@ from typing import Any, Protocol
 
 import fsspec
 
-from stallfree.shards.atomic import OverlappedHashFile, check_writable, remove_stale_temps
+from stallfree.shards import formats
+from stallfree.shards.atomic import check_writable, remove_stale_temps
 from stallfree.shards.errors import DatasetExistsError, SampleDecodeError
-from stallfree.shards.idx import idx_path_for
+from stallfree.shards.formats import Format
 from stallfree.shards.manifest import (
     FORMAT_VERSION,
     MANIFEST_NAME,
@@ -43,16 +44,9 @@ from stallfree.shards.manifest import (
     generation_stem,
 )
 from stallfree.shards.sources import Item, Source, SourceError, SourceReadError, open_source
-from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
-from stallfree.shards.sums import sums_path_for
-from stallfree.shards.tar import TarShardWriter
 
 log = logging.getLogger(__name__)
 
-TAR_BLOCK = 512
-TAR_TRAILER = 1024
-ARROW_SAMPLE_OVERHEAD = 256
-ARROW_FIELD_OVERHEAD = 96
 DEFAULT_NAME = "shard-{index:06d}"
 # Grouped sources (ImageFolder: one class after another) are shuffled with this seed unless the
 # caller says otherwise: readers that stream shards in order (WebDataset, DALI) would otherwise
@@ -77,9 +71,14 @@ class SampleTransform(Protocol):
 
 def item_cost(item: Item, fmt: str) -> int:
     """Bytes an item will take in a shard of ``fmt`` (exact for tar when the sizes are exact)."""
-    if fmt == "tar":
-        return sum(TAR_BLOCK + (s + TAR_BLOCK - 1) // TAR_BLOCK * TAR_BLOCK for s in item.sizes)
-    return ARROW_SAMPLE_OVERHEAD + sum(s + ARROW_FIELD_OVERHEAD for s in item.sizes)
+    return formats.get_format(fmt).item_cost(item.sizes)
+
+
+def _format(fmt: str) -> Format:
+    """The registered format ``fmt``; ValueError naming the registered ones otherwise."""
+    if fmt not in formats.format_names():
+        raise ValueError(f"format must be {formats.choices(quote=True)}, not {fmt!r}")
+    return formats.get_format(fmt)
 
 
 def plan_shards(
@@ -93,8 +92,7 @@ def plan_shards(
     """Split items (indices into ``items``) into shards, in order: a shard closes before an item
     that would take it past ``max_bytes`` (an item bigger than that gets a shard of its own) or
     when it holds ``max_samples``. ``shuffle_seed`` permutes the items first (numpy PCG64)."""
-    if fmt not in ("tar", "arrow"):
-        raise ValueError(f"format must be 'tar' or 'arrow', not {fmt!r}")
+    spec = _format(fmt)
     if max_bytes is not None and max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
     if max_samples is not None and max_samples <= 0:
@@ -104,14 +102,14 @@ def plan_shards(
         import numpy as np
 
         order = np.random.default_rng(shuffle_seed).permutation(len(items)).tolist()
-    base = TAR_TRAILER if fmt == "tar" else 0
+    base = spec.shard_overhead
     limit = max_bytes if max_bytes is not None else float("inf")
     cap = max_samples if max_samples is not None else float("inf")
     shards: list[list[int]] = []
     current: list[int] = []
     used = base
     for i in order:
-        cost = item_cost(items[i], fmt)
+        cost = spec.item_cost(items[i].sizes)
         if current and (len(current) >= cap or used + cost > limit):
             shards.append(current)
             current, used = [], base
@@ -166,34 +164,6 @@ class ShardSummary:
         }
 
 
-def _writer_for(fmt: str, path: str, fs: fsspec.AbstractFileSystem, schema: Any):
-    if fmt == "tar":
-        return (_OverlappedTarWriter if _OVERLAP_HASH else TarShardWriter)(path, fs=fs)
-    from stallfree.shards.arrow import ArrowShardWriter
-
-    return ArrowShardWriter(path, fs=fs, schema=schema)
-
-
-class _OverlappedTarWriter(TarShardWriter):
-    """A ``TarShardWriter`` whose sha256 runs on a helper thread (same bytes, same digest)."""
-
-    file_class = OverlappedHashFile
-
-
-def _arrow_schema(source: Source):
-    """A table source's own Arrow schema (types kept), with ``__key__`` as a string column."""
-    getter = getattr(source, "schema", None)
-    schema = getter() if callable(getter) else None
-    if schema is None:
-        return None
-    import pyarrow as pa
-
-    i = schema.get_field_index("__key__")
-    if i >= 0:
-        schema = schema.set(i, pa.field("__key__", pa.string(), nullable=False))
-    return schema.remove_metadata()
-
-
 def write_shard(
     source: Source,
     items: Sequence[Item],
@@ -209,7 +179,8 @@ def write_shard(
 ) -> ShardResult:
     """Write one shard from ``items``; unreadable items (and samples ``transform`` rejects) raise
     or are skipped per ``on_error``. A shard whose items were all skipped is not written."""
-    writer = _writer_for(fmt, path, fs, schema)
+    spec = formats.get_format(fmt)
+    writer = spec.writer(path, fs, schema=schema, overlap_hash=_OVERLAP_HASH)
     skipped: list[dict[str, str]] = []
     transformed = 0
     try:
@@ -238,13 +209,12 @@ def write_shard(
         info = writer.close()
     except BaseException:
         writer.abort()
-        if fmt == "tar":  # a tar whose rename failed after its .idx (and .sums) were renamed into place
-            for sidecar in (idx_path_for(path), sums_path_for(path)):
-                with contextlib.suppress(Exception):
-                    fs.rm_file(sidecar)
+        # a shard whose rename failed after its sidecars (a tar's .idx and .sums) were renamed into place
+        for sidecar in spec.sidecars(path):
+            with contextlib.suppress(Exception):
+                fs.rm_file(sidecar)
         raise
-    types = {f.name: str(f.type) for f in writer.schema if f.name != "__key__"} if fmt == "arrow" else None
-    return ShardResult(index, info, writer.fields, types, skipped, transformed)
+    return ShardResult(index, info, writer.fields, writer.field_types, skipped, transformed)
 
 
 # -- worker processes -----------------------------------------------------------------------------
@@ -356,8 +326,7 @@ def shard_dataset(
     shuffle_seed = resolve_shuffle(source, shuffle_seed)
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    if format not in ("tar", "arrow"):
-        raise ValueError(f"format must be 'tar' or 'arrow', not {format!r}")
+    spec = _format(format)
     try:
         first, second = name.format(index=0), name.format(index=1)
     except (KeyError, IndexError, ValueError) as exc:
@@ -386,8 +355,8 @@ def shard_dataset(
         workers = 1
     plan = plan_shards(items, format, max_bytes=max_bytes, max_samples=max_samples, shuffle_seed=shuffle_seed)
     if on_plan is not None:
-        on_plan(len(items), len(plan), sum(item_cost(it, format) for it in items))
-    schema = _arrow_schema(source) if format == "arrow" else None
+        on_plan(len(items), len(plan), sum(spec.item_cost(it.sizes) for it in items))
+    schema = spec.source_schema(source)
     paths = [posixpath.join(root, rel) for rel in shard_names(name, len(plan), format, root, in_use)]
     jobs = [([items[j] for j in shard], i, paths[i]) for i, shard in enumerate(plan)]
 
@@ -424,7 +393,7 @@ def shard_dataset(
                 transform,
             )
     except BaseException:
-        _remove_written(fs, results, root, in_use)
+        _remove_written(fs, spec, results, root, in_use)
         raise
 
     results.sort(key=lambda r: r.index)
@@ -444,15 +413,15 @@ def shard_dataset(
         shards=shards,
         classes=source.classes,
         skipped=skipped,
-        field_types=field_types if format == "arrow" else None,
-        checksums=SUMS_ALGORITHM if format == "tar" else None,  # every tar writes its .sums
+        field_types=field_types if spec.typed_fields else None,
+        checksums=spec.checksums,  # every tar writes its .sums
         transform=transform.record(sum(r.transformed for r in results)) if transform is not None else None,
         extra=_provenance(source, shuffle_seed),
     )
     try:
         written = manifest.commit(fs, root, replacing=old)
     except BaseException:
-        _remove_written(fs, results, root, in_use)
+        _remove_written(fs, spec, results, root, in_use)
         raise
     return ShardSummary(manifest, written, time.perf_counter() - t0, skipped)
 
@@ -526,29 +495,27 @@ def _drain(q: Any, progress: ProgressFn | None) -> None:
 
 def shard_names(name: str, count: int, fmt: str, root: str, in_use: set[str]) -> list[str]:
     """File names for ``count`` shards: ``name`` formatted, in the first generation
-    (``generation_stem``) none of whose files (shards and ``.idx``) is in ``in_use``."""
-    suffix = ".tar" if fmt == "tar" else ".arrow"
+    (``generation_stem``) none of whose files (shards and their sidecars) is in ``in_use``."""
+    spec = formats.get_format(fmt)
     for generation in itertools.count():
-        rels = [generation_stem(name.format(index=i), generation) + suffix for i in range(count)]
+        rels = [generation_stem(name.format(index=i), generation) + spec.suffix for i in range(count)]
         paths = [posixpath.normpath(posixpath.join(root, rel)) for rel in rels]
-        if fmt == "tar":
-            paths += [idx_path_for(p) for p in paths] + [sums_path_for(p) for p in paths]
+        paths += [side for p in paths for side in spec.sidecars(p)]
         if in_use.isdisjoint(paths):
             return rels
     raise AssertionError("unreachable")
 
 
 def _remove_written(
-    fs: fsspec.AbstractFileSystem, results: list[ShardResult], root: str, in_use: set[str]
+    fs: fsspec.AbstractFileSystem, spec: Format, results: list[ShardResult], root: str, in_use: set[str]
 ) -> None:
-    """Undo a failed run: remove the shards (and ``.idx``) it already finished, never a file of
-    the dataset it was to replace."""
+    """Undo a failed run: remove the shards (and their sidecars) it already finished, never a
+    file of the dataset it was to replace."""
     for r in results:
         if r.info is None:
             continue
         path = posixpath.join(root, r.info.path)
-        targets = [path, idx_path_for(path), sums_path_for(path)] if path.endswith(".tar") else [path]
-        for p in targets:
+        for p in [path, *spec.sidecars(path)]:
             if posixpath.normpath(p) in in_use:
                 continue
             try:

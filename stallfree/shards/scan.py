@@ -20,7 +20,7 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import remote, stamps
+from stallfree.shards import formats, remote, stamps
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx, render_idx
@@ -100,9 +100,6 @@ def sha256_of(
 # -- patterns -------------------------------------------------------------------------------
 
 _BRACE = re.compile(r"\{([^{}]*)\}")
-# files a dataset without a manifest is made of: WebDataset tars, Arrow IPC (file or stream, e.g.
-# Hugging Face ``save_to_disk``), Parquet (e.g. a Hugging Face Parquet export)
-SHARD_SUFFIXES = (".tar", ".arrow", ".parquet")
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -125,7 +122,8 @@ def expand_braces(pattern: str) -> list[str]:
 
 def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
     """URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a manifest; a
-    directory without one yields its ``SHARD_SUFFIXES`` files (not its subdirectories'). A
+    directory without one yields the files every format opens without one (``Format.scan_suffixes``:
+    WebDataset tars, Arrow IPC files or streams, Parquet), not its subdirectories'. A
     remote store that cannot be asked (dead endpoint, 5xx) is a ``RemoteReadError`` naming the
     endpoint or status, not "no dataset at URL" nor the client library's own exception."""
     if "{" in url:
@@ -151,18 +149,18 @@ def _resolve_path(
         return fs, _common_root(paths), paths
     if path.endswith(".json"):
         return fs, posixpath.dirname(path), None
-    if path.endswith(SHARD_SUFFIXES):
+    suffixes = formats.scan_suffixes()
+    if path.endswith(suffixes):
         return fs, posixpath.dirname(path), [path]
     # before isdir: http has no directories; a server error here is an error, not "no dataset"
     if remote.exists(fs, posixpath.join(path, MANIFEST_NAME), shard=MANIFEST_NAME):
         return fs, path.rstrip("/"), None
     if not fs.isdir(path):
         raise MissingShardError(f"no dataset at {url}", shard=url)
-    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(SHARD_SUFFIXES))
+    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(suffixes))
     if not names:
-        raise MissingShardError(
-            f"{url} has no manifest.json and no .tar, .arrow or .parquet files", shard=url
-        )
+        listed = ", ".join(suffixes[:-1]) + f" or {suffixes[-1]}" if len(suffixes) > 1 else suffixes[0]
+        raise MissingShardError(f"{url} has no manifest.json and no {listed} files", shard=url)
     return fs, path.rstrip("/"), names
 
 

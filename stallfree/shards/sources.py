@@ -54,6 +54,11 @@ SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "hf", "mds"
 # Kinds that are one directory with a layout of its own (not a set of files to list).
 _DIRECTORY_KINDS = {"imagefolder": ImageFolderSource, "files": GroupedFilesSource, "mds": MDSSource,
                     "litdata": LitDataSource}  # fmt: skip
+# Kinds read from a list of files: the suffixes that pick them out of a directory.
+_FILE_SUFFIXES = {TarSource.kind: (".tar",)} | {
+    kind: tuple(s for s, k in TABLE_SUFFIXES.items() if k == kind)
+    for kind in dict.fromkeys(TABLE_SUFFIXES.values())
+}
 
 
 def _expand(src: str) -> list[str]:
@@ -67,8 +72,8 @@ def _expand(src: str) -> list[str]:
 
 def _kind_of_suffixes(suffixes: set[str]) -> str | None:
     """``tar`` for all-tar files, a table kind when every suffix names the same one, else None."""
-    if suffixes == {".tar"}:
-        return "tar"
+    if suffixes == set(_FILE_SUFFIXES[TarSource.kind]):
+        return TarSource.kind
     kinds = {TABLE_SUFFIXES.get(s) for s in suffixes}
     return kinds.pop() if len(kinds) == 1 and None not in kinds else None
 
@@ -170,14 +175,13 @@ def open_source(
             )
         return hf_table_source(paths, str(kinds.pop()), on_error=on_error, always=True)
     if len(paths) == 1 and Path(paths[0]).is_dir():
-        suffixes = (".tar",) if kind == "tar" else tuple(s for s, k in TABLE_SUFFIXES.items() if k == kind)
-        paths = sorted(str(p) for p in Path(paths[0]).iterdir() if p.suffix.lower() in suffixes)
+        paths = sorted(str(p) for p in Path(paths[0]).iterdir() if p.suffix.lower() in _FILE_SUFFIXES[kind])
         if not paths:
             raise SourceError(f"no {kind} files in {src}")
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         raise SourceError(f"source file {missing[0]} does not exist")
-    if kind == "tar":
+    if kind == TarSource.kind:
         return TarSource(paths, on_error=on_error)
     return hf_table_source(paths, kind, on_error=on_error)
 

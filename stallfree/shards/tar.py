@@ -160,8 +160,10 @@ class TarShardWriter(CommitOnExit):
     """
 
     suffix = ".tar"
-    # how the shard file is written (``parallel`` uses ``OverlappedHashFile``: sha256 on a thread)
+    # how the shard file is written (``format_tar`` has one with ``OverlappedHashFile``: sha256 on a thread)
     file_class: type[AtomicFile] = AtomicFile
+    field_types = None  # every field is bytes: nothing for the manifest's ``field_types``
+    schema = None  # (no column types to carry over to the next shard)
 
     def __init__(
         self, path: str, fs: fsspec.AbstractFileSystem | None = None, **storage_options: Any

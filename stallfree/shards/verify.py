@@ -1,6 +1,7 @@
 """``stallfree verify`` and ``ShardedDataset.verify``: the one verifier. It checks a dataset
 against its manifest and reports every problem found.
 
+Each shard is checked by its format (``formats.py``: ``Format.verify``, the two functions here).
 One sequential pass per shard checks size and sha256 and, for tar shards, walks the headers with
 the one tar walker (``tar_walk``: truncation, corrupt headers, duplicate keys) to compare against
 the index (the ``.idx``, or the one a dataset without a manifest built) and the manifest's sample
@@ -21,13 +22,12 @@ import io
 import logging
 import posixpath
 from array import array
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
 from typing import IO, Any
 
 import fsspec
 
-from stallfree.shards import remote
+from stallfree.shards import formats, remote
 from stallfree.shards.errors import (
     CorruptShardError,
     DuplicateKeyError,
@@ -41,74 +41,15 @@ from stallfree.shards.fields import is_image_field
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
 from stallfree.shards.readers import check_stream_schema, unreadable_table
-from stallfree.shards.scan import SHARD_SUFFIXES, file_size, record_mismatches
+from stallfree.shards.scan import file_size, record_mismatches
 from stallfree.shards.sums import checksum, mismatch, parse_sums, sums_path_for
 from stallfree.shards.tar import BLOCK
 from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, walk_tar
+from stallfree.shards.verify_report import KeyAt, Problem, ProgressFn, VerifyReport
 
 log = logging.getLogger(__name__)
 
-ProgressFn = Callable[[int], None]  # bytes checked
-KeyAt = tuple[str, int | None]  # a sample key and the byte offset of its first header (tar)
 MAX_LISTED = 10  # problems of one kind listed per shard before a "... and N more" line
-
-
-@dataclass
-class Problem:
-    """One thing wrong, as reported: the error class name, where, and a message."""
-
-    error: str
-    message: str
-    shard: str | None = None
-    key: str | None = None
-    offset: int | None = None
-
-    @classmethod
-    def from_error(cls, exc: ShardError) -> Problem:
-        return cls(type(exc).__name__, exc.reason, exc.shard, exc.key, exc.offset)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "error": self.error,
-            "shard": self.shard,
-            "key": self.key,
-            "offset": self.offset,
-            "message": self.message,
-        }
-
-
-@dataclass
-class VerifyReport:
-    """What a verify run found: counts, and ``errors`` (the ShardErrors, in the order found);
-    ``problems`` is the same list as plain records for printing and JSON."""
-
-    dataset: str
-    format: str | None = None
-    shards: int = 0
-    samples: int = 0
-    bytes: int = 0
-    decoded: int = 0
-    errors: list[ShardError] = field(default_factory=list)
-
-    @property
-    def problems(self) -> list[Problem]:
-        return [Problem.from_error(e) for e in self.errors]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "dataset": self.dataset,
-            "ok": self.ok,
-            "format": self.format,
-            "shards": self.shards,
-            "samples": self.samples,
-            "bytes": self.bytes,
-            "decoded": self.decoded,
-            "problems": [p.to_json() for p in self.problems],
-        }
 
 
 class _HashingReader:
@@ -514,6 +455,7 @@ def verify_manifest(
     the dataset reads it through when it has no ``.idx`` of its own (``open_dataset`` without a
     manifest); ``hashes=False`` skips the sha256 comparison (every byte is still read)."""
     report = VerifyReport(dataset or root, format=manifest.format)
+    fmt = formats.get_format(manifest.format, where=dataset or root)
     owners = KeyOwners()
     for s, info in enumerate(manifest.shards):
         shard_path = join(root, info.path)
@@ -521,23 +463,17 @@ def verify_manifest(
         try:
             if not fs.exists(shard_path):
                 raise MissingShardError(f"shard file {shard_path} is missing", shard=info.path)
-            if manifest.format == "tar":
-                index = indices[s] if indices is not None else None
-                keys = verify_tar_shard(
-                    fs,
-                    shard_path,
-                    info,
-                    report,
-                    index=index,
-                    hashes=hashes,
-                    decode=decode,
-                    progress=progress,
-                    checksums=manifest.checksums,
-                )
-            else:
-                keys = verify_arrow_shard(
-                    fs, shard_path, info, report, hashes=hashes, decode=decode, progress=progress
-                )
+            check = formats.ShardCheck(
+                fs,
+                shard_path,
+                info,
+                index=indices[s] if indices is not None else None,
+                hashes=hashes,
+                decode=decode,
+                progress=progress,
+                checksums=manifest.checksums,
+            )
+            keys = fmt.verify(check, report)
             report.errors.extend(owners.add(info.path, keys))
         except ShardError as exc:
             report.errors.append(exc)
@@ -559,11 +495,12 @@ def verify_dataset(
     naming shard files rather than a dataset raises MissingShardError (there is nothing to
     verify them against)."""
     fs, path = remote.url_to_fs(url, **storage_options)  # with connect/read timeouts
-    if path.endswith(SHARD_SUFFIXES) or "{" in url or any(c in path for c in "*?["):
+    shard_suffixes = formats.scan_suffixes()
+    if path.endswith(shard_suffixes) or "{" in url or any(c in path for c in "*?["):
         parent = posixpath.dirname(path)
         hint = (
             f"pass its dataset directory {fs.unstrip_protocol(parent)}"
-            if path.endswith(SHARD_SUFFIXES) and fs.exists(posixpath.join(parent, MANIFEST_NAME))
+            if path.endswith(shard_suffixes) and fs.exists(posixpath.join(parent, MANIFEST_NAME))
             else f"write a manifest for plain tars with `stallfree index {url}`"
         )
         raise MissingShardError(
@@ -590,3 +527,17 @@ def total_bytes(url: str, **storage_options: Any) -> int | None:
         return Manifest.load(url, **storage_options).bytes
     except (ShardError, OSError):
         return None
+
+
+__all__ = [
+    "KeyAt",
+    "KeyOwners",
+    "Problem",
+    "ProgressFn",
+    "VerifyReport",
+    "total_bytes",
+    "verify_arrow_shard",
+    "verify_dataset",
+    "verify_manifest",
+    "verify_tar_shard",
+]

@@ -15,20 +15,11 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards.arrow import ArrowShardWriter
+from stallfree.shards import formats
 from stallfree.shards.atomic import CommitOnExit, check_writable, remove_stale_temps
 from stallfree.shards.errors import WriteError
-from stallfree.shards.idx import idx_path_for
-from stallfree.shards.manifest import (
-    FORMAT_VERSION,
-    FORMATS,
-    Manifest,
-    ShardInfo,
-    files_in_use,
-    generation_stem,
-)
-from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
-from stallfree.shards.tar import TarShardWriter, prepare
+from stallfree.shards.formats import ShardFileWriter
+from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, files_in_use, generation_stem
 
 _UNITS = {
     "": 1,
@@ -87,8 +78,8 @@ class ShardWriter(CommitOnExit):
         write_manifest: bool = True,
         **storage_options: Any,
     ) -> None:
-        if format not in FORMATS:
-            raise WriteError(f"unknown shard format {format!r}; choose one of {', '.join(FORMATS)}")
+        if format not in formats.format_names():
+            raise WriteError(f"unknown shard format {format!r}; choose one of {formats.choices()}")
         if not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes <= 0:
             raise WriteError(f"max_bytes must be a positive integer, got {max_bytes!r}")
         if max_samples is not None and (
@@ -113,6 +104,7 @@ class ShardWriter(CommitOnExit):
         self._generation = 0
         self.dst = dst
         self.format = format
+        self._format = formats.get_format(format)
         self.max_bytes = max_bytes
         self.max_samples = max_samples
         self.name = name
@@ -125,7 +117,7 @@ class ShardWriter(CommitOnExit):
         self.manifest: Manifest | None = None
         self._fields: dict[str, None] = {}
         self._field_types: dict[str, str] | None = None
-        self._current: TarShardWriter | ArrowShardWriter | None = None
+        self._current: ShardFileWriter | None = None
         self._closed = False
 
     @property
@@ -133,23 +125,18 @@ class ShardWriter(CommitOnExit):
         """Samples written so far (all shards)."""
         return sum(s.samples for s in self.shards) + (self._current.samples if self._current else 0)
 
-    def _open_next(self) -> TarShardWriter | ArrowShardWriter:
-        suffix = ".tar" if self.format == "tar" else ".arrow"
-        while True:  # the first generation whose name the dataset being replaced does not use
-            rel = generation_stem(self.name.format(index=self.index), self._generation) + suffix
+    def _open_next(self) -> ShardFileWriter:
+        fmt = self._format
+        while True:  # the first generation whose names the dataset being replaced does not use
+            rel = generation_stem(self.name.format(index=self.index), self._generation) + fmt.suffix
             path = posixpath.join(self.root, rel)
-            files = [posixpath.normpath(path)]
-            if self.format == "tar":
-                files.append(idx_path_for(files[0]))
-            if self._in_use.isdisjoint(files):
+            shard = posixpath.normpath(path)
+            if self._in_use.isdisjoint([shard, *fmt.sidecars(shard)]):
                 break
             self._generation += 1
         self.index += 1
-        if self.format == "tar":
-            writer: TarShardWriter | ArrowShardWriter = TarShardWriter(path, fs=self.fs)
-        else:
-            writer = ArrowShardWriter(path, fs=self.fs, schema=self.schema)
-        writer.rel = rel  # type: ignore[union-attr]
+        writer = fmt.writer(path, self.fs, schema=self.schema)
+        writer.rel = rel  # type: ignore[attr-defined]
         return writer
 
     def _finish_current(self) -> None:
@@ -159,20 +146,17 @@ class ShardWriter(CommitOnExit):
         info = cur.close()
         for f in cur.fields:
             self._fields.setdefault(f, None)
-        if isinstance(cur, ArrowShardWriter) and cur.schema is not None:
+        if cur.schema is not None:
             self.schema = cur.schema  # later shards keep the first shard's column types
-            self._field_types = {f.name: str(f.type) for f in cur.schema if f.name != "__key__"}
-        self.shards.append(ShardInfo(cur.rel, info.samples, info.bytes, info.sha256))  # type: ignore[union-attr]
+            self._field_types = cur.field_types
+        self.shards.append(ShardInfo(cur.rel, info.samples, info.bytes, info.sha256))  # type: ignore[attr-defined]
 
     def write(self, sample: dict[str, Any]) -> None:
         """Append one sample, starting a new shard first if this one would pass the limits."""
         if self._closed:
             raise WriteError("ShardWriter is closed")
-        if self.format == "tar":
-            prepared = prepare(sample)
-            size = prepared.nbytes
-        else:
-            size = ArrowShardWriter.estimate(sample) if isinstance(sample, dict) else 0
+        prepared = self._format.prepare(sample)  # checked and encoded once, before the roll-over
+        size = prepared.nbytes
         cur = self._current
         if (
             cur is not None
@@ -186,10 +170,7 @@ class ShardWriter(CommitOnExit):
             cur = None
         if cur is None:
             cur = self._current = self._open_next()
-        if self.format == "tar":
-            cur.write_prepared(prepared)  # type: ignore[union-attr]
-        else:
-            cur.write(sample)
+        cur.write_prepared(prepared)
 
     def close(self) -> Manifest:
         """Finish the last shard and write ``manifest.json``; returns the manifest."""
@@ -205,7 +186,7 @@ class ShardWriter(CommitOnExit):
             classes=self.classes,
             skipped=self.skipped,
             field_types=self._field_types,
-            checksums=SUMS_ALGORITHM if self.format == "tar" else None,  # every tar writes its .sums
+            checksums=self._format.checksums,  # every tar writes its .sums
         )
         if self.write_manifest:
             self.manifest.commit(self.fs, self.root, replacing=self._replacing)

@@ -11,7 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stallfree.shards.errors import ShardError
-from stallfree.shards.open import open_dataset, schema_differences
+from stallfree.shards.format_arrow import schema_differences
+from stallfree.shards.open import open_dataset
 
 
 def _tables(root, schemas):
