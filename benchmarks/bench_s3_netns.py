@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import os
 import random
 import shutil
@@ -96,10 +97,14 @@ def upload(src: Path, tmp: Path, n: int, shard_mb: int, endpoint: str) -> dict[s
     import litdata
 
     lit = tmp / "lit"
+    # optimize() sets the process's start method to "spawn" for good (force=True), which every
+    # reader's DataLoader below would then inherit: put back the platform's default afterwards
+    start_method = multiprocessing.get_start_method()
     litdata.optimize(
         fn=_lit_item, inputs=[(str(src), i) for i in range(n)], output_dir=str(lit),
         chunk_bytes=f"{shard_mb}MB", num_workers=1, mode="overwrite",
     )  # fmt: skip
+    multiprocessing.set_start_method(start_method, force=True)
     fs.put(str(lit) + "/", f"{BUCKET}/lit/", recursive=True)
     shutil.rmtree(lit)
     fs.invalidate_cache()
