@@ -14,6 +14,7 @@ was written, or between two of its parts, is a ``HashMismatchError`` naming it, 
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import posixpath
@@ -31,6 +32,9 @@ from stallfree.shards.formats import ShardOpen
 from stallfree.shards.staging import StagedFile, Staging, StagingArea
 
 log = logging.getLogger(__name__)
+
+# the staging directory's disk refusing a write: full, over quota, read-only, not ours
+_DISK_ERRORS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 
 _LOCAL = fsspec.filesystem("file")
 
@@ -84,6 +88,8 @@ class StagedShards:
         self._later: dict[int, None] = {}  # prefetches waiting for the needed ones to finish
         self._theirs: dict[int, None] = {}  # needed, but the other processes' share: after ours
         self._share = share if share is not None and share[1] > 1 else None
+        self._warned_disk = False
+        self._unstageable: set[int] = set()  # shards the local disk refused: read remotely
 
     def stage(self, shards: Sequence[int]) -> None:
         """Start staging (and opening) ``shards`` not open or on their way; returns at once."""
@@ -91,7 +97,7 @@ class StagedShards:
             new = [
                 s
                 for s in dict.fromkeys(int(x) for x in shards)
-                if s not in self._open and s not in self._pending
+                if s not in self._open and s not in self._pending and s not in self._unstageable
             ]
             theirs = self._theirs_of(new)
             for s in new:
@@ -116,7 +122,7 @@ class StagedShards:
         started at once they would share the bandwidth with those and delay the current batch."""
         with self._lock:
             for s in dict.fromkeys(int(x) for x in shards):
-                if s not in self._open and s not in self._pending:
+                if s not in self._open and s not in self._pending and s not in self._unstageable:
                     self._later[s] = None
             self._start_later()
 
@@ -194,9 +200,35 @@ class StagedShards:
         out: list[Any] = [None] * len(indices)
         for s in shards:
             positions, rows = by_shard[s]
-            for pos, sample in zip(positions, self._wait(s).get_many(rows), strict=True):
+            if s in self._unstageable:
+                samples = self.dataset.get_many([indices[p] for p in positions])
+                for pos, sample in zip(positions, samples, strict=True):
+                    out[pos] = sample
+                continue
+            try:
+                samples = self._wait(s).get_many(rows)
+            except OSError as exc:  # the local disk, not the store (whose errors are ShardErrors)
+                if exc.errno not in _DISK_ERRORS:
+                    raise
+                self._unstaged(s, exc)
+                samples = self.dataset.get_many([indices[p] for p in positions])
+            for pos, sample in zip(positions, samples, strict=True):
                 out[pos] = sample
         return out
+
+    def _unstaged(self, s: int, exc: OSError) -> None:
+        """Staging failed on the local disk (full, read-only): say so once, read remotely."""
+        with self._lock:
+            self._unstageable.add(s)
+        if not self._warned_disk:
+            self._warned_disk = True
+            log.warning(
+                "staging %s in %s failed (%s): reading unstaged shards with ranged GETs (about one "
+                "per sample) instead; free space there or pass staging=Staging(root=..., cap_bytes=...)",
+                self.dataset.manifest.shards[s].path,
+                self.area.root,
+                exc,
+            )
 
     def _prepare(self, s: int) -> _Open:
         """Stage shard ``s`` and its sidecars, open the local copy."""

@@ -325,3 +325,32 @@ def test_a_worker_fetches_its_share_of_a_window_first_then_the_rest(s3, bucket, 
     ]
     assert sorted(order[:4]) == [f"shard-{s:06d}.tar" for s in (1, 3, 5, 7)]  # its share, first
     assert sorted(order[4:]) == [f"shard-{s:06d}.tar" for s in (0, 2, 4, 6)]  # then the others'
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs (root only): a staging disk that fills up after a few shards."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode(errors='replace').strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False, timeout=TIMEOUT)
+
+
+def test_a_full_staging_disk_falls_back_to_ranged_reads(s3, bucket, small_disk, caplog):
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    with ThreadPoolExecutor(4) as pool:  # a cap far over the disk: it fills before any eviction
+        staged = StagedShards(ds, Staging(root=str(small_disk), cap_bytes=10 << 20), pool)
+        got = []
+        for s in range(SHARDS):
+            got += staged.get_many(list(range(s * PER_SHARD, (s + 1) * PER_SHARD)))
+        again = staged.get_many(list(range(len(ds))))  # again: staged copies and ranged reads mixed
+        staged.close()
+    assert {g["__key__"]: g["bin"] for g in got} == samples == {g["__key__"]: g["bin"] for g in again}
+    assert "reading unstaged shards with ranged GETs" in caplog.text and "No space left" in caplog.text
