@@ -62,6 +62,8 @@ EXTERNAL = {
 }
 ENV_VAR = re.compile(r"^[A-Z][A-Z0-9]*(_[A-Z0-9]+)+$")  # GLOO_SOCKET_IFNAME: not a name of ours
 DATA_FILE = re.compile(r"^[\w-]+\.(json|jsonl|bin|idx|tar|arrow|parquet|png|jpg)$")  # index.json: a file name
+# manifest.shards.bin: a file name too; not for .tar/.arrow, where shards.tar is a module of ours
+DOTTED_DATA_FILE = re.compile(r"^[\w-]+(\.[\w-]+)+\.(json|jsonl|bin|idx|parquet|png|jpg)$")
 
 
 @dataclass
@@ -182,7 +184,11 @@ def symbol_problem(span: str, index: Index) -> str | None:
     parts = name.split(".")
     if parts[0] in EXTERNAL_ROOTS or name in EXTERNAL or hasattr(builtins, name) or len(name) == 1:
         return None
-    if DATA_FILE.match(span) or (ENV_VAR.match(name) and name not in index.names):
+    if (
+        DATA_FILE.match(span)
+        or DOTTED_DATA_FILE.match(span)
+        or (ENV_VAR.match(name) and name not in index.names)
+    ):
         return None
     if len(parts) == 1:
         known = name in index.names or name in index.classes or name in index.modules
@@ -294,6 +300,8 @@ def test_the_checker_catches_what_it_is_for(index: Index):
     assert symbol_problem("v1.2 N", index) is None  # not a name
     assert symbol_problem("loader.state_dict()", index) is None  # a loader variable's method
     assert symbol_problem("index.json", index) is None and symbol_problem("GLOO_SOCKET_IFNAME", index) is None
+    assert symbol_problem("manifest.shards.bin", index) is None  # a file name with dots
+    assert "no 'tarr'" in symbol_problem("shards.tarr", index)  # but module paths are still checked
     table = layer_table(
         "| `stallfree/a/` | job | nothing |\n| `stallfree/b/` | job | `a` (errors), the `stallfree` package |\n"
         "| `stallfree/c/` | job | anything |"

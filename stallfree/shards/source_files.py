@@ -24,7 +24,6 @@ from stallfree.shards.source_base import (
 log = logging.getLogger(__name__)
 
 
-
 class ImageFolderSource(Source):
     """``root/<class>/.../<image>``: one sample per image with fields ``<ext>`` and ``cls`` (the
     class's index in sorted class-name order, as torchvision's ImageFolder numbers them)."""
