@@ -9,8 +9,27 @@ when each test runs, not what it checks.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
+from collections.abc import Iterator
+
 import pytest
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow ones first
+
+
+@pytest.fixture(autouse=True)
+def _own_temp_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Each test gets its own temp directory (also for the processes it starts, via TMPDIR).
+
+    The loader's default staging area lives in the temp directory and is shared on purpose by
+    every process of a node, across runs: in the suite, a test would otherwise be served shards a
+    test before it staged (same data, same fingerprint) and count no GET. Short path (a Unix
+    socket's path must fit in 108 bytes)."""
+    path = tempfile.mkdtemp(prefix="sft-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", path)
+    monkeypatch.setattr(tempfile, "tempdir", path)
+    yield
+    shutil.rmtree(path, ignore_errors=True)
