@@ -64,13 +64,14 @@ def one_round(shards: str, backend: str, gate: bool, workers: int) -> dict[str, 
         )
         t_iter = time.perf_counter()
         it = iter(loader)
-        out: dict[str, float] = {"iter_s": time.perf_counter() - t_iter}
+        t_pool = time.perf_counter()
+        out: dict[str, float] = {"iter_s": t_pool - t_iter}
         for k in range(1, max(MARKS) + 1):
             batch = next(it)
             assert batch["image"].shape == (64, 3, 224, 224)
             if k == 1:
                 out["main_cpu_s"] = time.process_time() - c0
-                out.update(_first_batch_steps(loader.stats()["stages_s"], time.perf_counter() - t_iter))
+                out.update(_first_batch_steps(loader.stats()["stages_s"], time.perf_counter() - t_pool))
             if k in MARKS:
                 out[f"batch_{k}_s"] = time.perf_counter() - t0
             del batch
@@ -81,15 +82,16 @@ def one_round(shards: str, backend: str, gate: bool, workers: int) -> dict[str, 
         engine.FirstBatchGate = real  # type: ignore[misc]
 
 
-def _first_batch_steps(stages: dict[str, float], since_iter: float) -> dict[str, float]:
-    """Batch 1's steps from the stage timers (only batch 1 is in them yet), and what is left."""
+def _first_batch_steps(stages: dict[str, float], after_iter: float) -> dict[str, float]:
+    """Batch 1's steps from the stage timers (only batch 1 is in them yet), and what is left of
+    ``after_iter`` (the seconds from ``iter()``'s return to batch 1)."""
     steps = {
         "read_s": stages.get("fetch_s", 0.0),
         "decode_s": stages.get("decode_batch_s", 0.0),
         "collate_s": stages.get("collate_s", 0.0),
         "transfer_s": stages.get("transfer_s", 0.0),
     }
-    steps["rest_s"] = since_iter - sum(steps.values())
+    steps["rest_s"] = after_iter - sum(steps.values())
     return steps
 
 
