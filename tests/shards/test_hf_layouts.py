@@ -94,7 +94,9 @@ def test_truncated_stream_is_a_corrupt_shard(saved, tmp_path):
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "data-00000-of-00001.arrow").write_bytes(src.read_bytes()[:100])
-    with pytest.raises(CorruptShardError, match=r"not a readable Arrow IPC file \(neither the file nor the stream format\)"):
+    with pytest.raises(
+        CorruptShardError, match=r"not a readable Arrow IPC file \(neither the file nor the stream format\)"
+    ):
         open_dataset(str(bad))
 
 
