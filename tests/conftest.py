@@ -9,6 +9,7 @@ when each test runs, not what it checks.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -20,6 +21,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow ones first
 
 
+_TEST_TEMP_DIRS: list[str] = []
+
+
 @pytest.fixture(autouse=True)
 def _own_temp_dir(
     monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
@@ -29,13 +33,25 @@ def _own_temp_dir(
     The loader's default staging area lives in the temp directory and is shared on purpose by
     every process of a node, across runs: in the suite, a test would otherwise be served shards a
     test before it staged (same data, same fingerprint) and count no GET. Short path (a Unix
-    socket's path must fit in 108 bytes)."""
-    # pytest picks its own base directory from the temp directory the first time a test asks for
-    # tmp_path: fix it first, or it lands inside this test's directory and goes with it (without
-    # xdist, which passes every worker its base directory, all later tests then fail at set-up)
+    socket's path must fit in 108 bytes).
+
+    Process-wide state made from the temp directory must not land in a test's one:
+    - pytest's base directory for tmp_path (picked the first time a test asks for one; without
+      xdist, which passes every worker its base directory, all later tests failed at set-up);
+    - multiprocessing's own temp directory (made once per process, cached): the resource sharer
+      that passes a slot's file descriptor to the main process binds its socket there, so with it
+      inside a deleted test directory a later loader's first batch never arrived (a hang).
+    Test directories are removed at the end of the session, not after each test: a leaked worker
+    or server of one test must not lose its files under it."""
     tmp_path_factory.getbasetemp()
+    multiprocessing.util.get_temp_dir()
     path = tempfile.mkdtemp(prefix="sft-", dir="/tmp")
+    _TEST_TEMP_DIRS.append(path)
     monkeypatch.setenv("TMPDIR", path)
     monkeypatch.setattr(tempfile, "tempdir", path)
     yield
-    shutil.rmtree(path, ignore_errors=True)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    for path in _TEST_TEMP_DIRS:
+        shutil.rmtree(path, ignore_errors=True)
