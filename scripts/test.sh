@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: installs what it needs, then runs every test on torch
-# 2.13.0 (.venv), in parallel (pytest-xdist; many tests wait on subprocesses and servers, so three
-# processes per core keep the CPUs busy: on 2 cores the pass took 5:11 with 6, 6:15 with 4). Tests marked `serial` watch
+# 2.13.0 (.venv), in parallel (pytest-xdist; many tests wait on subprocesses and servers, so two
+# processes per core keep the CPUs busy; three measured no better from a fresh clone on 2 cores:
+# 6:47 for the parallel pass, against 6:15 with two). Tests marked `serial` watch
 # machine-wide state (/dev/shm, the process table) and run afterwards, alone.
 #
 #   bash scripts/test.sh [PYTEST ARGS]          the README's command
@@ -29,8 +30,8 @@ TORCH_TESTS=(
   tests/loader tests/mix tests/tokens tests/examples tests/test_imports.py tests/test_package.py
   tests/gpu_decode/test_loader.py tests/cache/test_loader_integration.py tests/harness/test_units.py
 )
-jobs=$(( $(nproc) * 3 ))
-# One OpenMP thread per process unless the caller chose: with three pytest workers per core, each
+jobs=$(( $(nproc) * 2 ))
+# One OpenMP thread per process unless the caller chose: with two pytest workers per core, each
 # with its own subprocesses, torch's default (one intra-op thread per core) oversubscribes the
 # CPUs and its threads wait for each other (tests/gpu_decode's decode tests: 13 % less CPU).
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
