@@ -25,6 +25,20 @@ class Numbers(tud.Dataset):
         return {"i": i, "x": torch.full((self.width,), float(i))}
 
 
+class Sharded(Numbers):
+    """16 samples in two shards of 8, as a sharded source offers them (fingerprint, sizes,
+    get_many): what the planner tests feed it to choose the sharded paths."""
+
+    fingerprint = "f" * 16
+    shard_sizes = [8, 8]
+
+    def __init__(self) -> None:
+        super().__init__(16)
+
+    def get_many(self, indices):
+        return [self[i] for i in indices]
+
+
 class Failing(Numbers):
     """Raises ValueError for the indices in ``bad``."""
 

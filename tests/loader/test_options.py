@@ -12,18 +12,7 @@ from stallfree.cache import MemoryCache
 from stallfree.loader.options import LoaderOptions, plan
 from stallfree.loader.state import LoaderState
 from stallfree.loader.world import World
-from tests.loader.helpers import Numbers
-
-
-class Sharded(Numbers):
-    fingerprint = "f" * 16
-    shard_sizes = [8, 8]
-
-    def __init__(self) -> None:
-        super().__init__(16)
-
-    def get_many(self, indices):
-        return [self[i] for i in indices]
+from tests.loader.helpers import Numbers, Sharded
 
 
 class RemoteSharded(Sharded):
