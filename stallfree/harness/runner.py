@@ -275,19 +275,40 @@ def _spawned(
         # When one rank fails, its peers fail right after in the collective (gloo: "connection
         # closed"); the parent reports the earliest failure, the cause, not whichever it sees first.
         line = f"{type(exc).__name__}: {error_line(exc)}"
+        failure = [time.time(), line, _peer_failure(exc)]
         with contextlib.suppress(OSError):
-            Path(f"{out_path}.rank{rank}.err").write_text(json.dumps([time.time(), line]))
+            Path(f"{out_path}.rank{rank}.err").write_text(json.dumps(failure))
         raise
 
 
+def _peer_failure(exc: BaseException) -> bool:
+    """The collective failed because a peer went away: gloo raises a plain RuntimeError naming its
+    transport ("...gloo/transport/tcp/pair.cc... typically caused by a remote worker crashing"),
+    newer torch a DistError. Such an error is an effect, never the cause to report: timestamps
+    alone misjudged it, since the failed rank's unwinding closes its sockets (so its peers fail)
+    before its own handler stamps the time (seen once under load: the gloo error was reported
+    instead of the corrupt sample)."""
+    try:
+        from torch.distributed import DistError
+    except ImportError:  # an older torch: no such class
+        DistError = ()  # noqa: N806
+    text = str(exc)
+    return isinstance(exc, DistError) or "gloo/transport" in text or "remote worker crashing" in text
+
+
 def _first_failure(out_path: str, world: int) -> tuple[int, str] | None:
-    """(rank, error line) of the rank that failed first, from the files ``_spawned`` leaves."""
+    """(rank, error line) of the rank that failed first, from the files ``_spawned`` leaves; a
+    rank whose collective failed because a peer went away comes after every rank that failed
+    for a reason of its own."""
     seen = []
     for rank in range(world):
         with contextlib.suppress(OSError, ValueError):
-            when, line = json.loads(Path(f"{out_path}.rank{rank}.err").read_text())
-            seen.append((when, rank, line))
-    return (min(seen)[1], min(seen)[2]) if seen else None
+            when, line, peer = json.loads(Path(f"{out_path}.rank{rank}.err").read_text())
+            seen.append((bool(peer), when, rank, line))
+    if not seen:
+        return None
+    _, _, rank, line = min(seen)
+    return rank, line
 
 
 def run_phases(plan: BenchPlan, data: BenchData | None = None) -> list[dict] | None:

@@ -195,6 +195,14 @@ def test_a_corrupt_sample_ends_the_bench_with_its_key(tmp_path, capsys, nproc):
     assert err.endswith("cannot decode jpg: Truncated File Read (sample '00000005')")
 
 
+def test_peer_failures_are_told_from_causes():
+    from stallfree.harness.runner import _peer_failure
+
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert _peer_failure(gloo)
+    assert not _peer_failure(RuntimeError("cannot decode jpg: Truncated File Read"))
+
+
 def test_the_rank_that_failed_first_is_reported_not_its_peers(tmp_path):
     """A peer of a failed rank fails right after in the collective; the cause is the earlier one."""
     import json
@@ -202,11 +210,15 @@ def test_the_rank_that_failed_first_is_reported_not_its_peers(tmp_path):
     from stallfree.harness.runner import _first_failure
 
     out = str(tmp_path / "results.json")
+    (tmp_path / "results.json.rank0.err").write_text(json.dumps([20.5, "SampleDecodeError: late", False]))
+    (tmp_path / "results.json.rank1.err").write_text(json.dumps([20.1, "SampleDecodeError: early", False]))
+    assert _first_failure(out, 2) == (1, "SampleDecodeError: early")
+    # the failed rank's unwinding closes its sockets before it stamps the time, so its peer's
+    # gloo error can look earlier: an error caused by a peer going away never wins
     (tmp_path / "results.json.rank0.err").write_text(
-        json.dumps([20.5, "RuntimeError: gloo: Connection closed"])
+        json.dumps([20.0, "RuntimeError: gloo: Connection closed", True])
     )
-    (tmp_path / "results.json.rank1.err").write_text(
-        json.dumps([20.1, "SampleDecodeError: cannot decode jpg"])
-    )
-    assert _first_failure(out, 2) == (1, "SampleDecodeError: cannot decode jpg")
+    assert _first_failure(out, 2) == (1, "SampleDecodeError: early")
+    (tmp_path / "results.json.rank1.err").write_text(json.dumps([20.1, "RuntimeError: gloo: reset", True]))
+    assert _first_failure(out, 2) == (0, "RuntimeError: gloo: Connection closed")  # all peers': the first
     assert _first_failure(str(tmp_path / "other.json"), 2) is None  # killed ranks leave nothing
