@@ -405,7 +405,12 @@ def test_a_killed_runs_temp_files_are_removed_by_the_next_run(tmp_path: Path, wo
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + TIMEOUT
-        while not any(p.name.startswith(".shard-000001.tar.tmp-") for p in _temps(ds)):
+        # blocked on the FIFO in shard 1, and shard 0 (another worker's, with --workers 2) is in
+        # place: else the kill can land while shard 0's temp files are still being renamed
+        while not (
+            any(p.name.startswith(".shard-000001.tar.tmp-") for p in _temps(ds))
+            and not any(p.name.startswith(".shard-000000.") for p in _temps(ds))
+        ):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "the run never opened its second shard"
             time.sleep(0.05)
