@@ -56,10 +56,7 @@ for venv in "${venvs[@]}"; do
   else
     args=("${TORCH_TESTS[@]}")
   fi
-  # --dist loadscope: a module's tests go to one process, so its module-scoped fixtures (data
-  # sets, servers, one child running many scenarios) are built once, not once per process that
-  # got one of its tests (a warm run: 474 CPU-s and 4:19 against ~600 CPU-s and 6:15)
-  run "$venv" -n "$jobs" --dist loadscope -m "not serial" "${args[@]}"
+  run "$venv" -n "$jobs" -m "not serial" "${args[@]}"
   parallel_rc=$rc
   serial_args=("${args[@]}")
   if [ "$#" -eq 0 ]; then  # only the files that mark tests serial: collecting all of tests/ costs 5 s
