@@ -4,6 +4,7 @@ timeouts filled in only where the user set none."""
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import aiohttp
@@ -239,3 +240,30 @@ def test_exists_tells_not_found_from_could_not_ask(fs):
 
     with pytest.raises(RemoteReadError, match="looking up scripted:///x/manifest.json failed .*HTTP 500"):
         remote.exists(Dead(skip_instance_cache=True), "/x/manifest.json", shard="manifest.json", policy=FAST)
+
+
+def test_with_session_shares_the_model_loader_not_the_session_across_fork():
+    """One aiobotocore session per process (so fsspec's instance cache still finds a filesystem
+    made with the same options), and after fork a new session on the parent's botocore model
+    loader (its parsed JSON: ~100 ms of CPU a new client skips), never the parent's session."""
+    first = remote.with_session("s3://b/ds", {"key": "k"})
+    again = remote.with_session("s3a://b/other", {})
+    assert first["session"] is again["session"] and first["key"] == "k"
+    loader = first["session"].get_component("data_loader")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports: new session? same loader?
+        child = remote.with_session("s3://b/ds", {})["session"]
+        os.write(write, bytes([child is not first["session"], child.get_component("data_loader") is loader]))
+        os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 2) == bytes([1, 1])
+    os.close(read)
+    mine = object()
+    assert remote.with_session("s3://b/ds", {"session": mine})["session"] is mine
+    assert "session" not in remote.with_session("s3://b/ds", {"profile": "p"})
+    assert remote.with_session("https://h/ds", {}) == {} and remote.with_session("/local", {}) == {}
+    assert remote.with_session("simplecache::s3://b/ds", {}) == {}
+    fs_a = remote.url_to_fs("s3://b/ds", key="k", secret="s")[0]
+    assert remote.url_to_fs("s3://b/ds", key="k", secret="s")[0] is fs_a  # instance cache still hits
