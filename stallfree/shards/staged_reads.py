@@ -2,8 +2,9 @@
 
 Why: in block order a batch takes a few rows of each shard of its window; read where they lie,
 that is one ranged GET per sample (issue 20). Here the first read of a shard stages it whole
-(``remote.read_parts``: 16 MB ranged GETs, ``concurrency`` at once; its ``.idx``, and its
-``.sums`` under ``verify_samples``, beside it) into a ``staging.StagingArea`` shared by the
+(``remote.read_parts``: ranged GETs of ``Staging.part_bytes``, ``concurrency`` at once; its
+sidecars beside it, fetched while it is, except a tar's ``.idx`` when the manifest records the
+shard's sha256: the index is then scanned from the checked copy, no request) into a ``staging.StagingArea`` shared by the
 node's processes, and its samples are read from the local copy, with the checks a local shard
 gets (size, index against headers, member checksums). The dataset's order is never touched.
 
@@ -21,7 +22,7 @@ import posixpath
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import fsspec
@@ -80,6 +81,10 @@ class StagedShards:
         self._fs = dataset.fs
         self._namespace = dataset.fingerprint
         self._executor = executor
+        # formats whose index can be rebuilt from a shard's own bytes (``indexable``: tar headers)
+        self._derives_index = bool(self._format.indexable)
+        # sidecars have a pool of their own: a shard's staging (on ``executor``) waits for them
+        self._sidecars = ThreadPoolExecutor(4, thread_name_prefix="stallfree-sidecar")
         self._keep_open = max(1, keep_open)
         self._lock = threading.RLock()  # a done-callback may run in the thread that holds it
         self._open: OrderedDict[int, _Open] = OrderedDict()  # most recently used last
@@ -236,27 +241,60 @@ class StagedShards:
         info = ds.manifest.shards[s]
         path = ds.shard_path(s)
         pins: list[StagedFile] = []
+        wanted = self._format.sidecars(path, with_checksums=bool(ds.verify_samples))
+        if info.sha256 and self._derives_index:
+            # the copy is checked against the manifest's sha256, so an index scanned from it is
+            # as good as the stored one, and costs no request (a tar's headers: ~1 ms locally)
+            indexes = set(self._format.sidecars(path, with_checksums=False))
+            wanted = [side for side in wanted if side not in indexes]
+        # the sidecars left (checksums) are fetched while the shard is: after it, each cost one
+        # more round trip before the shard's first row could be read (50-100 ms at 10 ms each way)
+        sides = [self._sidecars.submit(self._stage_sidecar, side, info.path) for side in wanted]
         try:
             main = self.area.stage(self._namespace, info.path, lambda f: self._fetch_shard(path, info, f))
             pins.append(main)
-            # staged beside the copy under their own names, where the format's reader looks for them
-            for side in self._format.sidecars(path, with_checksums=bool(ds.verify_samples)):
-                name = posixpath.join(posixpath.dirname(info.path), posixpath.basename(side))
-                try:
-                    pins.append(
-                        self.area.stage(
-                            self._namespace, name, lambda f, p=side: self._fetch_small(p, info.path, f)
-                        )
-                    )
-                except MissingShardError:
-                    pass  # the local reader says what a missing one means (tar: no .idx, scan headers)
-            request = ShardOpen(_LOCAL, main.path, info, verify_samples=bool(ds.verify_samples))
+            for fut in sides:
+                staged = fut.result()
+                if staged is not None:
+                    pins.append(staged)
+            index = None
+            if len(wanted) < len(self._format.sidecars(path, with_checksums=bool(ds.verify_samples))):
+                index = self._local_index(main.path, info)
+                if index is None:  # the format's scan gave none after all: stage the stored one
+                    for side in indexes:
+                        staged = self._stage_sidecar(side, info.path)
+                        if staged is not None:
+                            pins.append(staged)
+            request = ShardOpen(_LOCAL, main.path, info, index=index, verify_samples=bool(ds.verify_samples))
             reader = self._format.open_reader(request)
         except BaseException:
+            for fut in sides:  # every sidecar's pin, also those staged after the failure
+                try:
+                    staged = fut.result()
+                except BaseException:  # noqa: BLE001 - the first failure is the one raised
+                    staged = None
+                if staged is not None and staged not in pins:
+                    pins.append(staged)
             for p in pins:
                 p.close()
             raise
         return _Open(reader, pins)
+
+    def _local_index(self, local_path: str, info: Any) -> Any:
+        """The staged copy's index, scanned from its own bytes (``Format.scan``); None where the
+        format keeps none (its reader then reads what it needs from the copy)."""
+        scanned = self._format.scan(_LOCAL, posixpath.dirname(local_path), [local_path])
+        return scanned.indices[0] if scanned.indices else None
+
+    def _stage_sidecar(self, side: str, shard: str) -> StagedFile | None:
+        """Stage one sidecar beside the shard's copy, under its own name, where the format's
+        reader looks for it; None if the store has none (the local reader says what a missing
+        one means: tar, no .idx, scan headers)."""
+        name = posixpath.join(posixpath.dirname(shard), posixpath.basename(side))
+        try:
+            return self.area.stage(self._namespace, name, lambda f: self._fetch_small(side, shard, f))
+        except MissingShardError:
+            return None
 
     def _fetch_shard(self, path: str, info: Any, f: BinaryIO) -> None:
         """Shard bytes from the store into ``f``, checked against the manifest's size and sha256."""
@@ -293,6 +331,7 @@ class StagedShards:
             opened, self._open = list(self._open.values()), OrderedDict()
         for o in opened:
             o.close()
+        self._sidecars.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["StagedShards"]

@@ -50,11 +50,14 @@ class Staging:
     ``root``: the directory (None: ``stallfree-staging-<uid>`` in the system's temp directory,
     one per user and node, so ranks and workers share it). ``cap_bytes``: the most it may hold
     (None: half the disk space free when first opened, at most 256 GiB). ``part_bytes`` and
-    ``concurrency``: the ranged GETs a file is read in, and how many at once."""
+    ``concurrency``: the ranged GETs a file is read in, and how many at once (8 MB, as Amazon's
+    CRT client: a 16 MB shard in two GETs, so a window of 8 shards is 16 connections, where one
+    connection per shard left bandwidth unused through a 10 ms round trip; RESULTS.md, Object
+    storage)."""
 
     root: str | None = None
     cap_bytes: int | None = None
-    part_bytes: int = 16 << 20
+    part_bytes: int = 8 << 20
     concurrency: int = 8
 
     def __post_init__(self) -> None:

@@ -4,6 +4,7 @@ bucket read sample by sample cost one GET per sample; staged, each shard file is
 per node, and the next epoch reads nothing remote."""
 
 import collections
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 
 from stallfree import DataLoader
 from stallfree.shards.errors import ChecksumMismatchError, HashMismatchError
+from stallfree.shards.manifest import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.staged_reads import StagedShards
 from stallfree.shards.staging import Staging, StagingArea
@@ -58,10 +60,9 @@ def test_block_epochs_fetch_each_shard_once_then_nothing(s3, bucket, tmp_path):
         assert sorted(k for k, _ in got) == sorted(samples)  # every sample exactly once
         assert all(data == samples[k] for k, data in got)
         gets = _counts(s3)
-        if epoch == 0:  # two workers, one node: each shard and its .idx fetched once, in one GET each
-            tars = [f"shard-{s:06d}.tar" for s in range(SHARDS)]
-            idxs = [f"shard-{s:06d}.idx" for s in range(SHARDS)]
-            assert gets == collections.Counter(tars + idxs)
+        if epoch == 0:  # two workers, one node: each shard fetched once, in one GET; its .idx
+            # never (the copy is checked against the manifest's sha256, its index scanned from it)
+            assert gets == collections.Counter(f"shard-{s:06d}.tar" for s in range(SHARDS))
         else:  # everything staged: the warm epoch asks the bucket for nothing
             assert gets == collections.Counter()
     del dl
@@ -218,8 +219,7 @@ def test_two_processes_of_a_node_share_one_staging_dir(s3, bucket, tmp_path):
         assert p.returncode == 0, err
         assert json.loads(out.strip().splitlines()[-1]) == sorted(samples)
     tars = [f"shard-{s:06d}.tar" for s in range(SHARDS)]
-    idxs = [f"shard-{s:06d}.idx" for s in range(SHARDS)]
-    assert _counts(s3) == collections.Counter(tars + idxs)  # fetched once for both processes
+    assert _counts(s3) == collections.Counter(tars)  # fetched once for both processes
 
 
 _DIE = textwrap.dedent("""
@@ -286,6 +286,27 @@ def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
     del it, dl
 
 
+def test_without_a_recorded_sha256_the_stored_index_is_staged(s3, bucket, tmp_path):
+    """A manifest without sha256 (``stallfree index`` over tars other tools wrote) cannot vouch for
+    the staged copy, so its index is not rebuilt from it: the stored ``.idx`` is fetched beside it
+    (and checked against the copy's headers as it opens)."""
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url, shards=2)
+    manifest = Manifest.load(url, **s3.storage_options)
+    manifest.shards = [dataclasses.replace(info, sha256=None) for info in manifest.shards]
+    manifest.save(url, **s3.storage_options)
+    ds = open_dataset(url, **s3.storage_options)
+    assert all(info.sha256 is None for info in ds.manifest.shards)
+    s3.reset()
+    with ThreadPoolExecutor(2) as pool:
+        staged = StagedShards(ds, Staging(root=str(tmp_path)), pool)
+        got = staged.get_many(list(range(2 * PER_SHARD)))
+        staged.close()
+    assert {g["__key__"]: g["bin"] for g in got} == samples
+    names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "idx")]
+    assert _counts(s3) == collections.Counter(names)
+
+
 def test_verify_samples_reads_the_staged_sums(s3, bucket, tmp_path):
     url = f"s3://{bucket}/ds"
     samples = _write(s3, url, shards=2)
@@ -296,7 +317,7 @@ def test_verify_samples_reads_the_staged_sums(s3, bucket, tmp_path):
         got = staged.get_many(list(range(2 * PER_SHARD)))
         staged.close()
     assert {g["__key__"]: g["bin"] for g in got} == samples
-    names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "idx", "sums")]
+    names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "sums")]
     assert _counts(s3) == collections.Counter(names)
     fs = s3.filesystem()  # a recorded checksum that disagrees: the staged read checks members
     sums = bytearray(fs.cat_file(f"{bucket}/ds/shard-000001.sums"))
