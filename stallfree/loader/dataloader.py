@@ -31,7 +31,7 @@ import torch
 import torch.utils.data as tud
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import contracts
+from stallfree.loader import contracts, shardio
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
 from stallfree.loader.options import LoaderOptions, plan
@@ -175,6 +175,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._resume_from = 0  # positions (our order) or batches (sampler, iterable) to skip
         self._active: weakref.ref | None = None  # the current iterator, which holds us (not the reverse)
         self._engine: Engine | None = None
+        self._lead: shardio.LeadStaging | None = None  # the main process staging a first window
         self._progress: EpochProgress | None = None
 
     # torch's DataLoader lets these be reassigned after construction (the others raise there);
@@ -322,6 +323,9 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._engine is not None:
             self._engine.shutdown()
             self._engine = None
+        if self._lead is not None:
+            self._lead.close()
+            self._lead = None
 
     def _close_active(self) -> None:
         it = self._active() if self._active is not None else None
@@ -362,6 +366,7 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._plan.ordered:
             self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
         engine, owns = self._engine_for(ep.base_seed)
+        self._stage_first_window(ep.batches)
         rank, seed = self.world.rank, self.seed
 
         def decode_seed(seq: int) -> int:
@@ -386,6 +391,19 @@ class DataLoader(tud.DataLoader[T_co]):
         it = LoaderIterator(core, ep.progress, self._stats, ep.total, owner=self)
         self._active = weakref.ref(it)
         return it
+
+    def _stage_first_window(self, batches: Any) -> None:
+        """Block order over remote shards, staged: the main process starts fetching the epoch's
+        first window while the workers start (``shardio.LeadStaging``)."""
+        staging, first = self._plan.worker.staging, getattr(batches, "window_shards_at", None)
+        if self._lead is not None:
+            self._lead.close()
+            self._lead = None
+        if staging is None or self.num_workers == 0 or first is None or len(batches) == 0:
+            return
+        shards = first(0)
+        if shards:
+            self._lead = shardio.LeadStaging(self._plan.worker.dataset, staging, shards)
 
     def _main_plan(self, samples: int) -> MainPlan:
         """The plan's main-process value with this epoch's failure budget."""
@@ -426,6 +444,8 @@ class DataLoader(tud.DataLoader[T_co]):
             self._close_active()
             if self._engine is not None:
                 self._engine.shutdown()
+            if self._lead is not None:
+                self._lead.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             logger.debug("error closing loader", exc_info=True)
 

@@ -369,6 +369,15 @@ class Batches(Sequence[np.ndarray]):
             raise IndexError(f"batch {b} out of range ({self._n} batches)")
         return self.share.slice(b * self.batch_size, (b + 1) * self.batch_size)
 
+    def window_shards_at(self, b: int) -> tuple[int, ...]:
+        """In block order, the shards of the window batch ``b`` starts in (empty for other
+        orders): what the main process stages while a fresh pool of workers starts."""
+        order = self.share.order
+        if not isinstance(order, Blocked) or not 0 <= b < self._n:
+            return ()
+        w = int(order.window_of(self.share.positions([b * self.batch_size]))[0])
+        return tuple(int(s) for s in order.window_shards(w))
+
     def shards_after(self, b: int) -> tuple[int, ...]:
         """In block order, the shards of the window after the one batch ``b`` starts in (empty
         for the last window, and for other orders): what a worker stages while it reads ``b``."""

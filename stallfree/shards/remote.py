@@ -624,6 +624,9 @@ def with_timeouts(
         config.setdefault("connect_timeout", timeouts.connect_s)
         config.setdefault("read_timeout", timeouts.read_s)
         config.setdefault("retries", {"total_max_attempts": 1})
+        # botocore's 10 connections per client would cap a staged window's ranged GETs (16 for 8
+        # shards of two parts) and a batch's concurrent shard reads
+        config.setdefault("max_pool_connections", 32)
         options["config_kwargs"] = config
     elif proto in ("http", "https"):
         client = dict(options.get("client_kwargs") or {})

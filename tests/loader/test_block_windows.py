@@ -47,3 +47,18 @@ def test_shards_after_names_the_next_window_on_every_rank_and_after_resume():
             expect = tuple(order.window_shards(w + 1).tolist()) if w + 1 < 3 else ()
             assert plan.shards_after(b) == expect
     assert batches(RankShare(Shuffled(0, 0, 90), 0, 0, 1), 4, False).shards_after(0) == ()
+
+
+def test_window_shards_at_names_the_window_a_batch_starts_in_on_every_rank_and_after_resume():
+    sizes = tuple([10] * 9)
+    order = Blocked(0, 0, sizes, window=3)
+    for rank, start in ((0, 0), (1, 0), (0, 17), (2, 44)):
+        share = RankShare(order, start, rank, 3)
+        plan = batches(share, 4, False)
+        for b in range(len(plan)):
+            w = int(order.window_of(share.positions([b * 4]))[0])
+            shards = plan.window_shards_at(b)
+            assert shards == tuple(order.window_shards(w).tolist())
+            first = int(share.at([b * 4])[0])  # the batch's first sample lies in one of them
+            assert int(np.searchsorted(np.cumsum(sizes), first, side="right")) in shards
+    assert batches(RankShare(Shuffled(0, 0, 90), 0, 0, 1), 4, False).window_shards_at(0) == ()

@@ -375,3 +375,32 @@ def test_a_full_staging_disk_falls_back_to_ranged_reads(s3, bucket, small_disk, 
         staged.close()
     assert {g["__key__"]: g["bin"] for g in got} == samples == {g["__key__"]: g["bin"] for g in again}
     assert "reading unstaged shards with ranged GETs" in caplog.text and "No space left" in caplog.text
+
+
+def test_the_main_process_lands_the_first_window_for_its_workers(s3, bucket, tmp_path):
+    """``shardio.LeadStaging``: the main process fetches the epoch's first window (its client
+    is connected already) while the workers start; the workers then open those copies, and
+    every shard is still fetched once."""
+    from stallfree.loader.order import Blocked
+    from stallfree.loader.shardio import LeadStaging
+
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    window = Blocked(0, 0, tuple(s.samples for s in ds.manifest.shards), window=4).window_shards(0)
+    stage = Staging(root=str(tmp_path / "stage"))
+    s3.reset()
+    lead = LeadStaging(ds, stage, window.tolist())
+    deadline = time.monotonic() + TIMEOUT
+    while sum(_counts(s3).values()) < len(window) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lead.close()
+    assert _counts(s3) == collections.Counter(f"shard-{s:06d}.tar" for s in window.tolist())
+    dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=0, collate_fn=_keys,
+                    staging=stage)  # fmt: skip
+    s3.reset()
+    got = [item for batch in dl for item in batch]
+    assert sorted(k for k, _ in got) == sorted(samples) and all(d == samples[k] for k, d in got)
+    fetched = _counts(s3)  # the loader's own first window is another one (window 8): the rest only
+    assert all(n == 1 for n in fetched.values())
+    assert set(fetched).isdisjoint(f"shard-{s:06d}.tar" for s in window.tolist())

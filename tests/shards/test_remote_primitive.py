@@ -211,6 +211,7 @@ def test_with_timeouts_fills_only_what_the_user_left_out():
         "connect_timeout": 5.0,
         "read_timeout": 15.0,
         "retries": {"total_max_attempts": 1},
+        "max_pool_connections": 32,
     }
     mine = remote.with_timeouts("s3://b/ds", {"config_kwargs": {"read_timeout": 60}})
     assert mine["config_kwargs"]["read_timeout"] == 60 and mine["config_kwargs"]["connect_timeout"] == 5.0
