@@ -35,6 +35,7 @@ from stallfree.loader import contracts, shardio
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
 from stallfree.loader.options import LoaderOptions, plan
+from stallfree.loader.order import Batches
 from stallfree.loader.plan import MainPlan, worker_cores
 from stallfree.loader.prefetch import Assembler, failure_budget
 from stallfree.loader.progress import EpochProgress
@@ -395,13 +396,13 @@ class DataLoader(tud.DataLoader[T_co]):
     def _stage_first_window(self, batches: Any) -> None:
         """Block order over remote shards, staged: the main process starts fetching the epoch's
         first window while the workers start (``shardio.LeadStaging``)."""
-        staging, first = self._plan.worker.staging, getattr(batches, "window_shards_at", None)
+        staging = self._plan.worker.staging
         if self._lead is not None:
             self._lead.close()
             self._lead = None
-        if staging is None or self.num_workers == 0 or first is None or len(batches) == 0:
+        if staging is None or self.num_workers == 0 or not isinstance(batches, Batches) or len(batches) == 0:
             return
-        shards = first(0)
+        shards = batches.window_shards_at(0)
         if shards:
             self._lead = shardio.LeadStaging(self._plan.worker.dataset, staging, shards)
 
