@@ -27,7 +27,15 @@ correlation between delivery order and storage order (0 for a perfect shuffle, 1
 Every epoch must deliver every sample exactly once. ``--runs N`` repeats every reader N times
 (runs interleaved: run 1 of every reader, then run 2, ...) and reports each figure's median.
 
+``--variant raw decode`` (default ``raw``) picks the tables: ``raw`` is the above; ``decode``
+uploads ``--samples`` ImageNet-like JPEGs (``jpg`` + ``cls``, cached in ``--jpeg-cache``) under
+s3://bench/jpg/{wds,mds,lit} and every reader decodes them with its fastest recipe to the same
+output, uint8 [N, 3, 224, 224] random-resized-crop 224 + flip (``s3_decode_variant.py``): ours
+``ImageDecode(backend="auto", dtype="uint8")``, every peer simplejpeg + torchvision v2 in its
+loader's workers. Both variants in one run: one table each, same columns.
+
     PYTHONPATH=. .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --delays 0 10 25 --runs 3
+    PYTHONPATH=. .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --variant raw decode --runs 3
 """
 
 from __future__ import annotations
@@ -45,14 +53,39 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import s3_decode_variant
 from s3lab import S3Lab, aws_env, requests_log, storage_options
 
 BUCKET = "bench"
 READERS = ("stallfree-block", "webdataset", "streaming", "litdata", "s3torchconnector")
+VARIANTS = ("raw", "decode")
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One table's data and output: where its formats live in the bucket (``prefix`` + wds/mds/
+    lit), the payload's field (and file extension), and whether readers decode it."""
+
+    name: str
+    prefix: str
+    field: str
+
+    @property
+    def decode(self) -> bool:
+        return self.name == "decode"
+
+    def collate(self) -> Callable[[list[dict[str, Any]]], dict[str, Any]]:
+        """The peers' collate: raw keys/labels/payloads, or simplejpeg + crop/flip, stacked."""
+        return s3_decode_variant.SimplejpegCropCollate() if self.decode else _keys_only
+
+
+VARIANT = {"raw": Variant("raw", "", "bin"), "decode": Variant("decode", "jpg/", "jpg")}
 
 
 # -- data --------------------------------------------------------------------------------------------
@@ -65,22 +98,24 @@ def make_source(root: Path, n: int, size: int) -> None:
         (root / f"s{i:06d}.cls").write_bytes(str(i % 10).encode())
 
 
-def _sample(src: Path, i: int) -> dict[str, Any]:
+def _sample(src: Path, i: int, field: str = "bin") -> dict[str, Any]:
     key = f"s{i:06d}"
     return {
         "key": key,
-        "bin": (src / f"{key}.bin").read_bytes(),
+        field: (src / f"{key}.{field}").read_bytes(),
         "cls": int((src / f"{key}.cls").read_text()),
     }
 
 
-def upload(src: Path, tmp: Path, n: int, shard_mb: int, endpoint: str) -> dict[str, Any]:
+def upload(src: Path, tmp: Path, n: int, shard_mb: int, endpoint: str, variant: Variant) -> dict[str, Any]:
     import s3fs
 
     env = {**os.environ, **aws_env(endpoint)}
     fs = s3fs.S3FileSystem(**storage_options(endpoint))
-    fs.call_s3("create_bucket", Bucket=BUCKET)
-    cmd = [sys.executable, "-m", "stallfree", "shard", str(src), f"s3://{BUCKET}/wds"]
+    if not fs.exists(BUCKET):
+        fs.call_s3("create_bucket", Bucket=BUCKET)
+    base = f"{BUCKET}/{variant.prefix}"
+    cmd = [sys.executable, "-m", "stallfree", "shard", str(src), f"s3://{base}wds"]
     # --no-shuffle: storage order = key order in every format, so the shuffle figures compare alike
     cmd += ["--max-bytes", f"{shard_mb}MB", "--no-progress", "--json", "--no-shuffle"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -89,11 +124,11 @@ def upload(src: Path, tmp: Path, n: int, shard_mb: int, endpoint: str) -> dict[s
     from streaming import MDSWriter
 
     with MDSWriter(
-        out=f"s3://{BUCKET}/mds", columns={"key": "str", "bin": "bytes", "cls": "int"},
+        out=f"s3://{base}mds", columns={"key": "str", variant.field: "bytes", "cls": "int"},
         size_limit=shard_mb * 1_000_000, compression=None, progress_bar=False,
     ) as w:  # fmt: skip
         for i in range(n):
-            w.write(_sample(src, i))
+            w.write(_sample(src, i, variant.field))
     import litdata
 
     lit = tmp / "lit"
@@ -101,23 +136,23 @@ def upload(src: Path, tmp: Path, n: int, shard_mb: int, endpoint: str) -> dict[s
     # reader's DataLoader below would then inherit: put back the platform's default afterwards
     start_method = multiprocessing.get_start_method()
     litdata.optimize(
-        fn=_lit_item, inputs=[(str(src), i) for i in range(n)], output_dir=str(lit),
+        fn=_lit_item, inputs=[(str(src), i, variant.field) for i in range(n)], output_dir=str(lit),
         chunk_bytes=f"{shard_mb}MB", num_workers=1, mode="overwrite",
     )  # fmt: skip
     multiprocessing.set_start_method(start_method, force=True)
-    fs.put(str(lit) + "/", f"{BUCKET}/lit/", recursive=True)
+    fs.put(str(lit) + "/", f"{base}lit/", recursive=True)
     shutil.rmtree(lit)
     fs.invalidate_cache()
-    tars = sorted(p for p in fs.ls(f"{BUCKET}/wds", detail=False) if p.endswith(".tar"))
-    return {"tars": tars, "mds": len([p for p in fs.ls(f"{BUCKET}/mds", detail=False) if p.endswith(".mds")]),
-            "lit": len([p for p in fs.ls(f"{BUCKET}/lit", detail=False) if p.endswith(".bin")])}  # fmt: skip
+    tars = sorted(p for p in fs.ls(f"{base}wds", detail=False) if p.endswith(".tar"))
+    return {"tars": tars, "mds": len([p for p in fs.ls(f"{base}mds", detail=False) if p.endswith(".mds")]),
+            "lit": len([p for p in fs.ls(f"{base}lit", detail=False) if p.endswith(".bin")])}  # fmt: skip
 
 
-def _lit_item(job: tuple[str, int]) -> dict[str, Any]:
-    return _sample(Path(job[0]), job[1])
+def _lit_item(job: tuple[str, int, str]) -> dict[str, Any]:
+    return _sample(Path(job[0]), job[1], job[2])
 
 
-# -- readers: each a function (endpoint, args, scratch) -> an iterable of epochs ------------------
+# -- readers: each a function (endpoint, args, scratch, variant) -> an iterable of epochs ---------
 def _keys_only(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
     return {
         "__key__": [s["__key__"] if "__key__" in s else s["key"] for s in samples],
@@ -126,46 +161,48 @@ def _keys_only(samples: list[dict[str, Any]]) -> dict[str, list[Any]]:
     }
 
 
-def stallfree_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+def stallfree_loader(endpoint: str, args: argparse.Namespace, scratch: Path, variant: Variant) -> Any:
     from stallfree import DataLoader
     from stallfree.shards.open import open_dataset
 
-    ds = open_dataset(f"s3://{BUCKET}/wds", **storage_options(endpoint))
+    ds = open_dataset(f"s3://{BUCKET}/{variant.prefix}wds", **storage_options(endpoint))
+    # decode: ImageDecode makes the batch (its own collate); raw: the same collate as the peers
+    output = {"decode": s3_decode_variant.image_decode()} if variant.decode else {"collate_fn": _keys_only}
     # shuffle=True, as torch's: without it order "auto" is "sequential" (the old bench_s3.py's slip);
     # staging in the scratch folder: the default (the node's temp dir) would outlive the reader
     return DataLoader(ds, batch_size=args.batch, shuffle=True, num_workers=args.workers, seed=0,
-                      collate_fn=_keys_only, persistent_workers=True, staging=str(scratch / "stage"))  # fmt: skip
+                      persistent_workers=True, staging=str(scratch / "stage"), **output)  # fmt: skip
 
 
-def webdataset_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+def webdataset_loader(endpoint: str, args: argparse.Namespace, scratch: Path, variant: Variant) -> Any:
     import s3fs
     import torch
     import webdataset as wds
 
     fs = s3fs.S3FileSystem(**storage_options(endpoint))
-    tars = sorted(p for p in fs.ls(f"{BUCKET}/wds", detail=False) if p.endswith(".tar"))
+    tars = sorted(p for p in fs.ls(f"{BUCKET}/{variant.prefix}wds", detail=False) if p.endswith(".tar"))
     urls = [fs.url(t, expires=3600) for t in tars]
     ds = (
         wds.WebDataset(urls, shardshuffle=len(urls), seed=0, detshuffle=True, empty_check=False)
         .shuffle(1000)
-        .batched(args.batch, collation_fn=_keys_only, partial=True)
+        .batched(args.batch, collation_fn=variant.collate(), partial=True)
     )
     return torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers, persistent_workers=True)
 
 
-def streaming_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+def streaming_loader(endpoint: str, args: argparse.Namespace, scratch: Path, variant: Variant) -> Any:
     import torch
     from streaming import StreamingDataset
     from streaming.base.util import clean_stale_shared_memory
 
     clean_stale_shared_memory()
-    ds = StreamingDataset(remote=f"s3://{BUCKET}/mds", local=str(scratch / "mds"), shuffle=True, shuffle_seed=0,
-                          batch_size=args.batch)  # fmt: skip
-    return torch.utils.data.DataLoader(ds, batch_size=args.batch, num_workers=args.workers, collate_fn=_keys_only,
-                                       persistent_workers=True)  # fmt: skip
+    ds = StreamingDataset(remote=f"s3://{BUCKET}/{variant.prefix}mds", local=str(scratch / "mds"), shuffle=True,
+                          shuffle_seed=0, batch_size=args.batch)  # fmt: skip
+    return torch.utils.data.DataLoader(ds, batch_size=args.batch, num_workers=args.workers,
+                                       collate_fn=variant.collate(), persistent_workers=True)  # fmt: skip
 
 
-def litdata_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+def litdata_loader(endpoint: str, args: argparse.Namespace, scratch: Path, variant: Variant) -> Any:
     import litdata
     from litdata.streaming import downloader
 
@@ -174,11 +211,11 @@ def litdata_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> An
     downloader._OBSTORE_CLIENT_OPTIONS["allow_http"] = True
     opts = {"endpoint_url": endpoint, "aws_access_key_id": "S3RVER", "aws_secret_access_key": "S3RVER"}
     ds = litdata.StreamingDataset(
-        f"s3://{BUCKET}/lit", shuffle=True, seed=0, storage_options=opts,
+        f"s3://{BUCKET}/{variant.prefix}lit", shuffle=True, seed=0, storage_options=opts,
         cache_dir=str(scratch / "lit-cache"),
     )  # fmt: skip
     return litdata.StreamingDataLoader(
-        ds, batch_size=args.batch, num_workers=args.workers, collate_fn=_keys_only
+        ds, batch_size=args.batch, num_workers=args.workers, collate_fn=variant.collate()
     )
 
 
@@ -186,8 +223,9 @@ class _S3TorchTars:
     """s3torchconnector's iterable of tar objects, reshuffled per epoch, expanded into samples by
     webdataset's tar parser, through a 1000-sample buffer (its documented webdataset pairing)."""
 
-    def __init__(self, endpoint: str, tars: list[str], batch: int) -> None:
+    def __init__(self, endpoint: str, tars: list[str], batch: int, variant: Variant) -> None:
         self.endpoint, self.tars, self.batch, self.epoch = endpoint, tars, batch, 0
+        self.field, self.collate = variant.field, variant.collate()
 
     def __iter__(self):
         import webdataset as wds
@@ -203,26 +241,31 @@ class _S3TorchTars:
         streams = ({"url": o.key, "stream": o} for o in objs)
         samples = wds.tariterators.group_by_keys(wds.tariterators.tar_file_expander(streams))
         buf = wds.filters.shuffle(1000)(
-            {"key": s["__key__"].rsplit("/", 1)[-1], "bin": s["bin"], "cls": int(s["cls"])} for s in samples
+            {"key": s["__key__"].rsplit("/", 1)[-1], self.field: s[self.field], "cls": int(s["cls"])}
+            for s in samples
         )
         chunk = []
         for s in buf:
             chunk.append(s)
             if len(chunk) == self.batch:
-                yield _keys_only(chunk)
+                yield self.collate(chunk)
                 chunk = []
         if chunk:
-            yield _keys_only(chunk)
+            yield self.collate(chunk)
 
 
-def s3torch_loader(endpoint: str, args: argparse.Namespace, scratch: Path) -> Any:
+def s3torch_loader(endpoint: str, args: argparse.Namespace, scratch: Path, variant: Variant) -> Any:
     import s3fs
     import torch
 
     fs = s3fs.S3FileSystem(**storage_options(endpoint))
-    tars = [f"s3://{p}" for p in sorted(fs.ls(f"{BUCKET}/wds", detail=False)) if p.endswith(".tar")]
+    tars = [
+        f"s3://{p}"
+        for p in sorted(fs.ls(f"{BUCKET}/{variant.prefix}wds", detail=False))
+        if p.endswith(".tar")
+    ]
     return torch.utils.data.DataLoader(
-        _Iter(_S3TorchTars(endpoint, tars, args.batch)), batch_size=None, num_workers=args.workers
+        _Iter(_S3TorchTars(endpoint, tars, args.batch, variant)), batch_size=None, num_workers=args.workers
     )
 
 
@@ -234,7 +277,7 @@ class _Iter(__import__("torch").utils.data.IterableDataset):
         return iter(self.inner)
 
 
-LOADERS: dict[str, Callable[[str, argparse.Namespace, Path], Any]] = {
+LOADERS: dict[str, Callable[[str, argparse.Namespace, Path, Variant], Any]] = {
     "stallfree-block": stallfree_loader,
     "webdataset": webdataset_loader,
     "streaming": streaming_loader,
@@ -254,13 +297,19 @@ def shuffle_quality(batches: list[list[str]], shard_of: np.ndarray) -> dict[str,
 
 
 def run_reader(
-    name: str, endpoint: str, setup: str, args: argparse.Namespace, n: int, shard_of: np.ndarray
+    name: str,
+    variant: Variant,
+    endpoint: str,
+    setup: str,
+    args: argparse.Namespace,
+    n: int,
+    shard_of: np.ndarray,
 ) -> list[dict]:
     out = []
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as scratch:
         requests_log(setup, clear=True)
         t0 = time.perf_counter()
-        loader = LOADERS[name](endpoint, args, Path(scratch))
+        loader = LOADERS[name](endpoint, args, Path(scratch), variant)
         for epoch in ("cold", "warm"):
             if epoch == "warm":
                 requests_log(setup, clear=True)
@@ -271,6 +320,8 @@ def run_reader(
             for b in loader:
                 if first is None:
                     first = time.perf_counter() - t0
+                if variant.decode:
+                    s3_decode_variant.check_batch(b)
                 batches.append(list(b["__key__"]))
             sec = time.perf_counter() - t0
             log = requests_log(setup)
@@ -278,7 +329,7 @@ def run_reader(
             if len(keys) != n or len(set(keys)) != n:
                 raise RuntimeError(f"{name} {epoch}: {len(keys)} samples, {len(set(keys))} distinct, of {n}")
             out.append({
-                "reader": name, "epoch": epoch, "samples/s": n / sec, "first batch s": first,
+                "variant": variant.name, "reader": name, "epoch": epoch, "samples/s": n / sec, "first batch s": first,
                 "GETs/sample": sum(r["method"] == "GET" for r in log) / n,
                 "requests/sample": len(log) / n,
                 "KB/sample": sum(r["bytes"] for r in log) / n / 1000,
@@ -291,12 +342,36 @@ def run_reader(
 
 def _median(rs: list[dict]) -> dict:
     """One row of the runs' medians (and every run's samples/s, to show the spread)."""
-    out = {k: rs[0][k] for k in ("reader", "epoch")}
+    out = {k: rs[0][k] for k in ("variant", "reader", "epoch")}
     for k in rs[0]:
         if k not in out:
             out[k] = float(np.median([r[k] for r in rs]))
     out["runs samples/s"] = [round(r["samples/s"]) for r in rs]
     return out
+
+
+def prepare(variant: Variant, args: argparse.Namespace, setup: str) -> dict[str, Any]:
+    """Upload the variant's data set in every format; returns its figures and shard layout."""
+    with tempfile.TemporaryDirectory(prefix="bench_s3_netns_") as tmp:
+        if variant.decode:
+            cache = Path(args.jpeg_cache)
+            src = s3_decode_variant.jpeg_source(cache, args.samples)
+            stats = s3_decode_variant.source_stats(cache)
+        else:
+            src = Path(tmp) / "src"
+            make_source(src, args.samples, args.sample_kb * 1000)
+            stats = {"images": args.samples, "mean_kb": float(args.sample_kb)}
+        t0 = time.perf_counter()
+        meta = upload(src, Path(tmp), args.samples, args.shard_mb, setup, variant)
+        meta["upload_s"] = time.perf_counter() - t0
+        meta["source"] = stats
+    from stallfree.shards.open import open_dataset
+
+    ds = open_dataset(f"s3://{BUCKET}/{variant.prefix}wds", **storage_options(setup))
+    sizes = [s.samples for s in ds.manifest.shards]
+    meta.update(samples=len(ds), tar_shards=len(sizes), tars=None)
+    meta["shard_of"] = np.repeat(np.arange(len(sizes)), sizes)
+    return meta
 
 
 def inner(args: argparse.Namespace) -> int:
@@ -306,38 +381,38 @@ def inner(args: argparse.Namespace) -> int:
     endpoints = json.loads(args.endpoints)
     setup = endpoints["0"]
     os.environ.update(aws_env(setup))
-    with tempfile.TemporaryDirectory(prefix="bench_s3_netns_") as tmp:
-        src = Path(tmp) / "src"
-        make_source(src, args.samples, args.sample_kb * 1000)
-        t0 = time.perf_counter()
-        meta = upload(src, Path(tmp), args.samples, args.shard_mb, setup)
-        meta["upload_s"] = time.perf_counter() - t0
-        shutil.rmtree(src)
-    from stallfree.shards.open import open_dataset
-
-    ds = open_dataset(f"s3://{BUCKET}/wds", **storage_options(setup))
-    sizes = [s.samples for s in ds.manifest.shards]
-    shard_of = np.repeat(np.arange(len(sizes)), sizes)
-    n = len(ds)
-    runs: dict[tuple[int, str, str], list[dict]] = {}
-    failed: dict[tuple[int, str], str] = {}
+    variants = [VARIANT[v] for v in args.variant]
+    metas = {v.name: prepare(v, args, setup) for v in variants}
+    runs: dict[tuple[int, str, str, str], list[dict]] = {}
+    failed: dict[tuple[int, str, str], str] = {}
     for ms in args.delays:
         os.environ.update(aws_env(endpoints[str(ms)]))
         for run in range(args.runs):
-            for name in args.readers:
-                if (ms, name) in failed:
-                    continue
-                try:
-                    for r in run_reader(name, endpoints[str(ms)], setup, args, n, shard_of):
-                        runs.setdefault((ms, name, r["epoch"]), []).append(r)
-                except Exception as exc:  # noqa: BLE001 - one peer failing is a row, not the run
-                    traceback.print_exc()
-                    failed[(ms, name)] = f"{type(exc).__name__}: {exc}"[:300]
-                sys.stderr.write(f"done {name} at {ms} ms, run {run + 1}\n")
-    rows = [{"delay ms": ms, **_median(rs)} for (ms, _, _), rs in runs.items()]
-    rows += [{"delay ms": ms, "reader": name, "epoch": "-", "error": e} for (ms, name), e in failed.items()]
-    meta.update(samples=n, tar_shards=len(sizes), tars=None)
-    print(json.dumps({"meta": meta, "rows": rows}))
+            for variant in variants:
+                meta = metas[variant.name]
+                for name in args.readers:
+                    if (ms, variant.name, name) in failed:
+                        continue
+                    try:
+                        for r in run_reader(
+                            name, variant, endpoints[str(ms)], setup, args, meta["samples"], meta["shard_of"]
+                        ):
+                            runs.setdefault((ms, variant.name, name, r["epoch"]), []).append(r)
+                    except Exception as exc:  # noqa: BLE001 - one peer failing is a row, not the run
+                        traceback.print_exc()
+                        failed[(ms, variant.name, name)] = f"{type(exc).__name__}: {exc}"[:300].replace(
+                            "\n", " "
+                        )
+                    sys.stderr.write(f"done {variant.name} {name} at {ms} ms, run {run + 1}\n")
+    rows = [{"delay ms": ms, **_median(rs)} for (ms, _, _, _), rs in runs.items()]
+    rows += [
+        {"delay ms": ms, "variant": v, "reader": name, "epoch": "-", "error": e}
+        for (ms, v, name), e in failed.items()
+    ]
+    for meta in metas.values():
+        del meta["shard_of"]
+    # the first variant's figures stay at the top level, where raw-only runs always put them
+    print(json.dumps({"meta": {**metas[variants[0].name], "variants": metas}, "rows": rows}))
     return 0
 
 
@@ -351,6 +426,15 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--delays", type=int, nargs="+", default=[10])
     ap.add_argument("--runs", type=int, default=1, help="runs per reader; figures are their medians")
     ap.add_argument("--readers", nargs="+", default=list(READERS), choices=READERS)
+    ap.add_argument(
+        "--variant",
+        nargs="+",
+        default=["raw"],
+        choices=VARIANTS,
+        help="raw: payload bytes as they are; decode: JPEGs, decoded + cropped by every reader",
+    )
+    ap.add_argument("--jpeg-cache", default=str(HERE / "out" / "s3_decode_jpegs"),
+                    help="where the decode variant's JPEGs are written once and reused")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", help=argparse.SUPPRESS)
@@ -363,7 +447,7 @@ def main(argv: Iterable[str] | None = None) -> int:
         argv2 = [sys.executable, str(Path(__file__).resolve()), "--inner", "--endpoints", json.dumps(endpoints),
                  "--samples", str(args.samples), "--sample-kb", str(args.sample_kb), "--shard-mb", str(args.shard_mb),
                  "--workers", str(args.workers), "--batch", str(args.batch), "--delays", *map(str, args.delays),
-                 "--runs", str(args.runs),
+                 "--runs", str(args.runs), "--variant", *args.variant, "--jpeg-cache", args.jpeg_cache,
                  "--readers", *args.readers]  # fmt: skip
         done = lab.lab.run("node0", argv2, timeout=3600, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
@@ -374,25 +458,36 @@ def main(argv: Iterable[str] | None = None) -> int:
     if args.json:
         print(json.dumps(res, indent=1))
         return 0
-    m = res["meta"]
-    print(
-        f"{m['samples']} samples x {args.sample_kb} KB, s3rver behind the relay; {m['tar_shards']} tar / "
-        f"{m['mds']} MDS / {m['lit']} LitData shards of ~{args.shard_mb} MB; {args.workers} workers, batch "
-        f"{args.batch}; load average {m['load_avg'][0]:.1f}; upload {m['upload_s']:.0f} s, run {m['total_s']:.0f} s"
-    )
-    print(
-        "| delay ms | reader | epoch | samples/s | runs | first batch s | GETs/sample | KB/sample | shards/batch | rank corr |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in res["rows"]:
-        if "error" in r:
-            print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} ||||||")
-            continue
-        print(
-            f"| {r['delay ms']} | {r['reader']} | {r['epoch']} | {r['samples/s']:.0f} | "
-            f"{', '.join(map(str, r['runs samples/s']))} | {r['first batch s']:.2f} | "
-            f"{r['GETs/sample']:.3f} | {r['KB/sample']:.1f} | {r['shards/batch']:.1f} | {r['rank corr']:.3f} |"
+    for name in args.variant:
+        m = res["meta"]["variants"][name]
+        src = m["source"]
+        what = (
+            f"ImageNet-like JPEGs (mean {src['mean_width']:.0f}x{src['mean_height']:.0f} px, {src['mean_kb']:.1f} KB), "
+            "every reader decoding + RandomResizedCrop 224 + flip to uint8"
+            if name == "decode"
+            else f"x {args.sample_kb} KB raw"
         )
+        print(
+            f"[{name}] {m['samples']} samples {what}, s3rver behind the relay; {m['tar_shards']} tar / "
+            f"{m['mds']} MDS / {m['lit']} LitData shards of ~{args.shard_mb} MB; {args.workers} workers, batch "
+            f"{args.batch}; load average {res['meta']['load_avg'][0]:.1f}; upload {m['upload_s']:.0f} s, "
+            f"run {res['meta']['total_s']:.0f} s"
+        )
+        print(
+            "| delay ms | reader | epoch | samples/s | runs | first batch s | GETs/sample | KB/sample | shards/batch | rank corr |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in res["rows"]:
+            if r["variant"] != name:
+                continue
+            if "error" in r:
+                print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} ||||||")
+                continue
+            print(
+                f"| {r['delay ms']} | {r['reader']} | {r['epoch']} | {r['samples/s']:.0f} | "
+                f"{', '.join(map(str, r['runs samples/s']))} | {r['first batch s']:.2f} | "
+                f"{r['GETs/sample']:.3f} | {r['KB/sample']:.1f} | {r['shards/batch']:.1f} | {r['rank corr']:.3f} |"
+            )
     return 0
 
 
