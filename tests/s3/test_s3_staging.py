@@ -286,6 +286,15 @@ def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
     del it, dl
 
 
+def _staged_samples(ds, root):
+    """Every sample of two shards read through a fresh staging area at ``root``: key -> bin."""
+    with ThreadPoolExecutor(2) as pool:
+        staged = StagedShards(ds, Staging(root=str(root)), pool)
+        got = staged.get_many(list(range(2 * PER_SHARD)))
+        staged.close()
+    return {g["__key__"]: g["bin"] for g in got}
+
+
 def test_without_a_recorded_sha256_the_stored_index_is_staged(s3, bucket, tmp_path):
     """A manifest without sha256 (``stallfree index`` over tars other tools wrote) cannot vouch for
     the staged copy, so its index is not rebuilt from it: the stored ``.idx`` is fetched beside it
@@ -298,11 +307,7 @@ def test_without_a_recorded_sha256_the_stored_index_is_staged(s3, bucket, tmp_pa
     ds = open_dataset(url, **s3.storage_options)
     assert all(info.sha256 is None for info in ds.manifest.shards)
     s3.reset()
-    with ThreadPoolExecutor(2) as pool:
-        staged = StagedShards(ds, Staging(root=str(tmp_path)), pool)
-        got = staged.get_many(list(range(2 * PER_SHARD)))
-        staged.close()
-    assert {g["__key__"]: g["bin"] for g in got} == samples
+    assert _staged_samples(ds, tmp_path) == samples
     names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "idx")]
     assert _counts(s3) == collections.Counter(names)
 
@@ -312,11 +317,7 @@ def test_verify_samples_reads_the_staged_sums(s3, bucket, tmp_path):
     samples = _write(s3, url, shards=2)
     ds = open_dataset(url, verify_samples=True, **s3.storage_options)
     s3.reset()
-    with ThreadPoolExecutor(2) as pool:
-        staged = StagedShards(ds, Staging(root=str(tmp_path)), pool)
-        got = staged.get_many(list(range(2 * PER_SHARD)))
-        staged.close()
-    assert {g["__key__"]: g["bin"] for g in got} == samples
+    assert _staged_samples(ds, tmp_path) == samples
     names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "sums")]
     assert _counts(s3) == collections.Counter(names)
     fs = s3.filesystem()  # a recorded checksum that disagrees: the staged read checks members
