@@ -296,6 +296,19 @@ def shuffle_quality(batches: list[list[str]], shard_of: np.ndarray) -> dict[str,
     return {"shards/batch": float(np.mean(per_batch)), "rank corr": rho}
 
 
+def _write_timeline(path: Path, row: dict, log: list[dict], wall0: float, first: float, sec: float) -> None:
+    """Append one epoch's requests to ``path`` (JSON lines), times in seconds from the loader's
+    construction (cold) or the epoch's start (warm): where a first batch's wait goes."""
+    reqs = [
+        {"start": r["start"] - wall0, "end": r["end"] - wall0, "method": r["method"], "path": r["path"],
+         "range": r["range"], "bytes": r["bytes"]}
+        for r in sorted(log, key=lambda r: r["start"])
+    ]  # fmt: skip
+    with path.open("a") as f:
+        keys = ("variant", "reader", "epoch")
+        f.write(json.dumps({**{k: row[k] for k in keys}, "first batch s": first, "epoch s": sec, "requests": reqs}) + "\n")
+
+
 def run_reader(
     name: str,
     variant: Variant,
@@ -308,12 +321,12 @@ def run_reader(
     out = []
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as scratch:
         requests_log(setup, clear=True)
-        t0 = time.perf_counter()
+        t0, wall0 = time.perf_counter(), time.time()
         loader = LOADERS[name](endpoint, args, Path(scratch), variant)
         for epoch in ("cold", "warm"):
             if epoch == "warm":
                 requests_log(setup, clear=True)
-                t0 = time.perf_counter()
+                t0, wall0 = time.perf_counter(), time.time()
             if hasattr(loader, "set_epoch"):  # stallfree's loader, as a training loop calls it
                 loader.set_epoch(1 if epoch == "warm" else 0)
             batches, first = [], None
@@ -335,6 +348,8 @@ def run_reader(
                 "KB/sample": sum(r["bytes"] for r in log) / n / 1000,
                 **shuffle_quality(batches, shard_of),
             })  # fmt: skip
+            if args.timeline:
+                _write_timeline(Path(args.timeline), out[-1], log, wall0, first, sec)
         del loader
         gc.collect()
     return out
@@ -436,6 +451,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     ap.add_argument("--jpeg-cache", default=str(HERE / "out" / "s3_decode_jpegs"),
                     help="where the decode variant's JPEGs are written once and reused")  # fmt: skip
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--timeline", help="append each epoch's request timeline (JSON lines) to this file")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoints", help=argparse.SUPPRESS)
     args = ap.parse_args(list(argv) if argv is not None else None)
@@ -448,7 +464,8 @@ def main(argv: Iterable[str] | None = None) -> int:
                  "--samples", str(args.samples), "--sample-kb", str(args.sample_kb), "--shard-mb", str(args.shard_mb),
                  "--workers", str(args.workers), "--batch", str(args.batch), "--delays", *map(str, args.delays),
                  "--runs", str(args.runs), "--variant", *args.variant, "--jpeg-cache", args.jpeg_cache,
-                 "--readers", *args.readers]  # fmt: skip
+                 "--readers", *args.readers,
+                 *(["--timeline", str(Path(args.timeline).resolve())] if args.timeline else [])]  # fmt: skip
         done = lab.lab.run("node0", argv2, timeout=3600, stdout=subprocess.PIPE, text=True)
     if done.returncode != 0:
         return done.returncode

@@ -138,6 +138,7 @@ class Counter:
                     head = await cr.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
+                started = time.time()  # wall clock: the namespaces share one, so clients can line up
                 first, fields = _headers(head)
                 method, target = first.split(" ")[:2]
                 if target.startswith("/_count"):
@@ -170,7 +171,7 @@ class Counter:
                 path, _, query = target.partition("?")
                 self.log.append(
                     {"method": method, "path": path, "query": query, "range": fields.get("range"),
-                     "status": status, "bytes": sent}
+                     "status": status, "bytes": sent, "start": started, "end": time.time()}
                 )  # fmt: skip
         except (asyncio.IncompleteReadError, ConnectionError):
             return
