@@ -77,10 +77,17 @@ class Shuffled:
 
 @dataclass(frozen=True)
 class Blocked:
-    """Shards in a keyed order; inside each run of ``window`` consecutive shards of that order,
+    """Shards in a keyed order; inside each run of consecutive shards of that order (a window),
     the run's samples in a keyed order of their own. Readers of a remote object store then touch
-    only ``window`` shards at a time (long ranged reads, a warm cache) while the order stays random
-    enough for SGD. Memory: a few int64 per shard."""
+    only a window of shards at a time (whole-shard reads, a warm cache) while the order stays
+    random enough for SGD. Memory: a few int64 per shard.
+
+    Windows hold ``window`` shards, except the epoch's first, which holds ``ramp_of(window)``
+    (a quarter): a reader that fetches windows whole waits for the first one before its first
+    batch, so a quarter of the bytes there is a quarter of the wait (measured: RESULTS.md,
+    Object storage), while every later window is full. A last window shorter than the first is merged into the one before,
+    so no window mixes fewer shards than the first. ``REVISION`` names this layout: a resume state
+    records it (``order_identity``) and a loader refuses a state saved under another."""
 
     seed: int
     epoch: int
@@ -90,6 +97,7 @@ class Blocked:
     _perm: np.ndarray = field(init=False, repr=False, compare=False)  # k-th shard of the order
     _starts: np.ndarray = field(init=False, repr=False, compare=False)  # first index of each shard
     _pstarts: np.ndarray = field(init=False, repr=False, compare=False)  # k-th shard's first position
+    _wshards: np.ndarray = field(init=False, repr=False, compare=False)  # window w's first k (and the end)
     _wstarts: np.ndarray = field(init=False, repr=False, compare=False)  # window w's first position
     _keys: np.ndarray = field(init=False, repr=False, compare=False)  # the windows' round keys
     _tweak: np.ndarray = field(init=False, repr=False, compare=False)  # window w's tweak of them
@@ -110,8 +118,10 @@ class Blocked:
         put(self, "_perm", shard_perm)
         put(self, "_starts", np.concatenate([[0], np.cumsum(sizes)[:-1]]) if s else sizes[:0])
         put(self, "_pstarts", pstarts)
-        wstarts = pstarts[:: self.window] if s else pstarts
-        wsize = np.diff(np.concatenate([wstarts, [pstarts[-1]]])) if s else sizes[:0]
+        wshards = window_bounds(s, self.window)
+        wstarts = pstarts[wshards[:-1]] if s else pstarts
+        wsize = np.diff(pstarts[wshards]) if s else sizes[:0]
+        put(self, "_wshards", wshards)
         put(self, "_wstarts", wstarts)
         put(self, "_wsize", wsize)
         put(self, "_wbits", perm.widths_of(wsize))
@@ -141,7 +151,35 @@ class Blocked:
         reader of an object store fetches whole, and stages ahead while window ``w - 1`` is read."""
         if not 0 <= w < self.windows:
             raise IndexError(f"window {w} outside the epoch's {self.windows}")
-        return self._perm[w * self.window : (w + 1) * self.window].copy()
+        return self._perm[self._wshards[w] : self._wshards[w + 1]].copy()
+
+
+REVISION = {"block": 2}  # block: 1 = windows of `window` shards; 2 = a short first one (ramp_of)
+
+
+def ramp_of(window: int) -> int:
+    """Shards in an epoch's first window: a quarter of a window (at least one)."""
+    return max(1, window // 4)
+
+
+def window_bounds(shards: int, window: int) -> np.ndarray:
+    """Where each window starts in the shard order, and the end: ``[0, ramp, ramp + window, ...,
+    shards]``, a last window shorter than the first merged into the one before."""
+    if shards <= 0:
+        return np.zeros(1, np.int64)
+    first = min(ramp_of(window), shards)
+    bounds = [0, *range(first, shards, window), shards]
+    if len(bounds) > 2 and bounds[-1] - bounds[-2] < first:
+        del bounds[-2]
+    return np.asarray(bounds, np.int64)
+
+
+def order_identity(mode: str, window: int) -> str:
+    """What names an order's layout for a given seed: the name, its revision, and the window for
+    orders that use one. A resume state records it, so a state is never continued on another
+    layout (other positions hold other samples: some would be skipped, others repeated)."""
+    rev = REVISION.get(mode, 1)
+    return f"{mode}/r{rev}" if mode in ("global", "sequential") else f"{mode}/r{rev}/window={window}"
 
 
 @dataclass(frozen=True)

@@ -96,15 +96,28 @@ class OrderIndices:
     # -- resume state: what state_dict saves and load_state_dict restores (no mode branch there)
     resume_point = consumed
 
-    def state_fields(self, resume: int) -> dict[str, int]:
-        return {"consumed": resume, "dataset_len": len(self.dataset), "batches": 0}
+    @property
+    def identity(self) -> str:
+        """The order's layout, as a resume state records it."""
+        return order_mod.order_identity(self.order, self.window)
+
+    def state_fields(self, resume: int) -> dict[str, Any]:
+        return {"consumed": resume, "dataset_len": len(self.dataset), "batches": 0, "order": self.identity}
 
     def resume_from(self, state: LoaderState, *, reweighted: bool = False) -> int:
         """Global positions to skip; the saved dataset length must match (unless a mixture was
-        explicitly reweighted: its length may change with the weights)."""
+        explicitly reweighted: its length may change with the weights), and so must the order's
+        layout when the epoch is under way (its positions hold other samples under another)."""
         if state.dataset_len != len(self.dataset) and not reweighted:
             raise ValueError(
                 f"state is for a dataset of {state.dataset_len} samples, this one has {len(self.dataset)}"
+            )
+        if state.consumed and state.order is not None and state.order != self.identity:
+            raise ValueError(
+                f"state was saved {state.consumed} positions into an epoch of order {state.order!r}, "
+                f"this loader's order is {self.identity!r}: continuing would skip some samples and "
+                "repeat others (pass the order= and window= the state was saved with, or resume at "
+                "the next epoch boundary)"
             )
         return state.consumed
 

@@ -1,7 +1,9 @@
 """Resume state: a tiny JSON-serialisable dict of what the consumer has received.
 
-Only (seed, epoch, global position) are needed because the order is a pure function of them;
-the world size and worker count at save time are kept for information and never required to match.
+Only (seed, epoch, global position) are needed because the order is a pure function of them,
+given the order's layout, which the state names (``order``: see ``order.order_identity``) so a
+state is never continued on another one; the world size and worker count at save time are kept
+for information and never required to match.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class LoaderState:
     batches: int = 0  # batches this rank received in the epoch (used by the sampler and iterable modes)
     world_size: int = 1
     dataset: dict[str, Any] | None = None  # what the dataset needs to check a resume (a mixture's state)
+    order: str | None = None  # the order's layout (order.order_identity); None: torch's sampler, a stream
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -37,6 +40,7 @@ class LoaderState:
             "batches": self.batches,
             "world_size": self.world_size,
             **({"dataset": dict(self.dataset)} if self.dataset is not None else {}),
+            **({"order": self.order} if self.order is not None else {}),
         }
 
     @classmethod
@@ -59,6 +63,7 @@ class LoaderState:
                 batches=int(d.get("batches", 0)),
                 world_size=int(d.get("world_size", 1)),
                 dataset=dict(d["dataset"]) if isinstance(d.get("dataset"), Mapping) else None,
+                order=str(d["order"]) if d.get("order") is not None else None,
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed loader state: {exc}") from exc

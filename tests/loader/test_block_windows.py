@@ -4,7 +4,7 @@ window reads, on any rank and after a resume, and never change the order itself.
 
 import numpy as np
 
-from stallfree.loader.order import Blocked, RankShare, Shuffled, batches, block_order
+from stallfree.loader.order import Blocked, RankShare, Shuffled, batches, block_order, window_bounds
 
 
 def _shard_of(sizes):
@@ -37,14 +37,15 @@ def test_window_helpers_leave_the_order_as_it_was():
 
 def test_shards_after_names_the_next_window_on_every_rank_and_after_resume():
     sizes = tuple([10] * 9)
-    order = Blocked(0, 0, sizes, window=3)  # three windows of 30 positions
+    order = Blocked(0, 0, sizes, window=3)  # a first window of 1 shard, then 3, 3 and 2 shards
+    assert [len(order.window_shards(w)) for w in range(order.windows)] == [1, 3, 3, 2]
     for rank, start in ((0, 0), (1, 0), (0, 17), (2, 44)):
         share = RankShare(order, start, rank, 3)
         plan = batches(share, 4, False)
         for b in range(len(plan)):
             pos = share.positions([b * 4])[0]
             w = int(order.window_of([pos])[0])
-            expect = tuple(order.window_shards(w + 1).tolist()) if w + 1 < 3 else ()
+            expect = tuple(order.window_shards(w + 1).tolist()) if w + 1 < order.windows else ()
             assert plan.shards_after(b) == expect
     assert batches(RankShare(Shuffled(0, 0, 90), 0, 0, 1), 4, False).shards_after(0) == ()
 
@@ -62,3 +63,27 @@ def test_window_shards_at_names_the_window_a_batch_starts_in_on_every_rank_and_a
             first = int(share.at([b * 4])[0])  # the batch's first sample lies in one of them
             assert int(np.searchsorted(np.cumsum(sizes), first, side="right")) in shards
     assert batches(RankShare(Shuffled(0, 0, 90), 0, 0, 1), 4, False).window_shards_at(0) == ()
+
+
+def test_the_first_window_is_a_quarter_window_and_a_short_tail_joins_the_one_before():
+    # why: the first batch waits for the whole first window; a last window shorter than the
+    # first would mix fewer shards than any other
+    assert window_bounds(13, 8).tolist() == [0, 2, 10, 13]  # 2, then 8, then 3
+    assert window_bounds(11, 8).tolist() == [0, 2, 11]  # 2, then 8 + a tail of 1
+    assert window_bounds(16, 16).tolist() == [0, 4, 16]
+    assert window_bounds(3, 8).tolist() == [0, 3]
+    assert window_bounds(5, 1).tolist() == [0, 1, 2, 3, 4, 5]
+    assert window_bounds(0, 8).tolist() == [0]
+    for shards in range(1, 40):
+        for window in (1, 2, 3, 8):
+            b = window_bounds(shards, window)
+            sizes = np.diff(b)
+            assert b[0] == 0 and b[-1] == shards and np.all(sizes >= 1)
+            ramp = min(max(1, window // 4), shards)
+            assert sizes[0] == (ramp if len(sizes) > 1 else shards)
+            assert np.all(sizes[1:-1] == window) if len(sizes) > 2 else True
+            if len(sizes) > 1:
+                assert sizes[0] <= sizes[-1] < window + sizes[0]
+    order = Blocked(5, 0, tuple([4] * 13), window=8)
+    assert [len(order.window_shards(w)) for w in range(order.windows)] == [2, 8, 3]
+    assert sorted(order.at(np.arange(order.n)).tolist()) == list(range(52))

@@ -44,15 +44,17 @@ def test_sharded_dataset_three_ranks_two_workers_block_order(shard_ds):
     flat = sum(per_rank, [])
     assert {len(p) for p in per_rank} == {14}
     assert set(flat) == {f"s{i:04d}" for i in range(40)} and len(flat) == 42
-    # block order: the epoch's positions run through windows of 2 shards, one window at a time
+    # block order: the epoch's positions run through windows of shards, one window at a time
+    # (the first of half a window, 1 shard, then 2 each: window_bounds)
     order = DataLoader(shard_ds, batch_size=40, shuffle=True, seed=1, order="block", window=2)
     shard_of = [int(k[1:]) // 7 for k in _keys(order)]
     pos = 0
-    while pos < 40:
-        window = list(dict.fromkeys(shard_of[pos:]))[:2]  # the next window's shards appear first
+    for k in (1, 2, 2, 1):
+        window = list(dict.fromkeys(shard_of[pos:]))[:k]  # the next window's shards appear first
         size = sum(shard_ds.shard_sizes[s] for s in window)
         assert set(shard_of[pos : pos + size]) == set(window)
         pos += size
+    assert pos == 40
 
 
 def test_sharded_dataset_without_shuffle_is_sequential_and_fast_path(shard_ds):
@@ -146,3 +148,52 @@ def test_cache_reports_of_two_workers_add_counters_not_ratios():
     st.add_cache({"hits": 0, "misses": 4, "entries": 6}, 0)
     c = st.as_dict()["cache"]
     assert c == {"hits": 6, "misses": 6, "hit_rate": 0.5, "entries": 6}
+
+
+def _head_and_state(ds, limit, **kw):
+    import json
+
+    loader = DataLoader(ds, batch_size=4, shuffle=True, seed=3, order="block", **kw)
+    head = []
+    for b, batch in enumerate(loader, 1):
+        head += batch["__key__"]
+        if b == limit:
+            break
+    return loader, head, json.loads(json.dumps(loader.state_dict()))
+
+
+def test_a_state_names_its_block_layout_and_resumes_exactly_under_it(shard_ds):
+    whole = _keys(DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, order="block", window=4))
+    _, head, state = _head_and_state(shard_ds, 3, window=4)
+    assert state["order"] == "block/r2/window=4" and state["consumed"] == 12
+    again = DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, order="block", window=4)
+    again.load_state_dict(state)
+    assert head + _keys(again) == whole
+
+
+@pytest.mark.parametrize(
+    "other",
+    [{"order": "block", "window": 2}, {"order": "global"}, {"order": "block", "window": 4, "_old": "block/r1/window=4"}],
+)
+def test_a_state_is_refused_mid_epoch_under_another_layout(shard_ds, other):
+    # a window or order changed between save and resume maps the saved positions to other
+    # samples: the rest of the epoch would skip some and repeat others, with no error
+    _, _, state = _head_and_state(shard_ds, 3, window=4)
+    other = dict(other)
+    if "_old" in other:  # a state saved by a build whose block layout had another revision
+        state["order"] = other.pop("_old")
+    again = DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, **other)
+    with pytest.raises(ValueError, match=r"12 positions into an epoch of order 'block/r\d/window=4'.*skip"):
+        again.load_state_dict(state)
+
+
+def test_at_an_epoch_boundary_another_layout_is_fine(shard_ds):
+    first = DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, order="block", window=4)
+    _keys(first)  # the whole epoch: the state points at the next one's start
+    state = first.state_dict()
+    assert state["consumed"] == 0 and state["epoch"] == 1
+    again = DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, order="block", window=2)
+    again.load_state_dict(state)
+    expect = DataLoader(shard_ds, batch_size=4, shuffle=True, seed=3, order="block", window=2)
+    expect.set_epoch(1)
+    assert _keys(again) == _keys(expect)
