@@ -146,6 +146,16 @@ def shared_fd(storage: torch.UntypedStorage) -> tuple[int, int] | None:
     return int(fd), int(size)
 
 
+def shared_storage_of_fd(fd: int, nbytes: int) -> torch.UntypedStorage:
+    """A shared-memory storage over the first ``nbytes`` of the file ``fd`` (the storage keeps
+    its own duplicate; the caller still closes ``fd``).
+
+    Why private: a worker's slot segment arrives as a bare descriptor (loader/segments.py);
+    ``_new_shared_fd_cpu`` is what torch's own storage unpickling builds it with, so the storage
+    is the same kind as one that came pickled."""
+    return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
+
+
 # -- DataLoader internals ----------------------------------------------------------------------
 def auto_collation(loader: tud.DataLoader) -> bool:
     """Whether torch batches samples for this loader (a batch sampler is set): torch's rule."""

@@ -33,6 +33,7 @@ from stallfree.loader.first_batch import FirstBatchGate
 from stallfree.loader.messages import Task
 from stallfree.loader.plan import WorkerPlan
 from stallfree.loader.returns import SlotReturns
+from stallfree.loader.segments import SegmentReceiver, SentSegment, socket_pair
 from stallfree.loader.workers import worker_main
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Engine:
         self.gen = 0
         self.closed = False
         self.gate: FirstBatchGate | None = None
+        self.segments: list[SegmentReceiver] = []  # per worker process: new slots' descriptors
         if self.in_process:
             self.plan = replace(plan, in_process=True)
             self.task_qs: list[Any] = [queue.Queue()]
@@ -83,6 +85,8 @@ class Engine:
             for p in self.progress:
                 p[:] = [-1, -1, -1, -1]
             self.gate = FirstBatchGate(ctx) if self.n > 1 and self.plan.batch_decode is not None else None
+            pairs = [socket_pair() for _ in range(self.n)] if self.plan.use_shm else []
+            self.segments = [SegmentReceiver(mine, w) for w, (mine, _) in enumerate(pairs)]
             self.procs = [
                 ctx.Process(
                     target=worker_main,
@@ -94,6 +98,7 @@ class Engine:
                         self.result_q,
                         self.progress[w],
                         self.gate,
+                        pairs[w][1] if pairs else None,
                     ),
                     daemon=True,
                     name=f"stallfree-worker-{w}",
@@ -108,6 +113,21 @@ class Engine:
         except BaseException:
             self.shutdown(graceful=False)
             raise
+        finally:
+            for _, theirs in pairs if not self.in_process else ():
+                theirs.close()  # the workers hold their own copies now
+
+    def storage_of(self, worker: int, new_storage: Any) -> Any:
+        """A batch's announced storage: read from the worker's socket when it sent a descriptor
+        there (segments.py), else the storage that came in the message."""
+        if isinstance(new_storage, SentSegment):
+            return self.segments[worker].receive(new_storage)
+        return new_storage
+
+    def discard_segment(self, worker: int, new_storage: Any) -> None:
+        """A batch that will not be adopted: its descriptor, if sent apart, is closed."""
+        if isinstance(new_storage, SentSegment):
+            self.segments[worker].discard(new_storage)
 
     def send(self, worker: int, task: Task) -> None:
         if self.gate is not None:  # before the put: the worker reads it once it has the task
@@ -179,6 +199,8 @@ class Engine:
             for q in [*self.task_qs, self.result_q]:
                 q.cancel_join_thread()
                 q.close()
+        for seg in self.segments:
+            seg.close()
         self.storages.clear()
 
 

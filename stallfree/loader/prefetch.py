@@ -255,6 +255,8 @@ class Assembler:
                 if isinstance(msg, BatchReady) and msg.slot is not None and not msg.handover:
                     self._adopt(msg)
                     eng.returns[msg.worker].send(msg.slot)
+                elif isinstance(msg, BatchReady):
+                    eng.discard_segment(msg.worker, msg.new_storage)
                 continue
             last_seen[msg.worker] = time.monotonic()
             with self._lock:
@@ -307,11 +309,12 @@ class Assembler:
         return Ready(batch, positions, msg.seq, good, event)
 
     def _adopt(self, msg: BatchReady) -> torch.UntypedStorage:
+        new_storage = self.engine.storage_of(msg.worker, msg.new_storage)
         if msg.handover:  # the batch's own segment: the consumer's tensors are its only holders
-            return msg.new_storage
+            return new_storage
         key = (msg.worker, msg.slot)
-        if msg.new_storage is not None:
-            self.engine.storages[key] = msg.new_storage
+        if new_storage is not None:
+            self.engine.storages[key] = new_storage
         return self.engine.storages[key]
 
     def _count_failures(self, fails: Sequence[FailedSample]) -> None:

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from stallfree.loader.first_batch import FirstBatchGate, FirstDecode
 from stallfree.loader.messages import BatchReady, FailedSample, Task, WorkerFailure
 from stallfree.loader.plan import Where, WorkerPlan
 from stallfree.loader.returns import SlotReturns
+from stallfree.loader.segments import SegmentSender
 from stallfree.loader.stats import CACHE_COUNTERS, is_cache_ratio
 from stallfree.shards.errors import BatchDecodeError
 
@@ -114,9 +115,11 @@ def worker_main(
     result_q: Any,
     progress: Any,
     gate: FirstBatchGate | None = None,
+    segment_socket: Any = None,
 ) -> None:
     """Entry point of one worker (a process, or a thread when ``plan.in_process``). ``gate``:
-    the pool's first batch decodes on every worker's cores (first_batch.py)."""
+    the pool's first batch decodes on every worker's cores (first_batch.py); ``segment_socket``:
+    where new slots' descriptors go (segments.py)."""
     if not plan.in_process:
         # results still buffered when told to stop are not needed: never wait on the pipe at exit
         result_q.cancel_join_thread()
@@ -143,11 +146,16 @@ def worker_main(
         reader.start()
         tasks = iter(ready.get, None)
     slots = slots_mod.Slots(plan.max_slots, returns)
+    sender = SegmentSender(segment_socket) if segment_socket is not None else None
     try:
         for item in tasks:
             progress[MAP_SEQ], progress[MAP_IDX] = item.task.seq, _first(item.task.indices)
             msg = _process(ctx, slots, item, first)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
+            if sender is not None and isinstance(msg, BatchReady) and msg.new_storage is not None:
+                sent = sender.send(msg.new_storage)  # the descriptor first: it is there before the batch
+                if sent is not None:
+                    msg = replace(msg, new_storage=sent)
             result_q.put(msg)
             first.task_done(item.task.gen, item.task.seq)
             if isinstance(msg, BatchReady) and msg.handover:
@@ -168,6 +176,8 @@ def worker_main(
         if ctx.source is not None:
             ctx.source.close()
             ctx.source = None
+        if sender is not None:
+            sender.close()
 
 
 def _unmapped(item: Fetched, slots: slots_mod.Slots, slot: int) -> bool:
