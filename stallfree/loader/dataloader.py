@@ -395,7 +395,8 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _stage_first_window(self, batches: Any) -> None:
         """Block order over remote shards, staged: the main process starts fetching the epoch's
-        first window while the workers start (``shardio.LeadStaging``)."""
+        first window while the workers start, and the next one once it is in
+        (``shardio.LeadStaging``)."""
         staging = self._plan.worker.staging
         if self._lead is not None:
             self._lead.close()
@@ -404,7 +405,8 @@ class DataLoader(tud.DataLoader[T_co]):
             return
         shards = batches.window_shards_at(0)
         if shards:
-            self._lead = shardio.LeadStaging(self._plan.worker.dataset, staging, shards)
+            then = batches.shards_after(0)
+            self._lead = shardio.LeadStaging(self._plan.worker.dataset, staging, shards, then)
 
     def _main_plan(self, samples: int) -> MainPlan:
         """The plan's main-process value with this epoch's failure budget."""

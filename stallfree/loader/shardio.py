@@ -22,6 +22,7 @@ Local datasets are not wrapped: their reads are page-cache copies where threads 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -101,24 +102,55 @@ class ConcurrentShards:
 
 
 class LeadStaging:
-    """The main process stages the first window of an epoch while its workers start.
+    """The main process stages the first two windows of an epoch while its workers start.
 
     Why: a fresh worker's first request waits for its fork, its start-up and a new S3 client
     (~0.1-0.2 s at 10 ms each way, measured: RESULTS.md, Object storage), while the main process
-    has a client that is already connected (it read the manifest). It starts the window's
-    downloads at once; the workers' own staging of those shards waits on the staging area's
-    per-file lock and then opens the landed copies, so every shard is still fetched once per
-    node. A hint only: what fails here is fetched (and its error raised) by the workers."""
+    has a client that is already connected (it read the manifest). It starts the first window's
+    downloads at once, and the next window's as soon as those are in (``then``): the workers'
+    own look-ahead starts only once they have opened the first window's copies, which left the
+    wire idle for ~0.17 s (measured: a request timeline, ``bench_s3_netns.py --timeline``). The
+    workers' staging of these shards waits on the staging area's per-file lock and then opens
+    the landed copies, so every shard is still fetched once per node. A hint only: what fails
+    here is fetched (and its error raised) by the workers."""
 
-    def __init__(self, dataset: Any, staging: Staging, shards: Sequence[int], threads: int = 8) -> None:
+    def __init__(
+        self,
+        dataset: Any,
+        staging: Staging,
+        shards: Sequence[int],
+        then: Sequence[int] = (),
+        threads: int = 8,
+    ) -> None:
         from stallfree.shards.staged_reads import StagedShards
 
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stallfree-lead-stage")
+        self._closed = False
         try:
-            StagedShards(dataset, staging, self._pool).land(shards)
+            self._staged = StagedShards(dataset, staging, self._pool)
+            first = self._staged.land(shards)
         except Exception:  # noqa: BLE001 - a hint: the workers stage what is missing themselves
             logger.debug("staging the first window in the main process failed", exc_info=True)
+            return
+        if not then:
+            return
+        left = [len(first)]
+        lock = threading.Lock()
+
+        def landed(_: Any) -> None:
+            with lock:
+                left[0] -= 1
+                if left[0] or self._closed:
+                    return
+            try:
+                self._staged.land(then)
+            except RuntimeError:  # closed meanwhile: the workers stage it themselves
+                pass
+
+        for fut in first:
+            fut.add_done_callback(landed)
 
     def close(self) -> None:
         """Stop what has not started downloading (what has lands, staged for the next reader)."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -646,6 +646,23 @@ def url_to_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSyst
     return fsspec.core.url_to_fs(url, **with_session(url, with_timeouts(url, storage_options)))
 
 
+def connect(fs: fsspec.AbstractFileSystem) -> None:
+    """Make an S3 filesystem's client now, with no request; other filesystems: nothing.
+
+    Why: s3fs makes its client at its first request, and a fresh loader worker's first request
+    then waited for it (0.1-0.3 s on 2 busy cores, in a request timeline of
+    ``bench_s3_netns.py --timeline``: window 2's GETs began that late after the worker took
+    their locks). A worker calls this in the background when it starts. A failure is left for
+    the first real request to report."""
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    if not any(p in ("s3", "s3a") for p in protocols):
+        return
+    try:
+        fs.connect()
+    except Exception:  # noqa: BLE001 - the first request reports what is wrong, with its URL
+        log.debug("making the S3 client ahead failed", exc_info=True)
+
+
 _MODEL_LOADER: Any = None  # botocore's loader of service models, shared by this process's sessions
 _SESSION: tuple[int, Any] | None = None  # (pid, this process's aiobotocore session)
 
@@ -686,6 +703,7 @@ __all__ = [
     "RetryPolicy",
     "Timeouts",
     "RangeFile",
+    "connect",
     "describe",
     "exists",
     "file_size",

@@ -79,6 +79,7 @@ class StagedShards:
         # after a fork the dataset's client is the parent's (not fork-safe): warm() renews it
         dataset.warm([], executor)
         self._fs = dataset.fs
+        executor.submit(remote.connect, self._fs)  # a fresh worker's first GET need not make it
         self._namespace = dataset.fingerprint
         self._executor = executor
         # formats whose index can be rebuilt from a shard's own bytes (``indexable``: tar headers)
@@ -155,21 +156,20 @@ class StagedShards:
 
     def _start_later(self) -> None:
         """Under the lock: once no needed staging of ours is left, start the others' share of
-        what is needed, and when that is in too, the waiting prefetches."""
+        what is needed (by then staged by them, or on its way: mostly a wait and an open) and
+        the waiting prefetches together. Prefetches once waited for the others' share to be
+        open as well, and the wire idled ~0.2 s at every window's end meanwhile (a request
+        timeline of ``bench_s3_netns.py --timeline``)."""
         if self._needed:
             return
-        if self._theirs:
-            for s in self._theirs:
-                if s not in self._open and s not in self._pending:
-                    self._submit(s, needed=True)
-            self._theirs.clear()
-            return
-        if not self._later:
-            return
-        for s in self._later:
+        theirs, self._theirs = list(self._theirs), {}
+        later, self._later = list(self._later), {}
+        for s in theirs:  # (a done callback may run _start_later again inside _submit)
+            if s not in self._open and s not in self._pending:
+                self._submit(s, needed=True)
+        for s in later:
             if s not in self._open and s not in self._pending:
                 self._submit(s, needed=False)
-        self._later.clear()
 
     def _wait(self, s: int) -> Any:
         """Shard ``s``'s open reader (staging it first if need be)."""
@@ -244,12 +244,12 @@ class StagedShards:
                 exc,
             )
 
-    def land(self, shards: Sequence[int]) -> None:
+    def land(self, shards: Sequence[int]) -> list[Future]:
         """Start staging ``shards``' files for other processes of the node, opening nothing and
         keeping no pin (the main process fetching a first window while its workers start);
-        returns at once. A failure is left for the process that reads the shard to meet."""
-        for s in dict.fromkeys(int(x) for x in shards):
-            self._executor.submit(self._land, s)
+        returns at once, with a future per shard that is done once it has landed or failed. A
+        failure is left for the process that reads the shard to meet."""
+        return [self._executor.submit(self._land, s) for s in dict.fromkeys(int(x) for x in shards)]
 
     def _land(self, s: int) -> None:
         try:
