@@ -4,9 +4,18 @@ LMDB allows one open environment per file per process, and a forked child must n
 close its parent's environment: closing it there wipes the parent's reader slots in the shared
 lock file (so a writer could recycle pages a parent reader still uses), and py-lmdb refuses to
 open the same files again while the inherited handle exists. So every NodeCache of a process
-shares one environment per path, and just before ``os.fork`` (DataLoader workers) the parent
-waits for in-flight LMDB operations, closes its environments cleanly and reopens them lazily
-afterwards; the child starts with none and opens its own.
+shares one environment per store directory (by device and inode, so two spellings of one path
+share it too), and just before ``os.fork`` (DataLoader workers) the parent waits for in-flight
+LMDB operations, closes its environments cleanly and reopens them lazily afterwards; the child
+starts with none and opens its own.
+
+LMDB's cross-process state rests on POSIX record locks on the lock file: a shared lock on byte 0
+says "the environment is in use" (the first process to find it unlocked re-initialises the reader
+table and the writer mutex) and a lock on byte ``pid`` says "process pid is alive" (``reader_check``
+frees the reader slots of processes without one). The kernel drops *all* of a process's record
+locks on a file when the process closes *any* descriptor of that file, so this module never opens
+the lock file while its environment is open in this process: it is allocated before the open, and
+where LMDB grew it during the open the environment is closed, the file allocated and opened again.
 
 Growing the map of an open environment (a NodeCache with a larger capacity joins, or another process
 grew the store beyond this process's map) must wait for a moment when this process runs no LMDB
@@ -64,6 +73,7 @@ class Handle:
     env: lmdb.Environment
     dbs: tuple[Any, ...]  # data, meta, atime, order
     generation: int
+    store: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the store directory: the key in _envs
     refs: int = 0
     checked_at: float = 0.0
     want_map: int = 0  # the largest map size asked for in this process
@@ -83,7 +93,7 @@ _cond = threading.Condition()
 _active = 0
 _forking = False
 _generation = 0
-_envs: dict[str, Handle] = {}
+_envs: dict[tuple[int, int], Handle] = {}
 _local = threading.local()  # this thread's using() depth: a nested operation never waits for itself
 
 
@@ -128,7 +138,7 @@ def _remap_pending() -> bool:
 
 def _remap() -> None:
     """Apply pending grows; only with ``_cond`` held and no operation of this process running."""
-    for path, handle in _envs.items():
+    for handle in _envs.values():
         if not handle.remap:
             continue
         handle.remap = False
@@ -137,7 +147,9 @@ def _remap() -> None:
             if handle.env.info()["map_size"] < handle.want_map:
                 handle.env.set_mapsize(handle.want_map)
         except lmdb.Error as exc:
-            log.warning("cannot grow the LMDB map of %s to %d bytes: %s", path, handle.want_map, exc)
+            log.warning(
+                "cannot grow the LMDB map of %s to %d bytes: %s", handle.env.path(), handle.want_map, exc
+            )
 
 
 def generation() -> int:
@@ -151,9 +163,10 @@ def acquire(path: str, map_size: int) -> Handle:
     An environment already open with a smaller map grows to ``map_size`` once no operation of this
     process is running (at the latest when the caller's own ``using()`` ends)."""
     with _cond:
-        handle = _envs.get(path)
+        store = _store_id(path)
+        handle = _envs.get(store)
         if handle is None:
-            handle = _envs[path] = _open(path, map_size)
+            handle = _envs[store] = _open(path, map_size, store)
         if map_size > handle.want_map:
             handle.want_map = map_size
             # never here: other threads may be inside transactions (the caller is inside using())
@@ -162,14 +175,40 @@ def acquire(path: str, map_size: int) -> Handle:
         return handle
 
 
-def _open(path: str, map_size: int) -> Handle:
+def _store_id(path: str) -> tuple[int, int]:
+    """The store directory's identity (created when missing): one environment per file per process."""
+    Path(path).mkdir(parents=True, exist_ok=True)
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _open(path: str, map_size: int, store: tuple[int, int]) -> Handle:
     """Open the environment at ``path``: read-write with a fully allocated lock file, or read-only
     where the directory cannot be written."""
-    Path(path).mkdir(parents=True, exist_ok=True)
     lock_file = os.path.join(path, _LOCK_NAME)
-    writable = _back_file(lock_file, _LOCK_BYTES)
+    backed = _back_file(lock_file, _LOCK_BYTES)
+    env = _open_env(path, map_size, writable=backed is not None)
+    if backed is not None and os.stat(lock_file).st_size > backed:
+        # LMDB chose a larger reader table than _LOCK_BYTES and grew the file past the allocated
+        # blocks. Allocating the rest needs a descriptor of the file, and closing that would drop
+        # the record locks the open environment holds: close it first, allocate, open again.
+        env.close()
+        backed = _back_file(lock_file, 0)
+        env = _open_env(path, map_size, writable=backed is not None)
     try:
-        env = lmdb.open(
+        dbs = tuple(env.open_db(n) for n in _DB_NAMES)
+    except lmdb.Error as exc:
+        env.close()
+        raise StoreUnavailable(f"cannot open the tables of the LMDB store {path}: {exc}") from exc
+    handle = Handle(env, dbs, _generation, store, readonly=backed is None)
+    if backed is not None:
+        handle.check_readers(0.0)  # free reader slots left by crashed processes
+    return handle
+
+
+def _open_env(path: str, map_size: int, *, writable: bool) -> lmdb.Environment:
+    try:
+        return lmdb.open(
             path,
             map_size=map_size,
             subdir=True,
@@ -185,54 +224,46 @@ def _open(path: str, map_size: int) -> Handle:
     except lmdb.Error as exc:
         how = "read-only (the directory is not writable)" if not writable else "read-write"
         raise StoreUnavailable(f"cannot open the LMDB store {path} {how}: {exc}") from exc
-    try:
-        if writable:
-            _back_file(lock_file, 0)  # in case LMDB chose a larger reader table than _LOCK_BYTES
-        dbs = tuple(env.open_db(n) for n in _DB_NAMES)
-    except (OSError, lmdb.Error) as exc:
-        env.close()
-        if isinstance(exc, StoreUnavailable):
-            raise
-        raise StoreUnavailable(f"cannot open the tables of the LMDB store {path}: {exc}") from exc
-    handle = Handle(env, dbs, _generation, readonly=not writable)
-    if writable:
-        handle.check_readers(0.0)  # free reader slots left by crashed processes
-    return handle
 
 
-def _back_file(file: str, size: int) -> bool:
+def _back_file(file: str, size: int) -> int | None:
     """Allocate every block of ``file`` (created with ``size`` bytes when missing or empty; an
     existing file keeps its size, which processes that map it rely on), so writes through a shared
-    memory map of it can never meet a hole the filesystem has no space for. False when the file
-    cannot be opened for writing (read-only filesystem or permissions): nothing was done."""
+    memory map of it can never meet a hole the filesystem has no space for; returns the bytes
+    allocated. None when the file cannot be opened for writing (read-only filesystem or
+    permissions): nothing was done. Only call while this process has no environment of the file
+    open: closing the descriptor used here drops every record lock the process holds on it."""
     try:
         fd = os.open(file, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
     except OSError as exc:
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return False
+            return None
         raise StoreUnavailable(f"cannot open {file}: {exc}") from exc
     try:
-        length = os.fstat(fd).st_size or size
-        if length:
+        st = os.fstat(fd)
+        length = st.st_size or size
+        # an already allocated file (other processes use it) is left alone: where the filesystem has
+        # no fallocate, glibc emulates it by writing zero bytes, which could race their writes
+        if length and not (st.st_size and st.st_blocks * 512 >= st.st_size):
             try:
-                os.posix_fallocate(fd, 0, length)  # blocks already allocated cost nothing
+                os.posix_fallocate(fd, 0, length)
             except OSError as exc:
                 why = "the filesystem is full" if exc.errno == errno.ENOSPC else exc.strerror
                 raise StoreUnavailable(f"cannot allocate the {length} bytes of {file}: {why}") from exc
     finally:
         os.close(fd)
-    return True
+    return length
 
 
 def release(path: str, handle: Handle) -> None:
     """Drop one reference; the environment closes with its last user."""
     with _cond:
-        current = _envs.get(path)
+        current = _envs.get(handle.store)
         if current is not handle:
             return  # stale (closed for a fork) or already gone
         handle.refs -= 1
         if handle.refs <= 0 and not _active:
-            del _envs[path]
+            del _envs[handle.store]
             handle.env.close()
 
 
