@@ -106,16 +106,36 @@ class Engine:
                 for w in range(self.n)
             ]
         _LIVE.add(self)
+        self._pairs = pairs if not self.in_process else []
+        self._unstarted = list(self.procs)
+        self._start(1)  # the rest once the first has its first task: start_rest()
+
+    def _start(self, count: int | None = None) -> None:
+        """Start ``count`` more workers (all that are left: None)."""
+        todo = self._unstarted[: len(self._unstarted) if count is None else count]
+        if not todo:
+            return
+        del self._unstarted[: len(todo)]
         try:
             with _frozen_gc(not self.in_process and self.plan.start_method == "fork"):
-                for p in self.procs:
+                for p in todo:
                     _start_worker(p)
         except BaseException:
             self.shutdown(graceful=False)
             raise
         finally:
-            for _, theirs in pairs if not self.in_process else ():
-                theirs.close()  # the workers hold their own copies now
+            if not self._unstarted:
+                for _, theirs in self._pairs:
+                    theirs.close()  # the workers hold their own copies now
+
+    def start_rest(self) -> None:
+        """Start the workers not started yet (none left: nothing).
+
+        Why apart: each fork of a large training process costs 8-15 ms of the main thread, and
+        the first worker sat idle through the others' before its first task came (bench_startup.py:
+        ``iter()`` 27 ms with two forks). The assembler sends the first tasks, then calls this."""
+        if not self.closed:
+            self._start()
 
     def storage_of(self, worker: int, new_storage: Any) -> Any:
         """A batch's announced storage: read from the worker's socket when it sent a descriptor

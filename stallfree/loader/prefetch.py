@@ -120,6 +120,8 @@ class Assembler:
         self._failures: list[tuple[Any, str, str]] = []
         self._marks: dict[int, tuple[int, ...]] = {}  # each worker's progress slots, last looked at
         self._pull()
+        self._dispatch()  # the first worker's first tasks, before the other workers fork
+        engine.start_rest()
         self.stream = (
             torch.cuda.Stream(device=plan.device)
             if plan.device is not None and plan.device.type == "cuda"
