@@ -83,12 +83,17 @@ def _parquet_file(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Any:
     return pa.PythonFile(remote.RangeFile(fs, path, file_size(fs, path, name), shard=name), mode="r")
 
 
+_FILE_MAGIC = b"ARROW1"  # the first bytes of an Arrow IPC file (not of a stream)
+
+
 def _open_batches(
     fs: fsspec.AbstractFileSystem, path: str, name: str, field: str
-) -> tuple[list[pa.Array], tuple[int, int] | None]:
+) -> tuple[list[pa.Array], tuple[int, int] | None, Any]:
     """The ``field`` column of every record batch (or Parquet chunk) of one file, in order, and
-    for a local Arrow file the (address, size) of the memory map its columns are views of."""
+    for a local Arrow file the (address, size) of the memory map its columns are views of and
+    the map itself (for the caller to close once no view is left; else None)."""
     mapped = None
+    source = None
     try:
         if path.endswith(".parquet"):
             import pyarrow.parquet as pq
@@ -101,7 +106,7 @@ def _open_batches(
                         shard=name,
                     )
                 table = pf.read(columns=[field])
-            return list(table.column(field).chunks), None
+            return list(table.column(field).chunks), None, None
         if is_local(fs):
             source = pa.memory_map(path, "r")
             whole = source.read_buffer()  # zero-copy: where the map lies, to find buffers in it
@@ -110,10 +115,14 @@ def _open_batches(
             source.seek(0)
         else:
             source = pa.BufferReader(read_whole(fs, path, name))
-        try:
+        # the file format starts with its magic; Hugging Face writes the stream format. Chosen by
+        # the magic, not by trying open_file first: a failed open_file left its read of the map
+        # on pyarrow's IO threads, which kept the map alive past close (test_cut_short, flaky)
+        if source.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
+            source.seek(0)
             reader = ipc.open_file(source)
             batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
-        except pa.ArrowInvalid:  # not the file format: Hugging Face writes the stream format
+        else:
             source.seek(0)
             batches = list(ipc.open_stream(source))
     except FileNotFoundError:
@@ -126,7 +135,7 @@ def _open_batches(
         raise ShardError(
             f"no column {field!r}; the columns are {batches[0].schema.names} (pass field=)", shard=name
         )
-    return [b.column(field) for b in batches], mapped
+    return [b.column(field) for b in batches], mapped, source if mapped is not None else None
 
 
 def _piece(col: pa.Array, name: str, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -157,7 +166,8 @@ class ArrowTokenSource:
         self._flats: list[FlatFile | None] = []  # each local Arrow file's pread reader
         for f, path in enumerate(self.files):
             flat = None
-            for vals, lens, offset in self._file_pieces(fs, path):
+            pieces, mapping = self._file_pieces(fs, path)
+            for vals, lens, offset in pieces:
                 lengths.append(lens)
                 counts.append(len(vals))
                 dtypes.append(vals.dtype)
@@ -170,9 +180,12 @@ class ArrowTokenSource:
                     values.append(None)
                     at.append(offset // item)
                 else:
-                    values.append(vals)
+                    values.append(vals if offset is None else vals.copy())  # never a view of the map
                     at.append(-1)
             self._flats.append(flat)
+            pieces = vals = None  # the last views of the map: then it is closed, not left to the GC
+            if mapping is not None:
+                mapping.close()
         # nothing kept above is a view of a map: the files are mapped no longer
         self.dtype = np.result_type(*dtypes) if dtypes else np.dtype(np.int64)
         self.doc_lengths = np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
@@ -189,12 +202,13 @@ class ArrowTokenSource:
 
     def _file_pieces(
         self, fs: fsspec.AbstractFileSystem, path: str
-    ) -> list[tuple[np.ndarray, np.ndarray, int | None]]:
-        """(token ids, document lengths, byte offset in the file or None) of each non-empty piece.
-        A local Arrow file is memory-mapped only while this runs: its pieces give their offsets
-        (buffers that are not plain bytes of the file, compressed ones, are copied out), so no
-        page of the file stays mapped and a file cut short later cannot SIGBUS a reader."""
-        columns, mapped = _open_batches(fs, path, path, self.field)
+    ) -> tuple[list[tuple[np.ndarray, np.ndarray, int | None]], Any]:
+        """(token ids, document lengths, byte offset in the file or None) of each non-empty piece,
+        and the memory map of a local Arrow file (else None). The map is only for finding the
+        pieces' offsets (buffers that are not plain bytes of the file, compressed ones, are copied
+        out): the caller keeps no view of it and closes it, so no page of the file stays mapped
+        and a file cut short later cannot SIGBUS a reader."""
+        columns, mapped, source = _open_batches(fs, path, path, self.field)
         out = []
         for b, col in enumerate(columns):
             if not len(col):
@@ -208,7 +222,7 @@ class ArrowTokenSource:
                 else:
                     vals = vals.copy()  # no view of the map is kept
             out.append((vals, lens, offset))
-        return out
+        return out, source
 
     def _piece(self, p: int) -> np.ndarray:
         """In-memory piece ``p``'s tokens; in a new process each file is opened when first needed
@@ -222,14 +236,19 @@ class ArrowTokenSource:
                 self._fs = remote.url_to_fs(self.url, **self.storage_options)[0]
             f = int(self._owner[p])
             path = self.files[f]
-            got = self._file_pieces(self._fs, path)
-            first = int(self._first[f])
-            expect = self._starts[first + 1 : first + len(got) + 1] - self._starts[first : first + len(got)]
-            if len(got) != int((self._owner == f).sum()) or [len(g[0]) for g in got] != expect.tolist():
-                raise CorruptShardError("the file changed since the dataset was opened", shard=path)
-            for k, (values, _, _) in enumerate(got):
-                if self._at[first + k] < 0:
-                    self._values[first + k] = values
+            got, mapping = self._file_pieces(self._fs, path)
+            try:
+                first = int(self._first[f])
+                expect = self._starts[first + 1 : first + len(got) + 1] - self._starts[first : first + len(got)]
+                if len(got) != int((self._owner == f).sum()) or [len(g[0]) for g in got] != expect.tolist():
+                    raise CorruptShardError("the file changed since the dataset was opened", shard=path)
+                for k, (values, _, offset) in enumerate(got):
+                    if self._at[first + k] < 0:  # never a view of the map
+                        self._values[first + k] = values if offset is None else values.copy()
+            finally:
+                got = values = None
+                if mapping is not None:
+                    mapping.close()
             v = self._values[p]
         return v  # type: ignore[return-value]
 
