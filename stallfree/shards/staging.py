@@ -19,6 +19,11 @@ How the files are kept:
   it (``StagedFile``). Over the cap, the least recently used files (mtime, set on each use) that
   no process pins are deleted, only then: a dataset that fits stays staged, and a second epoch
   reads no remote byte.
+- Every descriptor that holds one of these ``flock``s is closed in a forked child right after
+  the fork (``_Held``): a ``flock`` belongs to the open file description, which the child
+  shares, so a fetcher's lock released by the parent stayed held by the child's copy, and every
+  other process of the node waited on it for ever (a loader worker forked while the main
+  process staged a shard: ``WorkerHungError`` after 300 s).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -72,11 +78,53 @@ class Staging:
         return self.root or os.path.join(tempfile.gettempdir(), f"stallfree-staging-{os.getuid()}")
 
 
+class _Held:
+    """The descriptors of this process that hold a staging ``flock``, closed in a forked child.
+
+    The lock is taken around fork (``os.register_at_fork``), so a child never inherits a
+    descriptor between its close and its removal here (its number could be reused meanwhile)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.fds: set[int] = set()
+        self.files: weakref.WeakSet[StagedFile] = weakref.WeakSet()
+
+    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+        with self.lock:
+            fd = os.open(path, flags | os.O_CLOEXEC, mode)
+            self.fds.add(fd)
+        return fd
+
+    def close(self, fd: int) -> None:
+        with self.lock:
+            self.fds.discard(fd)
+            os.close(fd)
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the parent's copy still holds the lock, for as long as it means to
+        self.fds = set()
+        for f in list(self.files):
+            f._fd = -1  # the parent's pin, not this process's: nothing to close here again
+
+
+_HELD = _Held()
+os.register_at_fork(
+    before=lambda: _HELD.lock.acquire(),
+    after_in_parent=lambda: _HELD.lock.release(),
+    after_in_child=lambda: _HELD.after_fork_in_child(),
+)
+
+
 class StagedFile:
-    """A staged file, pinned (a shared ``flock``) until ``close``: never evicted while open."""
+    """A staged file, pinned (a shared ``flock``) until ``close``: never evicted while open.
+    ``fd`` comes from ``_HELD.open``."""
 
     def __init__(self, path: str, fd: int) -> None:
         self.path, self._fd = path, fd
+        _HELD.files.add(self)
 
     @property
     def size(self) -> int:
@@ -84,7 +132,7 @@ class StagedFile:
 
     def close(self) -> None:
         if self._fd >= 0:
-            os.close(self._fd)  # drops the pin
+            _HELD.close(self._fd)  # drops the pin
             self._fd = -1
 
     def __enter__(self) -> StagedFile:
@@ -138,12 +186,12 @@ class StagingArea:
         try:
             with open(tmp, "wb") as f:
                 fill(f)
-            fd = os.open(tmp, os.O_RDONLY)
+            fd = _HELD.open(tmp, os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_SH)
             os.rename(tmp, path)  # visible whole or not at all
         except BaseException:
             if fd >= 0:
-                os.close(fd)
+                _HELD.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
             raise
@@ -229,18 +277,18 @@ def _drop_if_orphaned(tmp: str) -> None:
 def _pin(path: str) -> StagedFile | None:
     """``path`` opened and pinned, touched as used now; None if it is not staged."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _HELD.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
         if os.fstat(fd).st_nlink == 0:  # evicted between open and pin
-            os.close(fd)
+            _HELD.close(fd)
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # the eviction order: least recently used first
     except BaseException:
-        os.close(fd)
+        _HELD.close(fd)
         raise
     return StagedFile(path, fd)
 
@@ -248,7 +296,7 @@ def _pin(path: str) -> StagedFile | None:
 def _evict(path: str) -> bool:
     """Delete ``path`` unless a process pins it; True if deleted."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = _HELD.open(path, os.O_RDONLY)
     except FileNotFoundError:
         return False
     try:
@@ -263,18 +311,18 @@ def _evict(path: str) -> bool:
     except FileNotFoundError:
         return False
     finally:
-        os.close(fd)
+        _HELD.close(fd)
 
 
 @contextlib.contextmanager
 def _exclusive(lock_path: str):
     """Hold an exclusive ``flock`` on ``lock_path`` (blocks while another process holds it)."""
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    fd = _HELD.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        os.close(fd)
+        _HELD.close(fd)
 
 
 __all__ = ["Staging", "StagedFile", "StagingArea", "default_cap"]

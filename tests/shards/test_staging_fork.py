@@ -1,0 +1,100 @@
+"""A forked child never keeps the staging area's locks (shards/staging.py ``_Held``).
+
+A ``flock`` belongs to the open file description, which a forked child shares. A loader worker
+forked while the main process was fetching a shard kept that shard's fetch lock after the main
+process released it, and the other worker waited on it until the loader gave up (300 s). Each
+case runs in its own process with a timeout: a lock kept is a failed test, never a hung suite.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+TIMEOUT = 60
+
+_FETCH_WHILE_FORKED = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from stallfree.shards.staging import StagingArea
+
+    root = sys.argv[1]
+    area = StagingArea(root, 1 << 30)
+    go, holding = threading.Event(), threading.Event()
+
+    def fill(f):
+        holding.set()
+        go.wait()
+        f.write(b"from the fetcher")
+
+    fetch = threading.Thread(target=lambda: area.stage("ns", "x", fill).close())
+    fetch.start()
+    holding.wait()                     # the fetch lock is held now
+    child = os.fork()                  # a worker, forked meanwhile; it lives on
+    if child == 0:
+        time.sleep(40)
+        os._exit(0)
+    waiter = __import__("subprocess").Popen(
+        [sys.executable, "-c",
+         "import sys; from stallfree.shards.staging import StagingArea; "
+         "f = StagingArea(sys.argv[1], 1 << 30).stage('ns', 'x', lambda f: f.write(b'again')); "
+         "print(open(f.path, 'rb').read().decode())",
+         root],
+        stdout=__import__("subprocess").PIPE, text=True)
+    time.sleep(0.5)                    # the waiter blocks on the fetch lock
+    go.set()
+    fetch.join()
+    try:
+        out, _ = waiter.communicate(timeout=15)
+        print("waiter got:", out.strip())
+    except __import__("subprocess").TimeoutExpired:
+        waiter.kill()
+        print("waiter still blocked while the forked child lives")
+    os.kill(child, 9)
+    """
+)
+
+
+def test_a_fetch_lock_is_released_though_a_worker_was_forked_while_it_was_held(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-c", _FETCH_WHILE_FORKED, str(tmp_path / "stage")],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "waiter got: from the fetcher", r.stdout
+
+
+_PIN_WHILE_FORKED = textwrap.dedent(
+    """
+    import os, sys, time
+    from stallfree.shards.staging import StagingArea, _evict
+
+    area = StagingArea(sys.argv[1], 1 << 30)
+    pin = area.stage("ns", "y", lambda f: f.write(b"y" * 100))
+    path = pin.path
+    r, w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.write(w, b"up")             # after the fork's handlers ran: the child's copies closed
+        time.sleep(40)
+        os._exit(0)
+    os.read(r, 2)
+    pin.close()                        # the parent is done with it: evictable now
+    print("evicted" if _evict(path) else "still pinned by the forked child")
+    os.kill(child, 9)
+    """
+)
+
+
+def test_a_pin_released_by_the_parent_is_not_kept_by_a_forked_child(tmp_path):
+    r = subprocess.run(
+        [sys.executable, "-c", _PIN_WHILE_FORKED, str(tmp_path / "stage")],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "evicted", r.stdout
