@@ -56,15 +56,15 @@ _FETCH_WHILE_FORKED = textwrap.dedent(
 )
 
 
-def test_a_fetch_lock_is_released_though_a_worker_was_forked_while_it_was_held(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-c", _FETCH_WHILE_FORKED, str(tmp_path / "stage")],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+def _last_line(script: str, root) -> str:
+    """Run ``script`` in a fresh process (a hang fails the test) and return its last line."""
+    r = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "waiter got: from the fetcher", r.stdout
+    return r.stdout.strip().splitlines()[-1]
+
+
+def test_a_fetch_lock_is_released_though_a_worker_was_forked_while_it_was_held(tmp_path):
+    assert _last_line(_FETCH_WHILE_FORKED, tmp_path / "stage") == "waiter got: from the fetcher"
 
 
 _PIN_WHILE_FORKED = textwrap.dedent(
@@ -90,11 +90,4 @@ _PIN_WHILE_FORKED = textwrap.dedent(
 
 
 def test_a_pin_released_by_the_parent_is_not_kept_by_a_forked_child(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-c", _PIN_WHILE_FORKED, str(tmp_path / "stage")],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.strip().splitlines()[-1] == "evicted", r.stdout
+    assert _last_line(_PIN_WHILE_FORKED, tmp_path / "stage") == "evicted"
