@@ -189,6 +189,9 @@ def plan(dataset: Any, options: LoaderOptions) -> LoaderPlan:
     world = o.world or o.job_world
     seed = _seed(o, fast, world)
     device = _device(o)
+    staging = staging_for(dataset, o, order)
+    # a short first window only where windows are fetched whole (the first batch waits for it)
+    first_window = order_mod.ramp_of(o.window) if staging is not None and order == "block" else None
     return LoaderPlan(
         mode,
         order,
@@ -197,8 +200,8 @@ def plan(dataset: Any, options: LoaderOptions) -> LoaderPlan:
         seed=seed,
         world=world,
         device=device,
-        source=_index_source(dataset, o, mode, order, 0 if seed is None else seed, world),
-        worker=_worker_plan(dataset, o, placement, fingerprint, staging_for(dataset, o, order)),
+        source=_index_source(dataset, o, mode, order, 0 if seed is None else seed, world, first_window),
+        worker=_worker_plan(dataset, o, placement, fingerprint, staging),
         main=_main_plan(o, placement, device),
     )
 
@@ -243,7 +246,13 @@ def _device(o: LoaderOptions) -> torch.device | None:
 
 
 def _index_source(
-    dataset: Any, o: LoaderOptions, mode: str, order: str, seed: int, world: World
+    dataset: Any,
+    o: LoaderOptions,
+    mode: str,
+    order: str,
+    seed: int,
+    world: World,
+    first_window: int | None = None,
 ) -> IndexSource:
     """Where the loader's indices come from (its mode's one difference), with its resume state."""
     if mode == "iterable":
@@ -259,6 +268,7 @@ def _index_source(
         window=o.window,
         batch_size=int(o.batch_size or 1),
         drop_last=o.drop_last,
+        first_window=first_window,
     )
 
 

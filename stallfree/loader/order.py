@@ -82,17 +82,22 @@ class Blocked:
     only a window of shards at a time (whole-shard reads, a warm cache) while the order stays
     random enough for SGD. Memory: a few int64 per shard.
 
-    Windows hold ``window`` shards, except the epoch's first, which holds ``ramp_of(window)``
-    (a quarter): a reader that fetches windows whole waits for the first one before its first
+    Windows hold ``window`` shards, except the epoch's first, which holds ``first`` (None: a
+    full window). The loader asks for ``ramp_of(window)`` (a quarter) where its workers stage
+    windows whole: a reader that fetches windows whole waits for the first one before its first
     batch, so a quarter of the bytes there is a quarter of the wait (measured: RESULTS.md,
-    Object storage), while every later window is full. A last window shorter than the first is merged into the one before,
-    so no window mixes fewer shards than the first. ``REVISION`` names this layout: a resume state
-    records it (``order_identity``) and a loader refuses a state saved under another."""
+    Object storage), while every later window is full. Elsewhere a short first window only
+    costs (its batches mix fewer shards; ranks reading ranges coalesce over each other's samples:
+    1.26x the bytes from storage in tests/netlab's 4-node job, 1.04x without). After a short
+    first window, a last window shorter than it is merged into the one before, so no window
+    mixes fewer shards than the first. ``order_identity`` names the layout: a resume state
+    records it, and a loader refuses a state saved under another."""
 
     seed: int
     epoch: int
     shard_sizes: tuple[int, ...]
     window: int = 8
+    first: int | None = None
     n: int = field(init=False)
     _perm: np.ndarray = field(init=False, repr=False, compare=False)  # k-th shard of the order
     _starts: np.ndarray = field(init=False, repr=False, compare=False)  # first index of each shard
@@ -105,8 +110,8 @@ class Blocked:
     _wbits: tuple[np.ndarray, np.ndarray] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ValueError(f"window must be >= 1, got {self.window}")
+        if self.window < 1 or (self.first is not None and self.first < 1):
+            raise ValueError(f"window and first must be >= 1, got {self.window}, {self.first}")
         sizes = np.asarray(self.shard_sizes, np.int64).reshape(-1)
         if len(sizes) and sizes.min() < 0:
             raise ValueError("shard sizes must be >= 0")
@@ -118,7 +123,7 @@ class Blocked:
         put(self, "_perm", shard_perm)
         put(self, "_starts", np.concatenate([[0], np.cumsum(sizes)[:-1]]) if s else sizes[:0])
         put(self, "_pstarts", pstarts)
-        wshards = window_bounds(s, self.window)
+        wshards = window_bounds(s, self.window, self.first)
         wstarts = pstarts[wshards[:-1]] if s else pstarts
         wsize = np.diff(pstarts[wshards]) if s else sizes[:0]
         put(self, "_wshards", wshards)
@@ -154,7 +159,9 @@ class Blocked:
         return self._perm[self._wshards[w] : self._wshards[w + 1]].copy()
 
 
-REVISION = {"block": 2}  # block: 1 = windows of `window` shards; 2 = a short first one (ramp_of)
+# an order's layout revision, in its identity: bump its entry when the same request maps to
+# other positions (a state saved under the old layout is then refused mid-epoch, not misread)
+REVISION: dict[str, int] = {}
 
 
 def ramp_of(window: int) -> int:
@@ -162,24 +169,29 @@ def ramp_of(window: int) -> int:
     return max(1, window // 4)
 
 
-def window_bounds(shards: int, window: int) -> np.ndarray:
-    """Where each window starts in the shard order, and the end: ``[0, ramp, ramp + window, ...,
-    shards]``, a last window shorter than the first merged into the one before."""
+def window_bounds(shards: int, window: int, first: int | None = None) -> np.ndarray:
+    """Where each window starts in the shard order, and the end: ``[0, first, first + window,
+    ..., shards]``; with a short ``first``, a last window shorter than it is merged into the one
+    before. ``first`` None: full windows, the last one what is left."""
     if shards <= 0:
         return np.zeros(1, np.int64)
-    first = min(ramp_of(window), shards)
-    bounds = [0, *range(first, shards, window), shards]
-    if len(bounds) > 2 and bounds[-1] - bounds[-2] < first:
+    lead = min(window if first is None else first, shards)
+    bounds = [0, *range(lead, shards, window), shards]
+    if first is not None and len(bounds) > 2 and bounds[-1] - bounds[-2] < lead:
         del bounds[-2]
     return np.asarray(bounds, np.int64)
 
 
-def order_identity(mode: str, window: int) -> str:
-    """What names an order's layout for a given seed: the name, its revision, and the window for
-    orders that use one. A resume state records it, so a state is never continued on another
-    layout (other positions hold other samples: some would be skipped, others repeated)."""
+def order_identity(mode: str, window: int, first_window: int | None = None) -> str:
+    """What names an order's layout for a given seed: the name, its revision, and the window
+    (and a short first one) for orders that use them. A resume state records it, so a state is
+    never continued on another layout (other positions hold other samples: some would be
+    skipped, others repeated)."""
     rev = REVISION.get(mode, 1)
-    return f"{mode}/r{rev}" if mode in ("global", "sequential") else f"{mode}/r{rev}/window={window}"
+    if mode in ("global", "sequential"):
+        return f"{mode}/r{rev}"
+    short = f"/first={first_window}" if first_window is not None and first_window != window else ""
+    return f"{mode}/r{rev}/window={window}{short}"
 
 
 @dataclass(frozen=True)
@@ -209,6 +221,7 @@ class OrderRequest:
     n: int
     shard_sizes: tuple[int, ...] | None = None  # the dataset's shard sizes, when it has shards
     window: int = 8  # shards per window (the ``window=`` loader option)
+    first_window: int | None = None  # shards in the epoch's first window (None: ``window``)
 
 
 OrderFactory = Callable[[OrderRequest], Order]
@@ -246,7 +259,7 @@ def _block(req: OrderRequest) -> Order:
         raise ValueError("block order needs the dataset's shard_sizes")
     if sum(req.shard_sizes) != req.n:
         raise ValueError(f"shard_sizes sum to {sum(req.shard_sizes)} but the dataset has {req.n} samples")
-    return Blocked(req.seed, req.epoch, req.shard_sizes, req.window)
+    return Blocked(req.seed, req.epoch, req.shard_sizes, req.window, req.first_window)
 
 
 register_order("global", lambda req: Shuffled(req.seed, req.epoch, req.n))
@@ -262,13 +275,14 @@ def make_order(
     mode: str = "global",
     shard_sizes: Sequence[int] | None = None,
     window: int = 8,
+    first_window: int | None = None,
 ) -> Order:
     """The epoch's order as a function; ``mode`` names a registered order (``order_names()``)."""
     factory = _ORDERS.get(mode)
     if factory is None:
         raise ValueError(f"order must be one of {order_names()}, got {mode!r}")
     sizes = None if shard_sizes is None else tuple(int(s) for s in shard_sizes)
-    order = factory(OrderRequest(int(seed), int(epoch), int(n), sizes, int(window)))
+    order = factory(OrderRequest(int(seed), int(epoch), int(n), sizes, int(window), first_window))
     if order.n != n:
         raise ValueError(f"order {mode!r} covers {order.n} positions, the dataset has {n} samples")
     return order

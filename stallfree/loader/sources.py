@@ -55,6 +55,7 @@ class OrderIndices:
     window: int
     batch_size: int
     drop_last: bool
+    first_window: int | None = None  # block order: a short first window (where windows are staged)
     unit: ClassVar[str] = "positions"
 
     def reseeded(self, seed: int) -> OrderIndices:
@@ -75,6 +76,7 @@ class OrderIndices:
             mode=self.order,
             shard_sizes=contracts.shard_sizes_of(self.dataset),
             window=self.window,
+            first_window=self.first_window,
         )
 
     def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
@@ -99,7 +101,7 @@ class OrderIndices:
     @property
     def identity(self) -> str:
         """The order's layout, as a resume state records it."""
-        return order_mod.order_identity(self.order, self.window)
+        return order_mod.order_identity(self.order, self.window, self.first_window)
 
     def state_fields(self, resume: int) -> dict[str, Any]:
         return {"consumed": resume, "dataset_len": len(self.dataset), "batches": 0, "order": self.identity}

@@ -4,7 +4,7 @@ window reads, on any rank and after a resume, and never change the order itself.
 
 import numpy as np
 
-from stallfree.loader.order import Blocked, RankShare, Shuffled, batches, block_order, window_bounds
+from stallfree.loader.order import Blocked, RankShare, Shuffled, batches, block_order, ramp_of, window_bounds
 
 
 def _shard_of(sizes):
@@ -37,7 +37,7 @@ def test_window_helpers_leave_the_order_as_it_was():
 
 def test_shards_after_names_the_next_window_on_every_rank_and_after_resume():
     sizes = tuple([10] * 9)
-    order = Blocked(0, 0, sizes, window=3)  # a first window of 1 shard, then 3, 3 and 2 shards
+    order = Blocked(0, 0, sizes, window=3, first=1)  # a first window of 1 shard, then 3, 3 and 2
     assert [len(order.window_shards(w)) for w in range(order.windows)] == [1, 3, 3, 2]
     for rank, start in ((0, 0), (1, 0), (0, 17), (2, 44)):
         share = RankShare(order, start, rank, 3)
@@ -65,25 +65,59 @@ def test_window_shards_at_names_the_window_a_batch_starts_in_on_every_rank_and_a
     assert batches(RankShare(Shuffled(0, 0, 90), 0, 0, 1), 4, False).window_shards_at(0) == ()
 
 
-def test_the_first_window_is_a_quarter_window_and_a_short_tail_joins_the_one_before():
-    # why: the first batch waits for the whole first window; a last window shorter than the
-    # first would mix fewer shards than any other
-    assert window_bounds(13, 8).tolist() == [0, 2, 10, 13]  # 2, then 8, then 3
-    assert window_bounds(11, 8).tolist() == [0, 2, 11]  # 2, then 8 + a tail of 1
-    assert window_bounds(16, 16).tolist() == [0, 4, 16]
-    assert window_bounds(3, 8).tolist() == [0, 3]
+def test_a_short_first_window_and_a_short_tail_joining_the_one_before():
+    # why: the first batch waits for the whole first window where windows are staged; a last
+    # window shorter than the first would mix fewer shards than any other
+    assert window_bounds(13, 8, 2).tolist() == [0, 2, 10, 13]  # 2, then 8, then 3
+    assert window_bounds(11, 8, 2).tolist() == [0, 2, 11]  # 2, then 8 + a tail of 1
+    assert window_bounds(13, 8).tolist() == [0, 8, 13]  # no first given: full windows, the rest
+    assert window_bounds(3, 8, 2).tolist() == [0, 3]
     assert window_bounds(5, 1).tolist() == [0, 1, 2, 3, 4, 5]
-    assert window_bounds(0, 8).tolist() == [0]
+    assert window_bounds(0, 8, 2).tolist() == [0]
     for shards in range(1, 40):
         for window in (1, 2, 3, 8):
-            b = window_bounds(shards, window)
-            sizes = np.diff(b)
-            assert b[0] == 0 and b[-1] == shards and np.all(sizes >= 1)
-            ramp = min(max(1, window // 4), shards)
-            assert sizes[0] == (ramp if len(sizes) > 1 else shards)
-            assert np.all(sizes[1:-1] == window) if len(sizes) > 2 else True
-            if len(sizes) > 1:
-                assert sizes[0] <= sizes[-1] < window + sizes[0]
-    order = Blocked(5, 0, tuple([4] * 13), window=8)
+            for first in (None, ramp_of(window)):
+                b = window_bounds(shards, window, first)
+                sizes = np.diff(b)
+                assert b[0] == 0 and b[-1] == shards and np.all(sizes >= 1)
+                lead = min(window if first is None else first, shards)
+                assert sizes[0] == (lead if len(sizes) > 1 else shards)
+                assert np.all(sizes[1:-1] == window) if len(sizes) > 2 else True
+                if len(sizes) > 1 and first is not None:
+                    assert sizes[0] <= sizes[-1] < window + sizes[0]
+    order = Blocked(5, 0, tuple([4] * 13), window=8, first=ramp_of(8))
     assert [len(order.window_shards(w)) for w in range(order.windows)] == [2, 8, 3]
     assert sorted(order.at(np.arange(order.n)).tolist()) == list(range(52))
+
+
+def test_the_loader_shortens_the_first_window_only_where_it_stages_windows():
+    import fsspec
+
+    from stallfree.loader.options import LoaderOptions, plan
+    from tests.loader.helpers import Sharded
+
+    class Remote(Sharded):  # shards on a non-local filesystem: the planner stages block order
+        fs = fsspec.filesystem("memory")
+        shard_sizes = [6] * 12
+
+        def __init__(self):
+            super().__init__()
+            self.n = 72
+
+        def warm(self, shards, executor):
+            pass
+
+        def shards_of(self, indices):
+            return [i // 6 for i in indices]
+
+        def get_many(self, indices, executor=None):
+            return [self[i] for i in indices]
+
+    ds = Remote()
+    staged = plan(ds, LoaderOptions(batch_size=4, shuffle=True, num_workers=2, order="block"))
+    plain = plan(ds, LoaderOptions(batch_size=4, shuffle=True, num_workers=2, order="block", staging=False))
+    assert staged.worker.staging is not None and plain.worker.staging is None
+    assert staged.source.identity == "block/r1/window=8/first=2"
+    assert plain.source.identity == "block/r1/window=8"
+    windows = staged.source.epoch_order(0)
+    assert [len(windows.window_shards(w)) for w in range(windows.windows)] == [2, 8, 2]

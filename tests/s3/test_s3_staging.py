@@ -262,7 +262,7 @@ def test_a_pinned_file_is_never_evicted(tmp_path):
 
 
 def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
-    from stallfree.loader.order import Blocked
+    from stallfree.loader.order import Blocked, ramp_of
 
     url = f"s3://{bucket}/ds"
     _write(s3, url)
@@ -270,10 +270,11 @@ def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
     stage = tmp_path / "stage"
     dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=1, seed=0, window=2, collate_fn=_keys,
                     staging=str(stage), persistent_workers=True)  # fmt: skip
-    order = Blocked(0, 0, tuple(ds.shard_sizes), window=2)
+    # staged windows: the first is ramp_of(2) = 1 shard, then 2 each (window_bounds)
+    order = Blocked(0, 0, tuple(ds.shard_sizes), window=2, first=ramp_of(2))
     expect = {f"shard-{s:06d}.tar" for w in (0, 1) for s in order.window_shards(w)}
     it = iter(dl)
-    next(it)  # the first of five batches of window 0: the backlog holds only window 0's batches
+    next(it)  # the first of window 0's batches: the backlog holds only window 0's batches
     folder = stage / ds.fingerprint
 
     def staged():
