@@ -67,6 +67,13 @@ uv_install() {
     return 1
   fi
 }
+# ours DIR: whether DIR's venv imports stallfree from this checkout (an editable install made
+# from another clone, since moved or deleted, left a venv whose subprocesses could not import it)
+ours() {
+  local want=$PWD/stallfree/__init__.py py=$1/bin/python
+  case $py in /*) ;; *) py=$PWD/$py ;; esac
+  (cd / && "$py" -c 'import sys, stallfree; sys.exit(stallfree.__file__ != sys.argv[1])' "$want") 2>/dev/null
+}
 # venv_for DIR REQUIREMENTS: a venv in DIR with REQUIREMENTS installed (again only when they changed).
 venv_for() {
   local dir=$1 reqs=$2 stamp=$1/.stallfree-setup
@@ -75,7 +82,7 @@ venv_for() {
   fi
   if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ "$reqs" -nt "$stamp" ] \
     || [ setup.py -nt "$stamp" ] || [ stallfree/gpu_decode/_turbo.c -nt "$stamp" ] \
-    || [ examples/requirements.txt -nt "$stamp" ]; then
+    || [ examples/requirements.txt -nt "$stamp" ] || ! ours "$dir"; then
     echo "setup: installing Python packages into $dir" >&2
     # examples/requirements.txt (Lightning): tests/examples runs the examples on every torch CI tests
     local wanted=(-r "$reqs" -r examples/requirements.txt)
