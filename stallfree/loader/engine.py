@@ -52,6 +52,7 @@ class Engine:
         self.closed = False
         self.gate: FirstBatchGate | None = None
         self.segments: list[SegmentReceiver] = []  # per worker process: new slots' descriptors
+        pairs: list[tuple[Any, Any]] = []  # (main's end, worker's end) of each worker's socket pair
         if self.in_process:
             self.plan = replace(plan, in_process=True)
             self.task_qs: list[Any] = [queue.Queue()]
@@ -105,9 +106,9 @@ class Engine:
                 )
                 for w in range(self.n)
             ]
-        _LIVE.add(self)
-        self._pairs = pairs if not self.in_process else []
+        self._pairs = pairs
         self._unstarted = list(self.procs)
+        _LIVE.add(self)
         self._start(1)  # the rest once the first has its first task: start_rest()
 
     def _start(self, count: int | None = None) -> None:
@@ -221,6 +222,8 @@ class Engine:
                 q.close()
         for seg in self.segments:
             seg.close()
+        for _, theirs in self._pairs:
+            theirs.close()  # (those of workers never started)
         self.storages.clear()
 
 

@@ -118,8 +118,8 @@ class OrderIndices:
             raise ValueError(
                 f"state was saved {state.consumed} positions into an epoch of order {state.order!r}, "
                 f"this loader's order is {self.identity!r}: continuing would skip some samples and "
-                "repeat others (pass the order= and window= the state was saved with, or resume at "
-                "the next epoch boundary)"
+                "repeat others (pass the order=, window= and staging= the state was saved with, or "
+                "resume at the next epoch boundary)"
             )
         return state.consumed
 
