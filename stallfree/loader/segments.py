@@ -82,6 +82,27 @@ class SegmentReceiver:
         self._early: dict[int, int] = {}  # serial -> descriptor, read while looking for another
 
     def receive(self, segment: SentSegment) -> torch.UntypedStorage:
+        fd = self._take(segment)
+        try:
+            size = os.fstat(fd).st_size
+            if size < segment.nbytes:  # a storage over bytes the file lacks would fault on access
+                raise SegmentError(
+                    f"worker {self._worker}'s shared-memory segment {segment.serial} holds {size} "
+                    f"bytes, the batch announced {segment.nbytes}"
+                )
+            return compat.shared_storage_of_fd(fd, segment.nbytes)
+        finally:
+            os.close(fd)
+
+    def discard(self, segment: Any) -> None:
+        """A batch that will not be adopted: close its descriptor (nothing is mapped)."""
+        if isinstance(segment, SentSegment):
+            with contextlib.suppress(SegmentError):
+                os.close(self._take(segment))
+
+    def _take(self, segment: SentSegment) -> int:
+        """The descriptor sent for ``segment`` (the caller closes it); those read on the way,
+        for later serials, are kept for their own batches."""
         fd = self._early.pop(segment.serial, None)
         while fd is None:
             try:
@@ -97,21 +118,18 @@ class SegmentReceiver:
                     f"worker {self._worker}'s segment socket closed before segment {segment.serial} "
                     "(the worker died?)"
                 )
-            serial, _ = _HEADER.unpack(data)
+            serial, nbytes = _HEADER.unpack(data)
+            if serial == segment.serial and nbytes != segment.nbytes:
+                os.close(fds[0])
+                raise SegmentError(
+                    f"worker {self._worker}'s segment {serial} was sent as {nbytes} bytes, the batch "
+                    f"announced {segment.nbytes}"
+                )
             if serial == segment.serial:
                 fd = fds[0]
             else:
                 self._early[serial] = fds[0]
-        try:
-            return compat.shared_storage_of_fd(fd, segment.nbytes)
-        finally:
-            os.close(fd)
-
-    def discard(self, segment: Any) -> None:
-        """A batch that will not be adopted: close its descriptor."""
-        if isinstance(segment, SentSegment):
-            with contextlib.suppress(SegmentError):
-                self.receive(segment)  # mapped and dropped at once: the descriptor is closed
+        return fd
 
     def close(self) -> None:
         for fd in self._early.values():

@@ -5,6 +5,9 @@ and a segment that never arrives is an error naming the worker, never a hang."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import socket
+import struct
 
 import pytest
 import torch
@@ -57,6 +60,20 @@ def test_a_segment_that_never_arrives_names_the_worker():
     sender.close()  # the worker is gone, and with it the next descriptor
     with pytest.raises(SegmentError, match="worker 5's segment socket closed before segment 2"):
         receiver.receive(type(seg)(2, seg.nbytes))
+
+
+def test_a_segment_whose_size_disagrees_with_its_batch_is_an_error_not_a_mapping():
+    mine, theirs = socket_pair()
+    sender, receiver = SegmentSender(theirs), SegmentReceiver(mine, worker=2)
+    seg = sender.send(_storage(1, 1 << 16))
+    with pytest.raises(SegmentError, match="segment 1 was sent as 65536 bytes, the batch announced 131072"):
+        receiver.receive(type(seg)(seg.serial, 2 << 16))
+    with os.fdopen(os.memfd_create("short"), "wb") as short:  # a file shorter than it is said to be
+        short.truncate(4096)
+        socket.send_fds(theirs, [struct.pack("<qq", 2, 1 << 16)], [short.fileno()])
+    with pytest.raises(SegmentError, match="segment 2 holds 4096 bytes, the batch announced 65536"):
+        receiver.receive(type(seg)(2, 1 << 16))
+    receiver.close()
 
 
 def test_a_broken_socket_sends_the_storage_itself():
