@@ -111,6 +111,9 @@ class RedisServer:
         self.restricted = restricted  # clients may run DATA_COMMANDS only (see the module docstring)
         self.admin_password: str | None = None
         self.port = port or free_port(self.host)
+        # a port chosen here may be taken by another process before the server binds it (seen in
+        # the test suite: "bind: Address already in use"); then the first start picks another
+        self._repick_port = not port
         self.capacity_bytes = capacity_bytes
         self.policy = get_policy(policy)
         self.password = password
@@ -217,12 +220,19 @@ class RedisServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 err = self.process.stderr.read().decode(errors="replace") if self.process.stderr else ""
+                if self._repick_port and "Address already in use" in err + self._log_tail():
+                    log.info("port %d was taken before redis-server bound it: picking another", self.port)
+                    self._repick_port = False  # once: a second loss is reported
+                    self.port = free_port(self.host)
+                    self.process = None
+                    return self.start(timeout_s)
                 raise RuntimeError(
                     f"redis-server exited with {self.process.returncode}: {err}{self._log_tail()}"
                 )
             # another process may answer on the port (ours then fails to bind): wait for our own log
             if self._ping() and self._logged_ready(log_start):
                 log.info("redis-server up at %s (pid %d)", self.url, self.process.pid)
+                self._repick_port = False  # a restart keeps its URL
                 return self
             time.sleep(0.02)
         self.stop()

@@ -265,6 +265,25 @@ def test_server_that_cannot_start_is_a_clear_error_with_its_log(redis_servers, t
     assert RedisServer(7001, bind="0.0.0.0", workdir=tmp_path / "w").url == "redis://127.0.0.1:7001"
 
 
+def test_a_port_it_chose_and_lost_before_binding_is_chosen_again(redis_servers, tmp_path, monkeypatch):
+    # free_port()'s port can be taken by another process before redis-server binds it; a port the
+    # caller gave is reported (above), one the server chose itself is picked again, once
+    import stallfree.cache.server as server_mod
+
+    (running,) = redis_servers(1)
+    picks = iter([running.port])  # the first pick: already taken by the running server
+    real = server_mod.free_port
+    monkeypatch.setattr(server_mod, "free_port", lambda host="127.0.0.1": next(picks, None) or real(host))
+    chosen = RedisServer(workdir=tmp_path / "chosen")
+    assert chosen.port == running.port
+    try:
+        chosen.start()
+        assert chosen.port != running.port
+        assert server_status(chosen.url, password=None, timeout_s=5.0) is not None
+    finally:
+        chosen.cleanup()
+
+
 @pytest.mark.parametrize("policy", ["minio", "lru"])
 def test_corrupt_entries_are_dropped_wherever_a_lookup_finds_them(redis_servers, policy):
     servers = redis_servers(3)
