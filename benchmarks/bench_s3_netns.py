@@ -306,7 +306,12 @@ def _write_timeline(path: Path, row: dict, log: list[dict], wall0: float, first:
     ]  # fmt: skip
     with path.open("a") as f:
         keys = ("variant", "reader", "epoch")
-        f.write(json.dumps({**{k: row[k] for k in keys}, "first batch s": first, "epoch s": sec, "requests": reqs}) + "\n")
+        f.write(
+            json.dumps(
+                {**{k: row[k] for k in keys}, "first batch s": first, "epoch s": sec, "requests": reqs}
+            )
+            + "\n"
+        )
 
 
 def run_reader(

@@ -239,7 +239,9 @@ class ArrowTokenSource:
             got, mapping = self._file_pieces(self._fs, path)
             try:
                 first = int(self._first[f])
-                expect = self._starts[first + 1 : first + len(got) + 1] - self._starts[first : first + len(got)]
+                expect = (
+                    self._starts[first + 1 : first + len(got) + 1] - self._starts[first : first + len(got)]
+                )
                 if len(got) != int((self._owner == f).sum()) or [len(g[0]) for g in got] != expect.tolist():
                     raise CorruptShardError("the file changed since the dataset was opened", shard=path)
                 for k, (values, _, offset) in enumerate(got):

@@ -171,7 +171,11 @@ def test_a_state_names_its_block_layout_and_resumes_exactly_under_it(shard_ds):
 
 @pytest.mark.parametrize(
     "other",
-    [{"order": "block", "window": 2}, {"order": "global"}, {"order": "block", "window": 4, "_old": "block/r0/window=4"}],
+    [
+        {"order": "block", "window": 2},
+        {"order": "global"},
+        {"order": "block", "window": 4, "_old": "block/r0/window=4"},
+    ],
 )
 def test_a_state_is_refused_mid_epoch_under_another_layout(shard_ds, other):
     # a window or order changed between save and resume maps the saved positions to other

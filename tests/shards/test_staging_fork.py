@@ -58,7 +58,9 @@ _FETCH_WHILE_FORKED = textwrap.dedent(
 
 def _last_line(script: str, root) -> str:
     """Run ``script`` in a fresh process (a hang fails the test) and return its last line."""
-    r = subprocess.run([sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=TIMEOUT)
+    r = subprocess.run(
+        [sys.executable, "-c", script, str(root)], capture_output=True, text=True, timeout=TIMEOUT
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout.strip().splitlines()[-1]
 
