@@ -172,6 +172,13 @@ class ImageDecode:
         process, which owns the device."""
         return self._decoder.runs_in_workers
 
+    @property
+    def restarts_threads(self) -> bool:
+        """Whether ``close()`` only stops the decode threads, a later batch starting them again
+        (the CPU decoder): the loader may then decode its first batch in the main process and
+        fork its workers after (loader/inline_first.py)."""
+        return self._decoder.runs_in_workers
+
     def use_threads(self, n: int) -> None:
         """Set by a loader worker to its share of the cores, unless ``num_threads`` was given."""
         if not self._threads_given:

@@ -277,6 +277,19 @@ class ThreadedDecoder(Protocol):
 
 
 @runtime_checkable
+class RestartsThreads(Protocol):
+    """A threaded batch decoder whose ``close()`` only stops its threads (``restarts_threads``
+    true): its next decode starts them again, so the main process may decode with it and then
+    fork workers (inline_first.py)."""
+
+    restarts_threads: bool
+
+    def use_threads(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
 class FinishingDecoder(Protocol):
     """Has a last step after the device copy (uint8 -> float), run on the copy's stream."""
 

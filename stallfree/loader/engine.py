@@ -11,6 +11,7 @@ pool still alive at exit is stopped before multiprocessing's own exit handler ru
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import gc
 import logging
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stallfree.loader import inline_first
 from stallfree.loader.fetch import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ
 from stallfree.loader.first_batch import FirstBatchGate
 from stallfree.loader.messages import Task
@@ -52,6 +54,8 @@ class Engine:
         self.closed = False
         self.gate: FirstBatchGate | None = None
         self.segments: list[SegmentReceiver] = []  # per worker process: new slots' descriptors
+        self.inline_results: collections.deque = collections.deque()  # made here: inline_first.py
+        self._inline_next = False  # the next task sent is made here, before any worker starts
         pairs: list[tuple[Any, Any]] = []  # (main's end, worker's end) of each worker's socket pair
         if self.in_process:
             self.plan = replace(plan, in_process=True)
@@ -85,7 +89,10 @@ class Engine:
             self.progress = [ctx.RawArray("q", 4) for _ in range(self.n)]
             for p in self.progress:
                 p[:] = [-1, -1, -1, -1]
-            self.gate = FirstBatchGate(ctx) if self.n > 1 and self.plan.batch_decode is not None else None
+            # the first batch is made here (inline_first.py), or a worker leads it (first_batch.py)
+            self._inline_next = inline_first.runs_inline(self.plan)
+            lead = self.n > 1 and self.plan.batch_decode is not None and not self._inline_next
+            self.gate = FirstBatchGate(ctx) if lead else None
             pairs = [socket_pair() for _ in range(self.n)] if self.plan.use_shm else []
             self.segments = [SegmentReceiver(mine, w) for w, (mine, _) in enumerate(pairs)]
             self.procs = [
@@ -109,7 +116,8 @@ class Engine:
         self._pairs = pairs
         self._unstarted = list(self.procs)
         _LIVE.add(self)
-        self._start(1)  # the rest once the first has its first task: start_rest()
+        if not self._inline_next:  # else every worker starts once the first task is made here
+            self._start(1)  # the rest once the first has its first task: start_rest()
 
     def _start(self, count: int | None = None) -> None:
         """Start ``count`` more workers (all that are left: None)."""
@@ -151,9 +159,20 @@ class Engine:
             self.segments[worker].discard(new_storage)
 
     def send(self, worker: int, task: Task) -> None:
+        if self._inline_next:  # the pool's first task: made here, as ``worker`` would make it
+            self._inline_next = False
+            self.inline_results.append(inline_first.run(self.plan, task))
+            return
         if self.gate is not None:  # before the put: the worker reads it once it has the task
             self.gate.mark_sent(task.gen, task.seq)
         self.task_qs[worker].put(task)
+
+    def result(self, timeout: float) -> Any:
+        """The next worker message: one made in this process first, else from the result queue
+        (``queue.Empty`` after ``timeout``)."""
+        if self.inline_results:
+            return self.inline_results.popleft()
+        return self.result_q.get(timeout=timeout)
 
     def doing(self, wid: int) -> str:
         """What worker ``wid`` is busy with, for error messages: the stage on the earlier batch (the

@@ -11,6 +11,9 @@ cores there are), and the other workers hold their first decode until it is done
 read their samples meanwhile. Held at most ``HOLD_S``: a lead that fails, dies or is slow only
 delays the others' first batch, and never holds the pool. After that first decode every worker
 runs on its own share again; nothing changes for later batches or epochs.
+
+Where the main process makes the pool's first batch itself, before any worker forks
+(inline_first.py), there is no gate: every worker decodes on its own share from the start.
 """
 
 from __future__ import annotations

@@ -241,7 +241,7 @@ class Assembler:
             if self.stop.is_set():
                 return
             try:
-                msg = eng.result_q.get(timeout=_POLL_S)
+                msg = eng.result(_POLL_S)
             except queue.Empty:
                 self._check_workers(last_seen)
                 continue

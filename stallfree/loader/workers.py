@@ -150,7 +150,7 @@ def worker_main(
     try:
         for item in tasks:
             progress[MAP_SEQ], progress[MAP_IDX] = item.task.seq, _first(item.task.indices)
-            msg = _process(ctx, slots, item, first)
+            msg = process(ctx, slots, item, first)
             progress[MAP_SEQ], progress[MAP_IDX] = -1, -1
             if sender is not None and isinstance(msg, BatchReady) and msg.new_storage is not None:
                 sent = sender.send(msg.new_storage)  # the descriptor first: it is there before the batch
@@ -260,8 +260,8 @@ def _into_slot(
     Returns (slot, storage to announce, message payload); slot None when the payload is the batch
     itself (nothing array-like in it, or no shared memory)."""
     plan, slot, writer = ctx.plan, loaded.slot, loaded.writer
-    if not plan.use_shm:
-        return None, None, _collate(plan, good, None)
+    if not plan.use_shm:  # same memory: the batch itself (decoded already, or collated here)
+        return None, None, decoded if decoded is not None else _collate(plan, good, None)
     if slot is None:
         slot = slots.acquire()
     storage = slots.storages[slot]
@@ -290,7 +290,7 @@ def _into_slot(
     return slot, new_storage, desc
 
 
-def _failure(
+def failure(
     ctx: WorkerContext,
     task: Task,
     index: Any,
@@ -319,7 +319,7 @@ def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batc
             slot, new_storage, payload = _into_slot(ctx, slots, _Loaded([], timing), [], None, item.batch)
         except Exception as exc:  # noqa: BLE001 - a batch step: named by its batch
             doing = _batch_stage("writing into shared memory", task, task.indices)
-            return _failure(ctx, task, task.indices[0], None, exc, doing)
+            return failure(ctx, task, task.indices[0], None, exc, doing)
     timing["map_s"] = 0.0
     timing["collate_s"] = time.perf_counter() - t1
     return BatchReady(
@@ -338,7 +338,7 @@ def _collated(ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched) -> Batc
     )
 
 
-def _process(
+def process(
     ctx: WorkerContext, slots: slots_mod.Slots, item: Fetched, first: FirstDecode | None = None
 ) -> BatchReady | WorkerFailure:
     """One task: load its samples, run a worker-side batch decoder, collate into a slot."""
@@ -352,8 +352,9 @@ def _process(
     decoded = alloc = None
     raising = plan.on_error == "raise"
     if plan.batch_decode is not None and good and not (bad and raising):
-        slot = loaded.slot = slots.acquire()  # the decoder's output goes into this slot
-        alloc = slots_mod.SlotAlloc(slots, slot)
+        if plan.use_shm:  # the decoder's output goes into this slot (in-process: its own buffers)
+            loaded.slot = slots.acquire()
+            alloc = slots_mod.SlotAlloc(slots, loaded.slot)
         decode = functools.partial(
             plan.batch_decode.decode_batch, seed=int(task.decode_seed or 0), alloc=alloc
         )
@@ -364,24 +365,23 @@ def _process(
                 with first.around(task.gen, task.seq):
                     outcome = pipeline.decode_dropping_failures(decode, good, good_idx, plan.on_error)
         except BatchDecodeError as exc:  # on_error="raise": raised as the main process would raise it
-            slots.unused(slot)
+            _unused(slots, loaded)
             pos, key, _ = exc.failures[0] if exc.failures else (0, None, None)
-            return _failure(ctx, task, good_idx[pos], key, exc)
+            return failure(ctx, task, good_idx[pos], key, exc)
         except Exception as exc:  # noqa: BLE001 - a decoder bug: a batch step, named by its batch
-            slots.unused(slot)
+            _unused(slots, loaded)
             doing = _batch_stage("decoding", task, good_idx)
-            return _failure(ctx, task, good_idx[0], contracts.sample_key(good[0]), exc, doing)
+            return failure(ctx, task, good_idx[0], contracts.sample_key(good[0]), exc, doing)
         finally:
             timing["decode_batch_s"] = time.perf_counter() - t1
         decoded, good, good_idx = outcome.batch, outcome.samples, outcome.indices
         bad += outcome.failures
         t1 = time.perf_counter()
-    if loaded.slot is not None and (not good or (bad and raising)):
-        slots.unused(loaded.slot)
-        loaded.slot = None
+    if not good or (bad and raising):
+        _unused(slots, loaded)
     if bad and raising:
         f = bad[0]
-        return _failure(ctx, task, f.index, f.key, f.cause)
+        return failure(ctx, task, f.index, f.key, f.cause)
     failures = tuple(
         FailedSample(f.index, f.key, f.stage, f"{type(f.cause).__name__}: {f.cause}") for f in bad
     )
@@ -391,7 +391,7 @@ def _process(
         try:
             slot, new_storage, payload = _into_slot(ctx, slots, loaded, good, alloc, decoded)
         except Exception as exc:  # noqa: BLE001 - a collate error: a batch step, named by its batch
-            return _failure(ctx, task, good_idx[0], None, exc, _batch_stage("collating", task, good_idx))
+            return failure(ctx, task, good_idx[0], None, exc, _batch_stage("collating", task, good_idx))
     timing["collate_s"] = time.perf_counter() - t1
     return BatchReady(
         gen=task.gen,
@@ -408,6 +408,13 @@ def _process(
         dropped_slots=tuple(slots.take_dropped()) if plan.use_shm else (),
         indices=tuple(good_idx) if plan.send_raw else (),
     )
+
+
+def _unused(slots: slots_mod.Slots, loaded: _Loaded) -> None:
+    """The task's slot, if it took one, will not carry its batch."""
+    if loaded.slot is not None:
+        slots.unused(loaded.slot)
+        loaded.slot = None
 
 
 def _collate(
