@@ -1,28 +1,26 @@
-"""Start-up of the image loader: the first batches, with and without the first-batch gate.
+"""Start-up of the image loader: the first batches, made three ways.
 
 The same loader as ``bench_peers.py``'s ours-cpu / ours-auto (``stallfree.DataLoader`` over the
 peer bench's tar shards, ``ImageDecode(train=True, size=224, dtype="uint8")``, batch 64, 2
-workers, persistent, shuffled), built from nothing each round, in one process, rounds alternating
+workers, persistent, shuffled), built from nothing each round, in one process, rounds rotating
 which way goes first:
 
-  gate    : as shipped (``loader/first_batch.py``: the pool's first batch decodes on every
-            worker's cores; the other workers hold their first decode for it)
-  no-gate : the engine given no gate (every worker decodes its first batch on its own share,
-            as before the change)
+  inline  : as shipped (``loader/inline_first.py``: the main process reads and decodes the pool's
+            first batch on every core, then the workers fork)
+  gate    : the first batch made by a worker (what a loader with a ``worker_init_fn`` gets):
+            ``loader/first_batch.py``, it decodes on every worker's cores while the other
+            workers hold their first decode for it
+  no-gate : neither (every worker decodes its first batch on its own share of the cores)
 
 Per round: seconds from building the loader to batches 1, 2, 3, 4, 8 and 9 (medians over rounds),
 and the main process's CPU to the first batch. A second table splits the first batch into its
-steps: ``iter()`` (the pool's queues, shared arrays and forks), the lead worker's read, decode and
-collate (its own timers, as ``loader.stats()["stages_s"]`` holds them when batch 1 is handed
-over; with the gate only: batch 2's decode waits for batch 1's, so none of its time is in them,
-while without it batch 2 may be in already), the main process's
+steps: ``iter()`` (the pool's queues, shared arrays and forks; inline, the first batch's read and
+decode as well), the read, decode and collate of the first batch (the timers of whoever made it,
+as ``loader.stats()["stages_s"]`` holds them when batch 1 is handed over), the main process's
 transfer (adopting the slot, materialising the batch), and the rest: worker start-up, waiting for
-the first task, and the result's trip to the main process (its first slot's file descriptor
-included). ``--parent-mib`` makes the main process that much bigger first (resident pages), as a
-training process or ``bench_peers.py``'s (~750 MB by our runners' turn) is: fork copies its page
-tables. The gate moves work, it does not add any: the first
-batch comes sooner, and the other worker's batches (2, 4, 8, ...) later by about half a batch's
-decode, while the lead's (3, 9, ...) come sooner by as much. The data is the peer bench's: run
+the first task, and the result's trip to the main process. ``--parent-mib`` makes the main process
+that much bigger first (resident pages), as a training process or ``bench_peers.py``'s (~750 MB by
+our runners' turn) is: fork copies its page tables. The data is the peer bench's: run
 ``bench_peers.py`` once first (its full run writes it; ``--smoke`` does not), or pass --dir.
 
   .venv/bin/python benchmarks/bench_startup.py --rounds 10
@@ -46,9 +44,14 @@ MARKS = (1, 2, 3, 4, 8, 9)
 STEPS = ("iter_s", "read_s", "decode_s", "collate_s", "transfer_s", "rest_s")
 
 
-def one_round(shards: str, backend: str, gate: bool, workers: int) -> dict[str, float]:
-    real = engine.FirstBatchGate
-    if not gate:
+VARIANTS = ("inline", "gate", "no-gate")
+
+
+def one_round(shards: str, backend: str, variant: str, workers: int) -> dict[str, float]:
+    real_gate, real_inline = engine.FirstBatchGate, engine.inline_first.runs_inline
+    if variant != "inline":
+        engine.inline_first.runs_inline = lambda _plan: False  # type: ignore[assignment]
+    if variant == "no-gate":
         engine.FirstBatchGate = lambda _ctx: None  # type: ignore[assignment,misc]
     try:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -79,7 +82,8 @@ def one_round(shards: str, backend: str, gate: bool, workers: int) -> dict[str, 
         gc.collect()
         return out
     finally:
-        engine.FirstBatchGate = real  # type: ignore[misc]
+        engine.FirstBatchGate = real_gate  # type: ignore[misc]
+        engine.inline_first.runs_inline = real_inline  # type: ignore[assignment]
 
 
 def _first_batch_steps(stages: dict[str, float], after_iter: float) -> dict[str, float]:
@@ -107,11 +111,12 @@ def main() -> None:
     ballast = b"\x01" * (args.parent_mib << 20)  # written, so resident; forks copy its page tables
     if not os.path.exists(os.path.join(args.dir, "manifest.json")):
         raise SystemExit(f"no dataset at {args.dir}: run benchmarks/bench_peers.py once (it writes it)")
-    runs: dict[str, list[dict[str, Any]]] = {"gate": [], "no-gate": []}
-    one_round(args.dir, args.backend, True, args.workers)  # page cache and imports warm for both
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
+    one_round(args.dir, args.backend, "inline", args.workers)  # page cache and imports warm for all
     for r in range(args.rounds):
-        for name in ("gate", "no-gate") if r % 2 == 0 else ("no-gate", "gate"):
-            runs[name].append(one_round(args.dir, args.backend, name == "gate", args.workers))
+        k = r % len(VARIANTS)
+        for name in VARIANTS[k:] + VARIANTS[:k]:
+            runs[name].append(one_round(args.dir, args.backend, name, args.workers))
             time.sleep(0.3)  # the last pool's processes gone
     load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
     print(
@@ -124,15 +129,17 @@ def main() -> None:
     for name, m in med.items():
         cells = " | ".join(f"{m[f'batch_{k}_s']:.3f} s" for k in MARKS)
         print(f"| {name} | {cells} | {m['main_cpu_s'] * 1e3:.0f} ms |")
-    ratio = " | ".join(f"{med['gate'][f'batch_{k}_s'] / med['no-gate'][f'batch_{k}_s']:.2f}" for k in MARKS)
-    print(f"| gate / no-gate | {ratio} | |")
+    for other in ("gate", "no-gate"):
+        ratio = " | ".join(f"{med['inline'][f'batch_{k}_s'] / med[other][f'batch_{k}_s']:.2f}" for k in MARKS)
+        print(f"| inline / {other} | {ratio} | |")
     print()
-    print("batch 1's steps with the gate (medians; rest: worker start-up, the first task's wait,")
-    print("the trip back; the steps' medians need not add up to batch 1's)")
-    print("| " + " | ".join(STEPS) + " | batch 1 |")
-    print("|" + "---:|" * (len(STEPS) + 1))
-    m = med["gate"]
-    print("| " + " | ".join(f"{m[k] * 1e3:.0f} ms" for k in STEPS) + f" | {m['batch_1_s'] * 1e3:.0f} ms |")
+    print("batch 1's steps (medians; rest: worker start-up, the first task's wait, the trip back;")
+    print("the steps' medians need not add up to batch 1's)")
+    print("| loader | " + " | ".join(STEPS) + " | batch 1 |")
+    print("|---|" + "---:|" * (len(STEPS) + 1))
+    for name, m in med.items():
+        cells = " | ".join(f"{m[k] * 1e3:.0f} ms" for k in STEPS)
+        print(f"| {name} | {cells} | {m['batch_1_s'] * 1e3:.0f} ms |")
 
 
 if __name__ == "__main__":
