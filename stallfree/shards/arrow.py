@@ -237,7 +237,9 @@ class ArrowShardWriter(CommitOnExit):
             self._file.abort()
             raise
         self._file.commit()
-        self.info = ShardInfo(self.name, len(self._keys), self._file.size, self._file.sha256())
+        self.info = ShardInfo(
+            self.name, len(self._keys), self._file.size, self._file.sha256(), xxh3_128=self._file.xxh3_128()
+        )
         return self.info
 
     def abort(self) -> None:

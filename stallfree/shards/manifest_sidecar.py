@@ -13,12 +13,14 @@ Layout, little-endian:
       manifest.json size u64, manifest.json sha256 (32 bytes)
   directory: per section, its length u64 and crc32 u32
   sections, in ``SECTIONS`` order: meta (JSON object: ``manifest``, the manifest without
-      ``shards``, and ``fingerprint``), flags u8[n] (bit 0: sha256 known, bit 1: stamp known),
-      samples i64[n], bytes i64[n], sha256 (32 raw bytes each, zeros where unknown), path offsets
-      u64[n+1], paths (UTF-8), stamp offsets u64[n+1], stamps (UTF-8)
+      ``shards``, and ``fingerprint``), flags u8[n] (bit 0: sha256 known, bit 1: stamp known,
+      bit 2: xxh3_128 known), samples i64[n], bytes i64[n], sha256 (32 raw bytes each, zeros where
+      unknown), path offsets u64[n+1], paths (UTF-8), stamp offsets u64[n+1], stamps (UTF-8),
+      and from format 2 on xxh3_128 (16 raw bytes each, zeros where unknown)
 
-A sidecar made from another ``manifest.json`` (stale: the manifest was rewritten without it) or
-by a newer format is ignored with a warning, and the JSON is parsed. A damaged one (truncated, a
+Format 1 (no xxh3_128 section) is still read. A sidecar made from another ``manifest.json``
+(stale: the manifest was rewritten without it) or by a newer format is ignored with a warning,
+and the JSON is parsed. A damaged one (truncated, a
 checksum that does not match, offsets that do not add up) raises ``ManifestError`` naming the file
 and the byte offset: never wrong data. Nothing here is unpickled.
 """
@@ -44,8 +46,8 @@ log = logging.getLogger(__name__)
 SIDECAR_SUFFIX = ".shards.bin"  # manifest.json -> manifest.shards.bin
 SIDECAR_MIN_BYTES = 4 << 20  # below this the JSON parses in ~0.1 s: one file is simpler
 MAGIC = b"SFMSHARD"
-VERSION = 1
-SECTIONS = (
+VERSION = 2
+SECTIONS_V1 = (
     "meta",
     "flags",
     "samples",
@@ -56,10 +58,14 @@ SECTIONS = (
     "stamp_offsets",
     "stamps",
 )
-HAS_SHA256, HAS_STAMP = 1, 2
+SECTIONS = (*SECTIONS_V1, "xxh3_128")
+SECTIONS_OF = {1: SECTIONS_V1, 2: SECTIONS}  # what each format this stallfree reads holds
+HAS_SHA256, HAS_STAMP, HAS_XXH3 = 1, 2, 4
+_KNOWN_FLAGS = {1: HAS_SHA256 | HAS_STAMP, 2: HAS_SHA256 | HAS_STAMP | HAS_XXH3}
 _HEADER = struct.Struct("<8sIIQQ32s")
 _ENTRY = struct.Struct("<QI")
 _NO_SHA = bytes(32)
+_NO_XXH3 = bytes(16)
 
 
 def sidecar_path_for(manifest_path: str) -> str:
@@ -83,11 +89,13 @@ class ShardTable(Sequence[ShardInfo]):
         stamp_offsets: np.ndarray,
         stamps: memoryview,
         fingerprint: tuple[tuple[Any, ...], str] | None = None,
+        xxh3_128: memoryview | None = None,
     ) -> None:
         self._flags, self._samples, self._sizes, self._sha = flags, samples, sizes, sha256
         self._path_offsets, self._paths = path_offsets, paths
         self._stamp_offsets, self._stamps = stamp_offsets, stamps
         self._fingerprint = fingerprint
+        self._fast = xxh3_128
 
     def __len__(self) -> int:
         return len(self._samples)
@@ -112,7 +120,8 @@ class ShardTable(Sequence[ShardInfo]):
         if flags & HAS_STAMP:
             stamp = bytes(self._stamps[self._stamp_offsets[j] : self._stamp_offsets[j + 1]]).decode()
         path = bytes(self._paths[self._path_offsets[j] : self._path_offsets[j + 1]]).decode()
-        return ShardInfo(path, int(self._samples[j]), int(self._sizes[j]), sha, stamp)
+        fast = self._fast[16 * j : 16 * j + 16].hex() if flags & HAS_XXH3 and self._fast is not None else None
+        return ShardInfo(path, int(self._samples[j]), int(self._sizes[j]), sha, stamp, fast)
 
     def __iter__(self) -> Iterator[ShardInfo]:
         return (self._row(j) for j in range(len(self)))
@@ -163,7 +172,9 @@ def encode(
     meta = json.dumps({"manifest": head, "fingerprint": fingerprint}, separators=(",", ":")).encode()
     flags = np.fromiter(
         (
-            (HAS_SHA256 if s.sha256 is not None else 0) | (HAS_STAMP if s.stamp is not None else 0)
+            (HAS_SHA256 if s.sha256 is not None else 0)
+            | (HAS_STAMP if s.stamp is not None else 0)
+            | (HAS_XXH3 if s.xxh3_128 is not None else 0)
             for s in shards
         ),
         np.uint8,
@@ -174,6 +185,7 @@ def encode(
     sha = b"".join(bytes.fromhex(s.sha256) if s.sha256 is not None else _NO_SHA for s in shards)
     path_offsets, paths = _blob(s.path for s in shards)
     stamp_offsets, stamps = _blob(s.stamp or "" for s in shards)
+    fast = b"".join(bytes.fromhex(s.xxh3_128) if s.xxh3_128 is not None else _NO_XXH3 for s in shards)
     sections = [
         meta,
         flags.tobytes(),
@@ -184,6 +196,7 @@ def encode(
         paths,
         stamp_offsets,
         stamps,
+        fast,
     ]
     digest = hashlib.sha256(manifest_bytes).digest()
     out = [_HEADER.pack(MAGIC, VERSION, len(sections), n, len(manifest_bytes), digest)]
@@ -208,9 +221,13 @@ def decode(data: bytes, where: str, manifest_bytes: bytes) -> Sidecar | None:
     magic, version, count, n, json_size, json_sha = _HEADER.unpack_from(data, 0)
     if magic != MAGIC:
         _damaged(where, f"does not start with {MAGIC.decode()!r}: not a manifest sidecar", 0)
-    if version != VERSION:
+    names = SECTIONS_OF.get(version)
+    if names is None:
         log.warning(
-            "%s: sidecar format %d is not this stallfree's (%d): reading the JSON", where, version, VERSION
+            "%s: sidecar format %d is not one this stallfree reads (%s): reading the JSON",
+            where,
+            version,
+            ", ".join(map(str, SECTIONS_OF)),
         )
         return None
     if json_size != len(manifest_bytes) or json_sha != hashlib.sha256(manifest_bytes).digest():
@@ -220,8 +237,8 @@ def decode(data: bytes, where: str, manifest_bytes: bytes) -> Sidecar | None:
             where,
         )
         return None
-    if count != len(SECTIONS):
-        _damaged(where, f"lists {count} sections, format {VERSION} has {len(SECTIONS)}", 12)
+    if count != len(names):
+        _damaged(where, f"lists {count} sections, format {version} has {len(names)}", 12)
     start = _HEADER.size + count * _ENTRY.size
     if len(data) < start:
         _damaged(
@@ -229,7 +246,7 @@ def decode(data: bytes, where: str, manifest_bytes: bytes) -> Sidecar | None:
         )
     view = memoryview(data)
     sections: dict[str, memoryview] = {}
-    for k, name in enumerate(SECTIONS):
+    for k, name in enumerate(names):
         length, crc = _ENTRY.unpack_from(data, _HEADER.size + k * _ENTRY.size)
         end = start + length
         if end > len(data):
@@ -245,19 +262,19 @@ def decode(data: bytes, where: str, manifest_bytes: bytes) -> Sidecar | None:
         start = end
     if start != len(data):
         _damaged(where, f"has {len(data) - start} bytes after its last section", start)
-    return _build(sections, n, where, _offsets_of(data, count))
+    return _build(sections, n, where, _offsets_of(data, names), _KNOWN_FLAGS[version])
 
 
-def _offsets_of(data: bytes, count: int) -> dict[str, int]:
+def _offsets_of(data: bytes, names: Sequence[str]) -> dict[str, int]:
     """Each section's first byte, for error messages."""
-    out, start = {}, _HEADER.size + count * _ENTRY.size
-    for k, name in enumerate(SECTIONS):
+    out, start = {}, _HEADER.size + len(names) * _ENTRY.size
+    for k, name in enumerate(names):
         out[name] = start
         start += _ENTRY.unpack_from(data, _HEADER.size + k * _ENTRY.size)[0]
     return out
 
 
-def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int]) -> Sidecar:
+def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int], known: int) -> Sidecar:
     """Check the sections against each other (a sound crc does not prove a sound writer)."""
     for name, width in (
         ("flags", 1),
@@ -266,7 +283,10 @@ def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int])
         ("sha256", 32),
         ("path_offsets", 8),
         ("stamp_offsets", 8),
+        ("xxh3_128", 16),
     ):
+        if name not in parts:  # a format without it (1: no xxh3_128)
+            continue
         want = width * (n + 1 if name.endswith("_offsets") else n)
         if len(parts[name]) != want:
             _damaged(
@@ -279,8 +299,8 @@ def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int])
         bad = np.flatnonzero(column < 0)
         if bad.size:
             _damaged(where, f"shard {bad[0]}'s {name} is negative", at[name] + 8 * int(bad[0]))
-    if np.any(flags & ~np.uint8(HAS_SHA256 | HAS_STAMP)):
-        j = int(np.flatnonzero(flags & ~np.uint8(HAS_SHA256 | HAS_STAMP))[0])
+    if np.any(flags & ~np.uint8(known)):
+        j = int(np.flatnonzero(flags & ~np.uint8(known))[0])
         _damaged(where, f"shard {j} has unknown flags {int(flags[j])}", at["flags"] + j)
     path_offsets = _check_blob(parts, "path_offsets", "paths", where, at, nonempty=None)
     stamp_offsets = _check_blob(
@@ -306,6 +326,7 @@ def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int])
         stamp_offsets,
         parts["stamps"],
         recorded,
+        parts.get("xxh3_128"),
     )
     return Sidecar(head, table)
 

@@ -22,6 +22,7 @@ import fsspec
 
 from stallfree.shards import formats, remote, stamps
 from stallfree.shards.atomic import is_local
+from stallfree.shards.digests import ShardDigests
 from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx, render_idx
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
@@ -86,15 +87,45 @@ def sha256_of(
     """Stream a file through sha256 (whole file: used only where hashes are asked for). Remote
     files are read in checked ``chunk``-byte ranges (``remote.read_range``): a body cut short
     would otherwise hash as a mismatch that blames the shard; ``size`` saves looking it up."""
-    h = hashlib.sha256()
     if is_local(fs):
         with open(path, "rb") as f:
             return hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    _stream(fs, path, h.update, chunk, size, shard)
+    return h.hexdigest()
+
+
+def digests_of(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    chunk: int = 8 << 20,
+    size: int | None = None,
+    shard: str | None = None,
+) -> ShardDigests:
+    """A file's sha256 and xxh3-128 (``digests.py``) in one pass, read as ``sha256_of`` reads."""
+    digests = ShardDigests()
+    if is_local(fs):
+        with open(path, "rb", buffering=0) as f:
+            buf = memoryview(bytearray(chunk))
+            while n := f.readinto(buf):
+                digests.update(buf[:n])
+        return digests
+    _stream(fs, path, digests.update, chunk, size, shard)
+    return digests
+
+
+def _stream(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    update: Callable[[bytes], None],
+    chunk: int,
+    size: int | None,
+    shard: str | None,
+) -> None:
     name = shard or posixpath.basename(path)
     total = file_size(fs, path, name) if size is None else size
     for start in range(0, total, chunk):
-        h.update(remote.read_range(fs, path, start, min(total, start + chunk), shard=name))
-    return h.hexdigest()
+        update(remote.read_range(fs, path, start, min(total, start + chunk), shard=name))
 
 
 # -- patterns -------------------------------------------------------------------------------
@@ -225,8 +256,17 @@ def manifest_for_tars(
         for s in samples:
             for m in s.members:
                 fields.setdefault(m[0], None)
-        sha = sha256_of(fs, path, size=size, shard=rel) if hashes else None
-        shards.append(ShardInfo(rel, len(samples), size, sha, stamp=mark))
+        digests = digests_of(fs, path, size=size, shard=rel) if hashes else None
+        shards.append(
+            ShardInfo(
+                rel,
+                len(samples),
+                size,
+                digests.sha256() if digests is not None else None,
+                stamp=mark,
+                xxh3_128=digests.xxh3_128() if digests is not None else None,
+            )
+        )
         indices.append(samples)
         if progress is not None:
             progress(rel, size)

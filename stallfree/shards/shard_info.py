@@ -17,6 +17,9 @@ class ShardInfo:
     """One shard: ``path`` (relative to the manifest's directory), sample count, size, sha256 hex.
 
     ``sha256`` is None when unknown (a dataset indexed on the fly, without reading whole shards).
+    ``xxh3_128`` is the fast digest of the same bytes, what a fetched copy is checked against
+    (``digests.py``); None in manifests written before it was recorded (copies are then checked
+    against the sha256), and not written then.
     ``stamp`` is what identifies the content of a shard indexed on the fly without a sha256: the
     store's version of the file and its index's hash (``stamps.py``); it is part of the dataset's
     fingerprint, so a shard changed in place changes it. None (and not written) otherwise.
@@ -27,11 +30,14 @@ class ShardInfo:
     bytes: int
     sha256: str | None = None
     stamp: str | None = None
+    xxh3_128: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out = {"path": self.path, "samples": self.samples, "bytes": self.bytes, "sha256": self.sha256}
         if self.stamp is not None:
             out["stamp"] = self.stamp
+        if self.xxh3_128 is not None:
+            out["xxh3_128"] = self.xxh3_128
         return out
 
     @classmethod
@@ -55,4 +61,17 @@ class ShardInfo:
         stamp = obj.get("stamp")
         if stamp is not None and not isinstance(stamp, str):
             raise ManifestError(f"{where}: shard {path}: stamp must be a string or null: {stamp!r}")
-        return cls(path, samples, size, sha, stamp)
+        fast = obj.get("xxh3_128")
+        if fast is not None and not _is_hex(fast, 32):
+            raise ManifestError(f"{where}: shard {path}: xxh3_128 must be 32 hex digits or null: {fast!r}")
+        return cls(path, samples, size, sha, stamp, fast)
+
+
+def _is_hex(value: Any, digits: int) -> bool:
+    if not isinstance(value, str) or len(value) != digits:
+        return False
+    try:
+        int(value, 16)
+    except ValueError:
+        return False
+    return True

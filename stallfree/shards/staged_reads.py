@@ -4,13 +4,14 @@ Why: in block order a batch takes a few rows of each shard of its window; read w
 that is one ranged GET per sample (issue 20). Here the first read of a shard stages it whole
 (``remote.read_parts``: ranged GETs of ``Staging.part_bytes``, ``concurrency`` at once; its
 sidecars beside it, fetched while it is, except a tar's ``.idx`` when the manifest records the
-shard's sha256: the index is then scanned from the checked copy, no request) into a ``staging.StagingArea`` shared by the
+shard's digest: the index is then scanned from the checked copy, no request) into a ``staging.StagingArea`` shared by the
 node's processes, and its samples are read from the local copy, with the checks a local shard
 gets (size, index against headers, member checksums). The dataset's order is never touched.
 
-A staged shard is checked against the manifest before anyone reads it: size, and sha256 where
-the manifest records one (``stallfree shard`` does), so an object rewritten after the dataset
-was written, or between two of its parts, is a ``HashMismatchError`` naming it, not wrong data.
+A staged shard is checked against the manifest before anyone reads it: size, and its digest where
+the manifest records one (``stallfree shard`` does): xxh3-128, or sha256 in manifests written
+before xxh3-128 was recorded. So an object rewritten after the dataset was written, or between
+two of its parts, is a ``HashMismatchError`` naming it, not wrong data.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from stallfree.shards import formats, remote
+from stallfree.shards import digests, formats, remote
 from stallfree.shards.errors import HashMismatchError, MissingShardError
 from stallfree.shards.formats import ShardOpen
 from stallfree.shards.staging import StagedFile, Staging, StagingArea
@@ -265,8 +266,8 @@ class StagedShards:
         path = ds.shard_path(s)
         pins: list[StagedFile] = []
         wanted = self._format.sidecars(path, with_checksums=bool(ds.verify_samples))
-        if info.sha256 and self._derives_index:
-            # the copy is checked against the manifest's sha256, so an index scanned from it is
+        if (info.sha256 or info.xxh3_128) and self._derives_index:
+            # the copy is checked against the manifest's digest, so an index scanned from it is
             # as good as the stored one, and costs no request (a tar's headers: ~1 ms locally)
             indexes = set(self._format.sidecars(path, with_checksums=False))
             wanted = [side for side in wanted if side not in indexes]
@@ -324,9 +325,16 @@ class StagedShards:
             return None
 
     def _fetch_shard(self, path: str, info: Any, f: BinaryIO) -> None:
-        """Shard bytes from the store into ``f``, checked against the manifest's size and sha256."""
+        """Shard bytes from the store into ``f``, checked against the manifest's size and digest:
+        its xxh3-128 where it records one (a seventh of sha256's CPU per byte: ``digests.py``),
+        else its sha256."""
         fs = self._fs
-        digest = hashlib.sha256() if info.sha256 else None
+        if info.xxh3_128:
+            name, want, digest = "xxh3-128", info.xxh3_128, digests.fast_hasher()
+        elif info.sha256:
+            name, want, digest = "sha256", info.sha256, hashlib.sha256()
+        else:
+            name, want, digest = "", None, None
         got = 0
         parts = remote.read_parts(
             fs,
@@ -341,10 +349,10 @@ class StagedShards:
             if digest is not None:
                 digest.update(data)
             got += len(data)
-        if digest is not None and digest.hexdigest() != info.sha256:
+        if digest is not None and digest.hexdigest() != want:
             raise HashMismatchError(
-                f"{remote.describe(fs, path)} changed: sha256 of the {got} bytes read is {digest.hexdigest()}, "
-                f"the manifest records {info.sha256} (the object was rewritten after the dataset was "
+                f"{remote.describe(fs, path)} changed: {name} of the {got} bytes read is {digest.hexdigest()}, "
+                f"the manifest records {want} (the object was rewritten after the dataset was "
                 "written, or while it was read)",
                 shard=info.path,
             )

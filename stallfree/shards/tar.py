@@ -232,7 +232,7 @@ class TarShardWriter(CommitOnExit):
             return self.info
         self._file.write(_TRAILER)
         # the digest first: an overlapped hash finishes (or reports its failure) before any rename
-        digest = self._file.sha256()
+        digest, fast = self._file.sha256(), self._file.xxh3_128()
         idx = AtomicFile(self.fs, self.idx_path, shard=self.name)
         sums = AtomicFile(self.fs, self.sums_path, shard=self.name)
         try:
@@ -253,7 +253,7 @@ class TarShardWriter(CommitOnExit):
             except Exception:  # noqa: BLE001 - the commit's error is the one to report
                 pass
             raise
-        self.info = ShardInfo(self.name, len(self._index), self._file.size, digest)
+        self.info = ShardInfo(self.name, len(self._index), self._file.size, digest, xxh3_128=fast)
         return self.info
 
     def abort(self) -> None:

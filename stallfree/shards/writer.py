@@ -149,7 +149,7 @@ class ShardWriter(CommitOnExit):
         if cur.schema is not None:
             self.schema = cur.schema  # later shards keep the first shard's column types
             self._field_types = cur.field_types
-        self.shards.append(ShardInfo(cur.rel, info.samples, info.bytes, info.sha256))  # type: ignore[attr-defined]
+        self.shards.append(ShardInfo(cur.rel, info.samples, info.bytes, info.sha256, xxh3_128=info.xxh3_128))  # type: ignore[attr-defined]
 
     def write(self, sample: dict[str, Any]) -> None:
         """Append one sample, starting a new shard first if this one would pass the limits."""

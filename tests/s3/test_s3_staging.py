@@ -129,10 +129,18 @@ def test_staging_stays_within_its_cap(s3, bucket, tmp_path):
     assert names == [f"shard-{s:06d}.tar" for s in (SHARDS - 2, SHARDS - 1)]  # the least recently used went
 
 
-def test_a_changed_object_is_an_error_not_wrong_data(s3, bucket, tmp_path):
+@pytest.mark.parametrize("digest", ["xxh3-128", "sha256"])
+def test_a_changed_object_is_an_error_not_wrong_data(s3, bucket, tmp_path, digest):
+    """Checked against the manifest's xxh3-128, or its sha256 where it records no xxh3-128 (a
+    manifest written before it was recorded)."""
     url = f"s3://{bucket}/ds"
     _write(s3, url, shards=2)
+    if digest == "sha256":
+        manifest = Manifest.load(url, **s3.storage_options)
+        manifest.shards = [dataclasses.replace(info, xxh3_128=None) for info in manifest.shards]
+        manifest.save(url, **s3.storage_options)
     ds = open_dataset(url, **s3.storage_options)
+    assert all(bool(info.xxh3_128) == (digest == "xxh3-128") for info in ds.manifest.shards)
     fs = s3.filesystem()
     key = f"{bucket}/ds/shard-000001.tar"
     data = bytearray(fs.cat_file(key))
@@ -141,7 +149,7 @@ def test_a_changed_object_is_an_error_not_wrong_data(s3, bucket, tmp_path):
     with ThreadPoolExecutor(2) as pool:
         staged = StagedShards(ds, Staging(root=str(tmp_path)), pool)
         assert len(staged.get_many(list(range(PER_SHARD)))) == PER_SHARD  # shard 0 is intact
-        with pytest.raises(HashMismatchError, match=r"shard-000001\.tar .*changed: sha256") as info:
+        with pytest.raises(HashMismatchError, match=rf"shard-000001\.tar .*changed: {digest} of") as info:
             staged.get_many([PER_SHARD])
         staged.close()
     assert info.value.shard == "shard-000001.tar"
@@ -296,17 +304,17 @@ def _staged_samples(ds, root):
     return {g["__key__"]: g["bin"] for g in got}
 
 
-def test_without_a_recorded_sha256_the_stored_index_is_staged(s3, bucket, tmp_path):
-    """A manifest without sha256 (``stallfree index`` over tars other tools wrote) cannot vouch for
+def test_without_a_recorded_digest_the_stored_index_is_staged(s3, bucket, tmp_path):
+    """A manifest without digests (``stallfree index`` over tars other tools wrote) cannot vouch for
     the staged copy, so its index is not rebuilt from it: the stored ``.idx`` is fetched beside it
     (and checked against the copy's headers as it opens)."""
     url = f"s3://{bucket}/ds"
     samples = _write(s3, url, shards=2)
     manifest = Manifest.load(url, **s3.storage_options)
-    manifest.shards = [dataclasses.replace(info, sha256=None) for info in manifest.shards]
+    manifest.shards = [dataclasses.replace(info, sha256=None, xxh3_128=None) for info in manifest.shards]
     manifest.save(url, **s3.storage_options)
     ds = open_dataset(url, **s3.storage_options)
-    assert all(info.sha256 is None for info in ds.manifest.shards)
+    assert all(info.sha256 is None and info.xxh3_128 is None for info in ds.manifest.shards)
     s3.reset()
     assert _staged_samples(ds, tmp_path) == samples
     names = [f"shard-{s:06d}.{ext}" for s in range(2) for ext in ("tar", "idx")]

@@ -12,6 +12,8 @@ _ENTRIES = [
     {"path": "a.tar", "samples": 10, "bytes": 1000, "sha256": "0" * 64},
     {"path": 'we"ird\\näme €.tar', "samples": 0, "bytes": 0, "sha256": None},
     {"path": "s/x.tar", "samples": 2**40, "bytes": 2**50, "sha256": None, "stamp": "v1:abc\u2603"},
+    {"path": "f.tar", "samples": 3, "bytes": 30, "sha256": "1" * 64, "xxh3_128": "ab" * 16},
+    {"path": "g.tar", "samples": 3, "bytes": 30, "sha256": None, "stamp": "s", "xxh3_128": "cd" * 16},
 ]
 
 

@@ -23,14 +23,19 @@ def _sha(i: int) -> str:
     return hashlib.sha256(str(i).encode()).hexdigest()
 
 
-def varied_manifest() -> Manifest:
-    """Every kind of row: hash known or not, stamps, non-ASCII paths, an empty shard, a URL."""
+def _xxh3(i: int) -> str:
+    return _sha(i)[:32]
+
+
+def varied_manifest(fast: bool = True) -> Manifest:
+    """Every kind of row: hashes known or not (``fast``: xxh3-128 on some), stamps, non-ASCII
+    paths, an empty shard, a URL."""
     shards = [
-        ShardInfo("shard-000000.tar", 5, 1000, _sha(0)),
+        ShardInfo("shard-000000.tar", 5, 1000, _sha(0), xxh3_128=_xxh3(0) if fast else None),
         ShardInfo("données/échantillon-1.tar", 7, 2048, None),
         ShardInfo("empty.tar", 0, 10240, _sha(2)),
         ShardInfo("s3://bucket/abs/shard.tar", 3, 999, None, stamp="etag:abc|idx:0123"),
-        ShardInfo("日本/シャード.tar", 11, 4096, _sha(4), stamp="v2|é"),
+        ShardInfo("日本/シャード.tar", 11, 4096, _sha(4), stamp="v2|é", xxh3_128=_xxh3(4) if fast else None),
     ]
     return Manifest(
         FORMAT_VERSION,
@@ -99,6 +104,33 @@ def test_round_trip_is_exact_row_by_row_and_field_by_field():
     back.fields = ["jpg"]  # a changed manifest is hashed again, not given the recorded value
     assert back.fingerprint == Manifest.from_json(m.to_json() | {"fields": ["jpg"]}).fingerprint
     assert back.fingerprint != m.fingerprint
+
+
+def as_format_1(data: bytes) -> bytes:
+    """``data`` (format 2) as format 1 wrote it: no xxh3_128 section."""
+    parts = sections_of(data)[: len(sc.SECTIONS_V1)]
+    magic, _, _, n, json_size, json_sha = HEADER.unpack_from(data, 0)
+    head = HEADER.pack(magic, 1, len(parts), n, json_size, json_sha)
+    return head + b"".join(ENTRY.pack(len(p), zlib.crc32(p)) for p in parts) + b"".join(parts)
+
+
+def test_a_format_1_sidecar_is_still_read_exactly():
+    m = varied_manifest(fast=False)  # what format 1 was written from: no xxh3-128 anywhere
+    data, text = encoded(m)
+    side = sc.decode(as_format_1(data), "/d/manifest.shards.bin", text)
+    assert side is not None and list(side.shards) == list(m.shards)
+    assert all(s.xxh3_128 is None for s in side.shards)
+    assert Manifest.from_json(side.manifest, shards=side.shards).fingerprint == m.fingerprint
+
+
+def test_the_fast_digest_round_trips_and_is_in_the_json():
+    m = varied_manifest()
+    data, text = encoded(m)
+    side = sc.decode(data, "/d/manifest.shards.bin", text)
+    assert side is not None
+    assert [s.xxh3_128 for s in side.shards] == [_xxh3(0), None, None, None, _xxh3(4)]
+    rows = json.loads(text)["shards"]
+    assert rows[0]["xxh3_128"] == _xxh3(0) and "xxh3_128" not in rows[1]
 
 
 def test_an_empty_table_round_trips():
@@ -180,7 +212,7 @@ def test_a_truncated_sidecar_names_the_file_and_where_it_ends():
         HEADER.size: "inside its section directory",
         directory_end - 1: "inside its section directory",
         paths_at + 3: "inside section 'paths'",
-        len(data) - 1: "inside section 'stamps'",
+        len(data) - 1: "inside section 'xxh3_128'",  # the last one
     }
     for cut, what in cases.items():
         with pytest.raises(ManifestError, match="/ds/manifest.shards.bin ends at byte") as err:
