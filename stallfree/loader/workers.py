@@ -352,9 +352,11 @@ def process(
     decoded = alloc = None
     raising = plan.on_error == "raise"
     if plan.batch_decode is not None and good and not (bad and raising):
-        if plan.use_shm:  # the decoder's output goes into this slot (in-process: its own buffers)
+        if plan.use_shm:  # the decoder's output goes into this slot
             loaded.slot = slots.acquire()
             alloc = slots_mod.SlotAlloc(slots, loaded.slot)
+        else:  # made in the main process (inline_first.py): a tensor nobody keeps once dropped
+            alloc = _own_tensor
         decode = functools.partial(
             plan.batch_decode.decode_batch, seed=int(task.decode_seed or 0), alloc=alloc
         )
@@ -408,6 +410,12 @@ def process(
         dropped_slots=tuple(slots.take_dropped()) if plan.use_shm else (),
         indices=tuple(good_idx) if plan.send_raw else (),
     )
+
+
+def _own_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A decoder's output of its own, not from the decoder's reused buffers: those would keep a
+    batch-sized buffer in the main process for the loader's life."""
+    return torch.empty(shape, dtype=dtype)
 
 
 def _unused(slots: slots_mod.Slots, loaded: _Loaded) -> None:

@@ -126,6 +126,8 @@ def test_batches_are_the_same_bytes_as_when_every_batch_is_made_in_a_worker(shar
     assert keys == keys_w and torch.equal(labels, labels_w)
     assert images.dtype == torch.uint8 and torch.equal(images, images_w)
     assert inline.stats()["images"] == BATCH and in_workers.stats()["images"] == 0
+    # into a tensor of its own: the decoder's pool keeps no batch-sized buffer in this process
+    assert inline.stats()["buffers_allocated"] == 0
 
 
 @pytest.mark.parametrize(
