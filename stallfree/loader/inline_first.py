@@ -23,7 +23,6 @@ decode with the task's seed (tests/loader/test_inline_first.py).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import replace
 from typing import Any
 
@@ -34,8 +33,6 @@ from stallfree.loader.messages import BatchReady, Task, WorkerFailure
 from stallfree.loader.plan import Read, WorkerPlan
 from stallfree.loader.returns import SlotReturns
 from stallfree.loader.slots import Slots
-
-log = logging.getLogger(__name__)
 
 
 def runs_inline(plan: WorkerPlan) -> bool:

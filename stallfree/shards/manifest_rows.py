@@ -19,7 +19,7 @@ from typing import Any
 def _shard_text(s: Any) -> str:
     sha = "null" if s.sha256 is None else _quote(s.sha256)
     stamp = "" if s.stamp is None else ',"stamp":' + _quote(s.stamp)
-    fast = "" if getattr(s, "xxh3_128", None) is None else ',"xxh3_128":' + _quote(s.xxh3_128)
+    fast = "" if s.xxh3_128 is None else ',"xxh3_128":' + _quote(s.xxh3_128)
     return (
         f'{{"bytes":{int(s.bytes)},"path":{_quote(s.path)},"samples":{int(s.samples)},"sha256":{sha}'
         f"{stamp}{fast}}}"

@@ -4,9 +4,9 @@ Why: in block order a batch takes a few rows of each shard of its window; read w
 that is one ranged GET per sample (issue 20). Here the first read of a shard stages it whole
 (``remote.read_parts``: ranged GETs of ``Staging.part_bytes``, ``concurrency`` at once; its
 sidecars beside it, fetched while it is, except a tar's ``.idx`` when the manifest records the
-shard's digest: the index is then scanned from the checked copy, no request) into a ``staging.StagingArea`` shared by the
-node's processes, and its samples are read from the local copy, with the checks a local shard
-gets (size, index against headers, member checksums). The dataset's order is never touched.
+shard's digest: the index is then scanned from the checked copy, no request) into a
+``staging.StagingArea`` shared by the node's processes, and its samples are read from the local
+copy, with the checks a local shard gets (size, index against headers, member checksums). The dataset's order is never touched.
 
 A staged shard is checked against the manifest before anyone reads it: size, and its digest where
 the manifest records one (``stallfree shard`` does): xxh3-128, or sha256 in manifests written
