@@ -297,6 +297,41 @@ def shuffle_quality(batches: list[list[str]], shard_of: np.ndarray) -> dict[str,
     return {"shards/batch": float(np.mean(per_batch)), "rank corr": rho}
 
 
+RIG_MARKERS = ("s3rver", "s3lab.py count", "stallfree.testing.netlab relay")  # the bucket's processes
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds so far of this reader's process tree ("client": this process and its
+    descendants, a loader's workers) and of the rig (s3rver, counter, relays: they share the
+    machine's cores with the reader, where a real bucket would not). From /proc, whose pid
+    namespace the network namespaces share."""
+    procs: dict[int, tuple[int, float, str]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue  # gone meanwhile
+        fields = stat.rsplit(")", 1)[1].split()
+        # utime + stime, and cutime + cstime: workers that ended and were waited for count too
+        procs[int(entry)] = (int(fields[1]), sum(map(int, fields[11:15])) / _TICK, cmd)
+    ours = {os.getpid()}
+    grew = True
+    while grew:
+        grew = False
+        for pid, (ppid, _, _) in procs.items():
+            if ppid in ours and pid not in ours:
+                ours.add(pid)
+                grew = True
+    return {
+        "client": sum(procs[p][1] for p in ours if p in procs),
+        "rig": sum(cpu for _, cpu, cmd in procs.values() if any(m in cmd for m in RIG_MARKERS)),
+    }
+
+
 def _write_timeline(path: Path, row: dict, log: list[dict], wall0: float, first: float, sec: float) -> None:
     """Append one epoch's requests to ``path`` (JSON lines), times in seconds from the loader's
     construction (cold) or the epoch's start (warm): where a first batch's wait goes."""
@@ -328,11 +363,13 @@ def run_reader(
     with tempfile.TemporaryDirectory(prefix=f"{name}-") as scratch:
         requests_log(setup, clear=True)
         t0, wall0 = time.perf_counter(), time.time()
+        cpu0 = cpu_seconds()
         loader = LOADERS[name](endpoint, args, Path(scratch), variant)
         for epoch in ("cold", "warm"):
             if epoch == "warm":
                 requests_log(setup, clear=True)
                 t0, wall0 = time.perf_counter(), time.time()
+                cpu0 = cpu_seconds()
             if hasattr(loader, "set_epoch"):  # stallfree's loader, as a training loop calls it
                 loader.set_epoch(1 if epoch == "warm" else 0)
             batches, first = [], None
@@ -343,6 +380,7 @@ def run_reader(
                     s3_decode_variant.check_batch(b)
                 batches.append(list(b["__key__"]))
             sec = time.perf_counter() - t0
+            cpu = cpu_seconds()
             log = requests_log(setup)
             keys = [k for b in batches for k in b]
             if len(keys) != n or len(set(keys)) != n:
@@ -353,6 +391,7 @@ def run_reader(
                 "requests/sample": len(log) / n,
                 "KB/sample": sum(r["bytes"] for r in log) / n / 1000,
                 **shuffle_quality(batches, shard_of),
+                "client CPU s": cpu["client"] - cpu0["client"], "rig CPU s": cpu["rig"] - cpu0["rig"],
             })  # fmt: skip
             if args.timeline:
                 _write_timeline(Path(args.timeline), out[-1], log, wall0, first, sec)
@@ -497,19 +536,21 @@ def main(argv: Iterable[str] | None = None) -> int:
             f"run {res['meta']['total_s']:.0f} s"
         )
         print(
-            "| delay ms | reader | epoch | samples/s | runs | first batch s | GETs/sample | KB/sample | shards/batch | rank corr |"
+            "| delay ms | reader | epoch | samples/s | runs | first batch s | GETs/sample | KB/sample | shards/batch "
+            "| rank corr | client CPU s | rig CPU s |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in res["rows"]:
             if r["variant"] != name:
                 continue
             if "error" in r:
-                print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} ||||||")
+                print(f"| {r['delay ms']} | {r['reader']} | - | failed: {r['error']} ||||||||")
                 continue
             print(
                 f"| {r['delay ms']} | {r['reader']} | {r['epoch']} | {r['samples/s']:.0f} | "
                 f"{', '.join(map(str, r['runs samples/s']))} | {r['first batch s']:.2f} | "
-                f"{r['GETs/sample']:.3f} | {r['KB/sample']:.1f} | {r['shards/batch']:.1f} | {r['rank corr']:.3f} |"
+                f"{r['GETs/sample']:.3f} | {r['KB/sample']:.1f} | {r['shards/batch']:.1f} | {r['rank corr']:.3f} | "
+                f"{r['client CPU s']:.2f} | {r['rig CPU s']:.2f} |"
             )
     return 0
 
