@@ -2,9 +2,10 @@
 Amazon's s3torchconnector, over the same samples, requests and bytes counted at the server.
 
 The bucket is ``s3rver`` (a ranged GET costs what it returns; moto reads the whole object per
-ranged GET, see ``bench_s3_server.py``) in a NetLab storage namespace, behind a counting proxy and
-one latency relay per ``--delays`` value (``s3lab.S3Lab``); this process re-runs itself in node0,
-so every request crosses the relay. The dataset (``--samples`` x ``--sample-kb`` KB random ``bin``
+ranged GET, see ``bench_s3_server.py``) in a NetLab storage namespace, behind a counting proxy
+that holds every byte for the ``--delays`` value in each direction, one port per delay
+(``s3lab.S3Lab``; ``--rig two-hop``: a latency relay in front of the proxy instead, as the first
+runs were made); this process re-runs itself in node0, so every request pays the round trip. The dataset (``--samples`` x ``--sample-kb`` KB random ``bin``
 + ``cls``) is uploaded once per format, shards of ``--shard-mb`` MB:
   s3://bench/wds   tars + .idx + manifest by ``stallfree shard FOLDER s3://bench/wds --no-shuffle``
   s3://bench/mds   ``streaming.MDSWriter``
@@ -60,7 +61,7 @@ from typing import Any
 
 import numpy as np
 import s3_decode_variant
-from s3lab import S3Lab, aws_env, requests_log, storage_options
+from s3lab import RIGS, S3Lab, aws_env, requests_log, storage_options
 
 BUCKET = "bench"
 READERS = ("stallfree-block", "webdataset", "streaming", "litdata", "s3torchconnector")
@@ -495,6 +496,8 @@ def main(argv: Iterable[str] | None = None) -> int:
     )
     ap.add_argument("--jpeg-cache", default=str(HERE / "out" / "s3_decode_jpegs"),
                     help="where the decode variant's JPEGs are written once and reused")  # fmt: skip
+    ap.add_argument("--rig", default="one-hop", choices=RIGS,
+                    help="one-hop: the counting proxy holds the delay; two-hop: a relay in front of it")  # fmt: skip
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--timeline", help="append each epoch's request timeline (JSON lines) to this file")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
@@ -503,7 +506,7 @@ def main(argv: Iterable[str] | None = None) -> int:
     if args.inner:
         return inner(args)
     t_start = time.perf_counter()
-    with S3Lab(sorted({0, *args.delays})) as lab:
+    with S3Lab(sorted({0, *args.delays}), rig=args.rig) as lab:
         endpoints = {str(ms): lab.endpoint(ms) for ms in lab.delays_ms}
         argv2 = [sys.executable, str(Path(__file__).resolve()), "--inner", "--endpoints", json.dumps(endpoints),
                  "--samples", str(args.samples), "--sample-kb", str(args.sample_kb), "--shard-mb", str(args.shard_mb),
@@ -530,7 +533,7 @@ def main(argv: Iterable[str] | None = None) -> int:
             else f"x {args.sample_kb} KB raw"
         )
         print(
-            f"[{name}] {m['samples']} samples {what}, s3rver behind the relay; {m['tar_shards']} tar / "
+            f"[{name}] {m['samples']} samples {what}, s3rver, {args.rig} rig; {m['tar_shards']} tar / "
             f"{m['mds']} MDS / {m['lit']} LitData shards of ~{args.shard_mb} MB; {args.workers} workers, batch "
             f"{args.batch}; load average {res['meta']['load_avg'][0]:.1f}; upload {m['upload_s']:.0f} s, "
             f"run {res['meta']['total_s']:.0f} s"

@@ -1,8 +1,11 @@
 """An S3 bucket one real round trip away, for the object-storage benchmarks: ``s3rver`` (npm) in a
-NetLab storage namespace, behind a counting HTTP proxy, behind latency relays.
+NetLab storage namespace, behind a counting HTTP proxy that also holds every byte for the delay.
 
-    client (node0) --> relay storage:9000+ms (one-way delay ms) --> counter 127.0.0.1:4600
+    client (node0) --> counter storage:9000+ms (one-way delay ms; no delay on 127.0.0.1:4600)
                    --> s3rver 127.0.0.1:4568 (objects are files: a ranged GET reads the range)
+
+(``rig="two-hop"``: a ``NetLab.relay`` process per delay in front of an undelayed counter, as
+the first benches ran: one more Python process copying every byte on the readers' cores.)
 
 Why s3rver and not moto: moto answers a ranged GET by reading the whole object (see
 ``bench_s3_server.py`` for the measurement), so a ranged reader pays a whole-shard read per GET
@@ -11,9 +14,9 @@ request (method, path, query, Range, status) and the response body bytes it forw
 ``GET /_count`` (the log as JSON) and ``DELETE /_count`` (clear it) itself; ``_`` cannot start a
 bucket name, so those paths never shadow a request.
 
-Every delay in ``delays_ms`` gets its own relay port, so one run measures 0, 10 and 25 ms side by
-side on one server. Run ``python benchmarks/s3lab.py count --listen A:P --to A:P`` for the proxy
-alone (what ``S3Lab`` starts).
+Every delay in ``delays_ms`` gets its own port, so one run measures 0, 10 and 25 ms side by side
+on one server. Run ``python benchmarks/s3lab.py count --listen A:P --to A:P [--delayed A:P:MS]``
+for the proxy alone (what ``S3Lab`` starts).
 """
 
 from __future__ import annotations
@@ -125,12 +128,61 @@ async def _copy_body(
     return total
 
 
+class _Delayed:
+    """A stream writer whose every write reaches the peer ``delay_s`` after it was made, in
+    order (a one-way delay: what ``NetLab.relay`` does, in this process). Unbounded, as the
+    relay: ``drain`` returns at once; with no delay it is the writer itself."""
+
+    def __init__(self, writer: asyncio.StreamWriter, delay_s: float) -> None:
+        self.writer, self.delay_s = writer, delay_s
+        self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
+        self._task = asyncio.create_task(self._send()) if delay_s > 0 else None
+
+    def write(self, data: bytes) -> None:
+        if self._task is None:
+            self.writer.write(data)
+        else:
+            self._queue.put_nowait((asyncio.get_running_loop().time() + self.delay_s, data))
+
+    async def drain(self) -> None:
+        if self._task is None:
+            await self.writer.drain()
+
+    async def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due, data = await self._queue.get()
+            if data is None:
+                return
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            self.writer.write(data)
+            await self.writer.drain()
+
+    async def close(self) -> None:
+        """Deliver what is queued, then close."""
+        if self._task is not None:
+            self._queue.put_nowait((0.0, None))
+            with contextlib.suppress(ConnectionError):
+                await self._task
+        self.writer.close()
+
+
 class Counter:
     def __init__(self, to: tuple[str, int]) -> None:
         self.to = to
         self.log: list[dict[str, Any]] = []
 
-    async def handle(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+    async def handle(
+        self, cr: asyncio.StreamReader, raw_cw: asyncio.StreamWriter, delay_s: float = 0.0
+    ) -> None:
+        """One client connection; ``delay_s``: the one-way delay between client and server
+        (both directions, and the connection's handshake: SYN, SYN-ACK), as a relay in front
+        of this proxy would add it; request times are stamped on the server's side of it."""
+        if delay_s:
+            await asyncio.sleep(2 * delay_s)  # the SYN's trip and the SYN-ACK's back
+        cw = _Delayed(raw_cw, delay_s)
         sr = sw = None
         try:
             while True:
@@ -138,7 +190,8 @@ class Counter:
                     head = await cr.readuntil(b"\r\n\r\n")
                 except (asyncio.IncompleteReadError, ConnectionError):
                     return
-                started = time.time()  # wall clock: the namespaces share one, so clients can line up
+                # wall clock: the namespaces share one, so clients can line up
+                started = time.time() + delay_s
                 first, fields = _headers(head)
                 method, target = first.split(" ")[:2]
                 if target.startswith("/_count"):
@@ -149,7 +202,8 @@ class Counter:
                     await cw.drain()
                     continue
                 if sr is None:
-                    sr, sw = await asyncio.open_connection(*self.to)
+                    sr, raw_sw = await asyncio.open_connection(*self.to)
+                    sw = _Delayed(raw_sw, delay_s)
                 if fields.get("expect", "").lower() == "100-continue":  # answer it here, strip it there
                     cw.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     head = b"\r\n".join(
@@ -178,29 +232,53 @@ class Counter:
         finally:
             for w in (cw, sw):
                 if w is not None:
-                    w.close()
+                    with contextlib.suppress(OSError):
+                        await w.close()
 
 
-async def _serve_counter(listen: tuple[str, int], to: tuple[str, int]) -> None:
+async def _serve_counter(
+    listen: tuple[str, int], to: tuple[str, int], delayed: Sequence[tuple[str, int, float]] = ()
+) -> None:
+    """The counter on ``listen`` (no delay) and on each ``delayed`` (address, port, one-way
+    delay in seconds), one request log for all of them."""
     counter = Counter(to)
     server = await asyncio.start_server(
         counter.handle, listen[0], listen[1], reuse_address=True, limit=1 << 20
     )
+    others = [
+        await asyncio.start_server(
+            lambda r, w, d=d: counter.handle(r, w, d), host, port, reuse_address=True, limit=1 << 20
+        )
+        for host, port, d in delayed
+    ]
     host, port = server.sockets[0].getsockname()[:2]  # port 0: the one the kernel chose
-    sys.stdout.write(f"listening on {host}:{port}\n")
+    sys.stdout.write(f"listening on {host}:{port}\n")  # once every listener is up
     sys.stdout.flush()
-    async with server:
+    async with contextlib.AsyncExitStack() as stack:
+        for srv in (server, *others):
+            await stack.enter_async_context(srv)
         await server.serve_forever()
 
 
 # -- the lab -------------------------------------------------------------------------------------
-class S3Lab:
-    """NetLab(nodes=1) with s3rver, the counter and one relay per delay in storage (a context
-    manager). ``endpoint(ms)`` is the URL a client in node0 uses for that one-way delay."""
+RIGS = ("one-hop", "two-hop")
 
-    def __init__(self, delays_ms: Sequence[int] = (0, 10, 25)) -> None:
+
+class S3Lab:
+    """NetLab(nodes=1) with s3rver and the counter in storage (a context manager).
+    ``endpoint(ms)`` is the URL a client in node0 uses for that one-way delay.
+
+    ``rig``: "one-hop" (the counter itself holds each direction for the delay: one proxy
+    process between client and s3rver) or "two-hop" (a ``NetLab.relay`` per delay in front of
+    the counter, as the first benches ran). Same delays, same counts; one-hop costs the cores
+    the readers share about one Python hop less (``bench_s3_netns.py``'s rig CPU column)."""
+
+    def __init__(self, delays_ms: Sequence[int] = (0, 10, 25), rig: str = "one-hop") -> None:
         from stallfree.testing.netlab import NetLab
 
+        if rig not in RIGS:
+            raise ValueError(f"rig must be one of {RIGS}, got {rig!r}")
+        self.rig = rig
         self.delays_ms = tuple(delays_ms)
         self.lab = NetLab(nodes=1)
         self._stack = contextlib.ExitStack()
@@ -212,16 +290,21 @@ class S3Lab:
                 "127.0.0.1", S3RVER_PORT, popen=lambda argv, **kw: lab.popen("storage", argv, **kw)
             )
         )
+        delayed = []
+        if self.rig == "one-hop":
+            for ms in self.delays_ms:
+                delayed += ["--delayed", f"{lab.storage.address}:{RELAY_BASE + ms}:{ms}"]
         counter = lab.popen(
             "storage",
             [sys.executable, str(Path(__file__).resolve()), "count",
-             "--listen", f"127.0.0.1:{COUNT_PORT}", "--to", f"127.0.0.1:{S3RVER_PORT}"],
+             "--listen", f"127.0.0.1:{COUNT_PORT}", "--to", f"127.0.0.1:{S3RVER_PORT}", *delayed],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         if not counter.stdout.readline().startswith("listening"):
             raise RuntimeError("the counting proxy did not start")
-        for ms in self.delays_ms:
-            lab.relay("storage", RELAY_BASE + ms, to=("127.0.0.1", COUNT_PORT), one_way_delay_s=ms / 1000)
+        if self.rig == "two-hop":
+            for ms in self.delays_ms:
+                lab.relay("storage", RELAY_BASE + ms, to=("127.0.0.1", COUNT_PORT), one_way_delay_s=ms / 1000)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -268,14 +351,22 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _delayed(text: str) -> tuple[str, int, float]:
+    where, _, ms = text.rpartition(":")
+    host, port = _address(where)
+    return host, port, float(ms) / 1000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="s3lab.py")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("count", help="a counting HTTP/1.1 proxy")
     c.add_argument("--listen", required=True, type=_address)
     c.add_argument("--to", required=True, type=_address)
+    c.add_argument("--delayed", action="append", default=[], type=_delayed, metavar="ADDRESS:PORT:MS",
+                   help="also listen there, every byte held MS ms in each direction")  # fmt: skip
     args = ap.parse_args(argv)
-    asyncio.run(_serve_counter(args.listen, args.to))
+    asyncio.run(_serve_counter(args.listen, args.to, args.delayed))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from pathlib import Path
 
@@ -53,6 +54,42 @@ def test_counting_proxy_counts_each_request_and_its_bytes():
             # the server saw the same two GETs: nothing dropped, duplicated or invented
             served = [r for r in s3.requests() if r.method == "GET" and r.path == "/smoke/obj.bin"]
             assert [r.bytes for r in served][-2:] == [100, len(payload)]
+        finally:
+            proxy.kill()
+            proxy.wait(10)
+
+
+def test_delayed_port_holds_each_direction_and_counts_the_same():
+    """``--delayed A:P:MS``: a fresh connection pays the handshake and the request's round trip
+    (4 one-way delays), bodies pass unchanged, and the log is the one the plain port shows."""
+    from stallfree.cache.server import free_port
+
+    delay_ms = 150
+    with serve_s3() as s3:
+        port = free_port()
+        proxy = subprocess.Popen(
+            [sys.executable, str(S3LAB), "count", "--listen", "127.0.0.1:0", "--to", f"127.0.0.1:{s3.port}",
+             "--delayed", f"127.0.0.1:{port}:{delay_ms}"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+        try:
+            line = proxy.stdout.readline()
+            assert line.startswith("listening on 127.0.0.1:"), line
+            plain, delayed = "http://" + line.split()[-1], f"http://127.0.0.1:{port}"
+            fs = s3.filesystem(endpoint_url=plain)
+            fs.call_s3("create_bucket", Bucket="late")
+            payload = bytes(range(256)) * 4096
+            fs.pipe_file("late/obj.bin", payload)
+            _log(plain, "DELETE")
+            far = s3.filesystem(endpoint_url=delayed)
+            t0 = time.monotonic()
+            body = far.cat_file("late/obj.bin")
+            took = time.monotonic() - t0
+            assert body == payload
+            assert took >= 4 * delay_ms / 1000  # SYN, SYN-ACK, request, response
+            [get] = [r for r in _log(plain) if r["method"] == "GET"]
+            assert (get["path"], get["status"], get["bytes"]) == ("/late/obj.bin", 200, len(payload))
         finally:
             proxy.kill()
             proxy.wait(10)
