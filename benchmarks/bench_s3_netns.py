@@ -35,7 +35,7 @@ output, uint8 [N, 3, 224, 224] random-resized-crop 224 + flip (``s3_decode_varia
 ``ImageDecode(backend="auto", dtype="uint8")``, every peer simplejpeg + torchvision v2 in its
 loader's workers. Both variants in one run: one table each, same columns.
 
-    bash benchmarks/s3env.sh   # once: .venv-s3bench with every peer, and s3rver
+    bash benchmarks/env.sh s3   # once: .venv-s3bench with every peer, and s3rver
     PYTHONPATH=. .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --delays 0 10 25 --runs 3
     PYTHONPATH=. .venv-s3bench/bin/python benchmarks/bench_s3_netns.py --variant raw decode --runs 3
 """

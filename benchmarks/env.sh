@@ -1,17 +1,33 @@
 #!/usr/bin/env bash
-# Benchmark-only environment (.venv-bench, gitignored): the torchvision-style baseline needs
-# torchvision, which must never enter the library's own .venv or its tests. Installs from the
-# wheels on local disk (pip's configured find-links / file indexes); idempotent.
-# Usage: bash benchmarks/env.sh   (then: .venv-bench/bin/python benchmarks/bench_decode.py)
+# Benchmark-only environments (gitignored): the torchvision-style baselines need torchvision,
+# which must never enter the library's own .venv or its tests. Installs from the wheels on local
+# disk (pip's configured find-links / file indexes); idempotent.
+#   bash benchmarks/env.sh      .venv-bench: decode, loader and peer benches
+#                               (then: .venv-bench/bin/python benchmarks/bench_decode.py)
+#   bash benchmarks/env.sh s3   .venv-s3bench: the object-storage benches, every peer reader
+#                               (WebDataset, MosaicML Streaming, LitData, s3torchconnector), the
+#                               S3 clients bench_s3_clients.py compares (s3fs, obstore, boto3)
+#                               and the s3rver bucket (npm, under .venv-s3bench/node)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
-if [ ! -x .venv-bench/bin/python ]; then
-    "$PY" -m venv .venv-bench
+KIND="${1:-bench}"
+COMMON=(numpy pillow simplejpeg nvidia-dali-cuda120 psutil litdata mosaicml-streaming webdataset "moto[server]" s3fs)
+case "$KIND" in
+    bench) VENV=.venv-bench; EXTRA=(scikit-image) ;;
+    s3) VENV=.venv-s3bench; EXTRA=(s3torchconnector obstore boto3) ;;
+    *) echo "usage: bash benchmarks/env.sh [bench|s3]" >&2; exit 2 ;;
+esac
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
 fi
-if ! .venv-bench/bin/python -c "import torchvision, torch" 2>/dev/null; then
-    .venv-bench/bin/pip install -q torch==2.14.1 torchvision==0.29.1
+if ! "$VENV/bin/python" -c "import torchvision, torch" 2>/dev/null; then
+    "$VENV/bin/pip" install -q torch==2.14.1 torchvision==0.29.1
 fi
-.venv-bench/bin/pip install -q numpy pillow simplejpeg nvidia-dali-cuda120 scikit-image psutil litdata mosaicml-streaming webdataset "moto[server]" s3fs
-.venv-bench/bin/pip install -q -e .  # the library's own deps; torch 2.14.1 above already satisfies its torch requirement
-.venv-bench/bin/python -c "import torch, torchvision, nvidia.dali; print('bench env ok: torch', torch.__version__, 'torchvision', torchvision.__version__, 'dali', nvidia.dali.__version__)"
+"$VENV/bin/pip" install -q "${COMMON[@]}" "${EXTRA[@]}"
+"$VENV/bin/pip" install -q -e .  # the library's own deps; torch 2.14.1 above already satisfies its torch requirement
+if [ "$KIND" = s3 ] && [ ! -x "$VENV/node/node_modules/.bin/s3rver" ]; then
+    mkdir -p "$VENV/node"
+    (cd "$VENV/node" && npm install --silent --no-audit --no-fund s3rver@3.7.1)
+fi
+"$VENV/bin/python" -c "import torch, torchvision, nvidia.dali; print('bench env ok: torch', torch.__version__, 'torchvision', torchvision.__version__, 'dali', nvidia.dali.__version__)"

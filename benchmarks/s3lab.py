@@ -48,7 +48,7 @@ S3RVER_PORT, COUNT_PORT, RELAY_BASE = 4568, 4600, 9000
 def s3rver_process(address: str, port: int, popen: Any = subprocess.Popen) -> Iterator[tuple[str, Any]]:
     """``s3rver`` on ``address:port`` (0: any) with a fresh data folder; yields (endpoint, process)."""
     if not S3RVER.exists():
-        raise RuntimeError(f"{S3RVER} missing: cd .venv-s3bench/node && npm install s3rver@3.7.1")
+        raise RuntimeError(f"{S3RVER} missing: bash benchmarks/env.sh s3")
     data = Path(tempfile.mkdtemp(prefix="s3rver-"))
     proc = popen(
         [str(S3RVER), "-d", str(data), "-a", address, "-p", str(port), "--silent"],
