@@ -5,8 +5,9 @@ The bucket is ``s3rver`` (a ranged GET costs what it returns; moto reads the who
 ranged GET, see ``bench_s3_server.py``) in a NetLab storage namespace, behind a counting proxy
 that holds every byte for the ``--delays`` value in each direction, one port per delay
 (``s3lab.S3Lab``; ``--rig two-hop``: a latency relay in front of the proxy instead, as the first
-runs were made); this process re-runs itself in node0, so every request pays the round trip. The dataset (``--samples`` x ``--sample-kb`` KB random ``bin``
-+ ``cls``) is uploaded once per format, shards of ``--shard-mb`` MB:
+runs were made); this process re-runs itself in node0, so every request pays the round trip.
+The dataset (``--samples`` x ``--sample-kb`` KB random ``bin`` + ``cls``) is uploaded once per
+format, shards of ``--shard-mb`` MB:
   s3://bench/wds   tars + .idx + manifest by ``stallfree shard FOLDER s3://bench/wds --no-shuffle``
   s3://bench/mds   ``streaming.MDSWriter``
   s3://bench/lit   ``litdata.optimize`` to a local folder, then uploaded as it is

@@ -35,6 +35,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from stallfree.testing.netlab import DelayedWriter
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 S3RVER = REPO / ".venv-s3bench" / "node" / "node_modules" / ".bin" / "s3rver"
@@ -128,47 +130,6 @@ async def _copy_body(
     return total
 
 
-class _Delayed:
-    """A stream writer whose every write reaches the peer ``delay_s`` after it was made, in
-    order (a one-way delay: what ``NetLab.relay`` does, in this process). Unbounded, as the
-    relay: ``drain`` returns at once; with no delay it is the writer itself."""
-
-    def __init__(self, writer: asyncio.StreamWriter, delay_s: float) -> None:
-        self.writer, self.delay_s = writer, delay_s
-        self._queue: asyncio.Queue[tuple[float, bytes | None]] = asyncio.Queue()
-        self._task = asyncio.create_task(self._send()) if delay_s > 0 else None
-
-    def write(self, data: bytes) -> None:
-        if self._task is None:
-            self.writer.write(data)
-        else:
-            self._queue.put_nowait((asyncio.get_running_loop().time() + self.delay_s, data))
-
-    async def drain(self) -> None:
-        if self._task is None:
-            await self.writer.drain()
-
-    async def _send(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            due, data = await self._queue.get()
-            if data is None:
-                return
-            wait = due - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            self.writer.write(data)
-            await self.writer.drain()
-
-    async def close(self) -> None:
-        """Deliver what is queued, then close."""
-        if self._task is not None:
-            self._queue.put_nowait((0.0, None))
-            with contextlib.suppress(ConnectionError):
-                await self._task
-        self.writer.close()
-
-
 class Counter:
     def __init__(self, to: tuple[str, int]) -> None:
         self.to = to
@@ -182,7 +143,7 @@ class Counter:
         of this proxy would add it; request times are stamped on the server's side of it."""
         if delay_s:
             await asyncio.sleep(2 * delay_s)  # the SYN's trip and the SYN-ACK's back
-        cw = _Delayed(raw_cw, delay_s)
+        cw = DelayedWriter(raw_cw, delay_s)
         sr = sw = None
         try:
             while True:
@@ -203,7 +164,7 @@ class Counter:
                     continue
                 if sr is None:
                     sr, raw_sw = await asyncio.open_connection(*self.to)
-                    sw = _Delayed(raw_sw, delay_s)
+                    sw = DelayedWriter(raw_sw, delay_s)
                 if fields.get("expect", "").lower() == "100-continue":  # answer it here, strip it there
                     cw.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                     head = b"\r\n".join(
@@ -233,7 +194,8 @@ class Counter:
             for w in (cw, sw):
                 if w is not None:
                     with contextlib.suppress(OSError):
-                        await w.close()
+                        await w.finish()  # what is queued is delivered first
+                    w.writer.close()
 
 
 async def _serve_counter(

@@ -375,43 +375,81 @@ def _kill_namespace_processes(netns: str) -> None:
 
 
 # -- the latency relay (runs as its own process inside a namespace) ---------------------------------
+class DelayedWriter:
+    """A stream writer whose every write reaches the peer ``delay_s`` after it was made, in
+    order: one direction of a link with that one-way delay (bandwidth not limited, so nothing
+    waits on ``drain``). Nothing is written while ``flowing`` (when given) is clear: a partition,
+    held as TCP retransmits, until healed. With no delay and no ``flowing`` it is the writer."""
+
+    def __init__(
+        self, writer: asyncio.StreamWriter, delay_s: float, flowing: asyncio.Event | None = None
+    ) -> None:
+        self.writer, self.delay_s, self.flowing = writer, delay_s, flowing
+        self._queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+        held = delay_s > 0 or flowing is not None
+        self._task = asyncio.get_running_loop().create_task(self._send()) if held else None
+
+    def write(self, data: bytes) -> None:
+        """Queue ``data``; ``b""`` is the end of the stream (EOF after what came before)."""
+        if self._task is None:
+            if data:
+                self.writer.write(data)
+            elif self.writer.can_write_eof():
+                self.writer.write_eof()
+        else:
+            self._queue.put_nowait((asyncio.get_running_loop().time() + self.delay_s, data))
+
+    async def drain(self) -> None:
+        if self._task is None:
+            await self.writer.drain()
+
+    async def _send(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            due, data = await self._queue.get()
+            wait = due - loop.time()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            if self.flowing is not None:
+                await self.flowing.wait()
+            if not data:
+                with contextlib.suppress(OSError):
+                    if self.writer.can_write_eof():
+                        self.writer.write_eof()
+                return
+            self.writer.write(data)
+            with contextlib.suppress(ConnectionError):
+                await self.writer.drain()
+
+    async def finish(self) -> None:
+        """Write the end of the stream after what is queued, and wait until it is delivered."""
+        self.write(b"")
+        if self._task is not None:
+            await self._task
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
 async def _pump(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float, flowing: asyncio.Event
 ) -> None:
     """Copy ``reader`` to ``writer``, each chunk written ``delay_s`` after it was read, in order;
-    nothing is written while ``flowing`` is clear (a partition: held, as TCP retransmits, until healed)."""
-    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
-    loop = asyncio.get_running_loop()
-
-    async def sender() -> None:
-        while True:
-            due, data = await queue.get()
-            wait = due - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            await flowing.wait()
-            if not data:
-                with contextlib.suppress(OSError):
-                    if writer.can_write_eof():
-                        writer.write_eof()
-                return
-            writer.write(data)
-            with contextlib.suppress(ConnectionError):
-                await writer.drain()
-
-    task = asyncio.create_task(sender())
+    nothing is written while ``flowing`` is clear."""
+    out = DelayedWriter(writer, delay_s, flowing)
     try:
         while True:
             try:
                 data = await reader.read(1 << 16)
             except ConnectionError:
                 data = b""
-            await queue.put((loop.time() + delay_s, data))
             if not data:
                 break
-        await task
+            out.write(data)
+        await out.finish()
     finally:
-        task.cancel()
+        out.cancel()
 
 
 async def _serve_relay(listen: tuple[str, int], to: tuple[str, int], delay_s: float) -> None:
