@@ -386,6 +386,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 owns_engine=owns,
                 tuner=self._make_tuner(engine.n),
                 epoch=epoch if self._plan.ordered else None,
+                lead=self._lead,
             )
         except BaseException:
             if owns:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,6 +34,9 @@ from stallfree.loader.order import Batches
 from stallfree.loader.plan import MainPlan
 from stallfree.loader.stats import LoaderStats
 from stallfree.shards.errors import BatchDecodeError
+
+if TYPE_CHECKING:
+    from stallfree.loader.shardio import LeadStaging
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,7 @@ class Assembler:
         epoch: int | None = None,
         owns_engine: bool,
         tuner: DepthTuner | None = None,
+        lead: LeadStaging | None = None,
     ) -> None:
         self.engine = engine
         self.plan = plan
@@ -102,8 +106,10 @@ class Assembler:
         engine.gen += 1
         self.gen = engine.gen
         self._source = iter(batches)
-        # block order: each task names the next window's shards, for the worker to stage ahead
+        # block order: the next window's shards are staged ahead, by ``lead`` (the main process)
+        # where it stages, else by the worker each task names them to
         self._shards_after = batches.shards_after if isinstance(batches, Batches) else None
+        self._lead = lead
         self._sizes: dict[int, int] = {}  # seq -> positions, for batches not yet handed over
         self._ahead: list[Any] | None = None
         self._exhausted = False
@@ -205,6 +211,9 @@ class Assembler:
                 self._sizes[seq] = len(indices)
                 seed = self.decode_seed(seq) if self.plan.worker_decode else None
                 ahead = self._shards_after(seq) if self._shards_after is not None else ()
+                if ahead and self._lead is not None:
+                    self._lead.ahead(ahead)
+                    ahead = ()
                 self.engine.send(w, Task(self.gen, seq, indices, seed, self.epoch, ahead))
                 self.outstanding[w] += 1
                 self._dispatched += 1

@@ -102,17 +102,25 @@ class ConcurrentShards:
 
 
 class LeadStaging:
-    """The main process stages the first two windows of an epoch while its workers start.
+    """The main process stages the epoch's windows for its workers, one window ahead of the
+    batches it dispatches.
 
-    Why: a fresh worker's first request waits for its fork, its start-up and a new S3 client
-    (~0.1-0.2 s at 10 ms each way, measured: RESULTS.md, Object storage), while the main process
-    has a client that is already connected (it read the manifest). It starts the first window's
-    downloads at once, and the next window's as soon as those are in (``then``): the workers'
-    own look-ahead starts only once they have opened the first window's copies, which left the
-    wire idle for ~0.17 s (measured: a request timeline, ``bench_s3_netns.py --timeline``). The
-    workers' staging of these shards waits on the staging area's per-file lock and then opens
-    the landed copies, so every shard is still fetched once per node. A hint only: what fails
-    here is fetched (and its error raised) by the workers."""
+    Why the main process: its client is connected already (it read the manifest), while a fresh
+    worker's first request waits for its fork, its start-up and a new S3 client (~0.1-0.2 s at
+    10 ms each way: RESULTS.md, Object storage). When the workers staged the next windows
+    themselves, a worker took a shard's fetch lock before its client was ready, and that shard's
+    GETs began ~0.16 s later than the main process could have begun them (a request timeline,
+    ``bench_s3_netns.py --timeline``); each worker's client also cost ~0.1 CPU-s of the two cores
+    the epoch ran on. Now the workers only open copies that have landed (waiting on the staging
+    area's per-file lock while one is on its way) and fetch a shard themselves only where this
+    failed, so every shard is still fetched once per node and its errors are raised in the
+    worker that reads it.
+
+    Order: the first window (``shards``) alone, so the first batch waits for as few bytes as
+    possible; once it is in, ``then`` (the next window) and whatever ``ahead`` asked meanwhile;
+    after that each ``ahead`` at once. The loader calls ``ahead`` with the next window's shards
+    as it dispatches a window's first batch, so staging runs one window ahead of dispatch and
+    no further (bounded: the staging area holds about two windows a rank)."""
 
     def __init__(
         self,
@@ -126,31 +134,52 @@ class LeadStaging:
 
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stallfree-lead-stage")
         self._closed = False
+        self._lock = threading.Lock()
+        self._waiting: list[int] = list(then)  # asked for before the first window is in
+        self._first_left = 0
+        self._staged: StagedShards | None = None
         try:
             self._staged = StagedShards(dataset, staging, self._pool)
             first = self._staged.land(shards)
         except Exception:  # noqa: BLE001 - a hint: the workers stage what is missing themselves
             logger.debug("staging the first window in the main process failed", exc_info=True)
+            self._staged = None
             return
-        if not then:
-            return
-        left = [len(first)]
-        lock = threading.Lock()
-
-        def landed(_: Any) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] or self._closed:
-                    return
-            try:
-                self._staged.land(then)
-            except RuntimeError:  # closed meanwhile: the workers stage it themselves
-                pass
-
+        self._first_left = len(first)
         for fut in first:
-            fut.add_done_callback(landed)
+            fut.add_done_callback(self._first_landed)
+        if not first:
+            self._first_landed(None)
+
+    def _first_landed(self, _: Any) -> None:
+        with self._lock:
+            self._first_left = max(0, self._first_left - 1)
+            if self._first_left or self._closed:
+                return
+            waiting, self._waiting = self._waiting, []
+        self._land(waiting)
+
+    def ahead(self, shards: Sequence[int]) -> None:
+        """Stage ``shards`` (the window after the one being dispatched) once the first window is
+        in; each shard is landed once per epoch, whatever the number of calls."""
+        with self._lock:
+            if self._staged is None or self._closed:
+                return
+            if self._first_left:
+                self._waiting.extend(shards)
+                return
+        self._land(shards)
+
+    def _land(self, shards: Sequence[int]) -> None:
+        if not shards or self._staged is None:
+            return
+        try:
+            self._staged.land(shards)
+        except RuntimeError:  # closed meanwhile: the workers stage what they need themselves
+            pass
 
     def close(self) -> None:
         """Stop what has not started downloading (what has lands, staged for the next reader)."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -414,3 +414,30 @@ def test_the_main_process_lands_the_first_window_for_its_workers(s3, bucket, tmp
     fetched = _counts(s3)  # the loader's own first window is another one (window 8): the rest only
     assert all(n == 1 for n in fetched.values())
     assert set(fetched).isdisjoint(f"shard-{s:06d}.tar" for s in window.tolist())
+
+
+def test_the_lead_lands_the_first_window_alone_then_each_window_once(s3, bucket, tmp_path):
+    """``LeadStaging.ahead``: what the loader asks for while the first window is on its way
+    waits for it (the first batch shares the wire with nothing), then lands; a shard asked for
+    again (every dispatched batch of a window names the next one) is fetched once."""
+    from stallfree.loader.shardio import LeadStaging
+
+    url = f"s3://{bucket}/ds"
+    _write(s3, url)
+    ds = open_dataset(url, **s3.storage_options)
+    first, then, later = [5, 2], [0, 7], [3, 6]
+    s3.reset()
+    lead = LeadStaging(ds, Staging(root=str(tmp_path / "stage")), first, then)
+    lead.ahead(later)
+    lead.ahead(then + later)  # asked again: nothing more
+    names = {f"shard-{s:06d}.tar" for s in first + then + later}
+    deadline = time.monotonic() + TIMEOUT  # a bound on a hang, not a speed requirement
+    while set(_counts(s3)) != names and time.monotonic() < deadline:
+        time.sleep(0.05)
+    lead.ahead(later)  # and after they landed: nothing more either
+    time.sleep(0.2)
+    lead.close()
+    gets = [r.path.rsplit("/", 1)[-1] for r in s3.requests() if r.method == "GET"]
+    assert collections.Counter(gets) == collections.Counter(names)
+    assert set(gets[: len(first)]) == {f"shard-{s:06d}.tar" for s in first}  # before any other
+    assert set(os.listdir(tmp_path / "stage" / ds.fingerprint)) >= names
