@@ -13,6 +13,8 @@ against a forger; neither is a sha256 stored beside the data it describes.
 from __future__ import annotations
 
 import hashlib
+import os
+from typing import Any
 
 import xxhash
 
@@ -22,6 +24,24 @@ XXH3_HEX_DIGITS = 32  # 128 bits
 def fast_hasher() -> xxhash.xxh3_128:
     """A fresh xxh3-128 state (``update``, ``hexdigest``)."""
     return xxhash.xxh3_128()
+
+
+READ_CHUNK = 1 << 20  # what update_from_fd reads at a time, into one reused buffer
+
+
+def update_from_fd(digest: Any, fd: int, size: int) -> int:
+    """Feed ``digest`` the first ``size`` bytes of the open file ``fd`` (from offset 0, read
+    with ``preadv`` into one buffer: no ``bytes`` per chunk); returns how many there were (fewer
+    than ``size`` if the file is shorter)."""
+    view = memoryview(bytearray(min(READ_CHUNK, max(size, 1))))
+    offset = 0
+    while offset < size:
+        n = os.preadv(fd, [view[: min(len(view), size - offset)]], offset)
+        if not n:
+            break
+        digest.update(view[:n])
+        offset += n
+    return offset
 
 
 class ShardDigests:

@@ -79,8 +79,9 @@ class StagedShards:
         self.area = StagingArea(staging.resolved_root(), staging.cap_bytes)
         # after a fork the dataset's client is the parent's (not fork-safe): warm() renews it
         dataset.warm([], executor)
+        # the client is made at the first request: in a loader's workers often never, the main
+        # process stages their windows (loader/shardio.py, LeadStaging)
         self._fs = dataset.fs
-        executor.submit(remote.connect, self._fs)  # a fresh worker's first GET need not make it
         self._namespace = dataset.fingerprint
         self._executor = executor
         # formats whose index can be rebuilt from a shard's own bytes (``indexable``: tar headers)
@@ -97,6 +98,7 @@ class StagedShards:
         self._share = share if share is not None and share[1] > 1 else None
         self._warned_disk = False
         self._unstageable: set[int] = set()  # shards the local disk refused: read remotely
+        self._landing: set[int] = set()  # shards land() was asked for, once each
 
     def stage(self, shards: Sequence[int]) -> None:
         """Start staging (and opening) ``shards`` not open or on their way; returns at once."""
@@ -248,9 +250,12 @@ class StagedShards:
     def land(self, shards: Sequence[int]) -> list[Future]:
         """Start staging ``shards``' files for other processes of the node, opening nothing and
         keeping no pin (the main process fetching a first window while its workers start);
-        returns at once, with a future per shard that is done once it has landed or failed. A
-        failure is left for the process that reads the shard to meet."""
-        return [self._executor.submit(self._land, s) for s in dict.fromkeys(int(x) for x in shards)]
+        returns at once, with a future per shard not asked for before, done once it has landed
+        or failed. A failure is left for the process that reads the shard to meet."""
+        with self._lock:
+            new = [s for s in dict.fromkeys(int(x) for x in shards) if s not in self._landing]
+            self._landing.update(new)
+        return [self._executor.submit(self._land, s) for s in new]
 
     def _land(self, s: int) -> None:
         try:
@@ -327,29 +332,27 @@ class StagedShards:
     def _fetch_shard(self, path: str, info: Any, f: BinaryIO) -> None:
         """Shard bytes from the store into ``f``, checked against the manifest's size and digest:
         its xxh3-128 where it records one (a seventh of sha256's CPU per byte: ``digests.py``),
-        else its sha256."""
+        else its sha256. The digest is taken from the written file (parts land in any order)."""
         fs = self._fs
+        remote.copy_parts(
+            fs,
+            path,
+            info.bytes,
+            f.fileno(),
+            shard=info.path,
+            part_bytes=self.staging.part_bytes,
+            concurrency=self.staging.concurrency,
+            direct=self.staging.direct,
+        )
         if info.xxh3_128:
             name, want, digest = "xxh3-128", info.xxh3_128, digests.fast_hasher()
         elif info.sha256:
             name, want, digest = "sha256", info.sha256, hashlib.sha256()
         else:
-            name, want, digest = "", None, None
-        got = 0
-        parts = remote.read_parts(
-            fs,
-            path,
-            info.bytes,
-            shard=info.path,
-            part_bytes=self.staging.part_bytes,
-            concurrency=self.staging.concurrency,
-        )
-        for _, data in parts:
-            f.write(data)
-            if digest is not None:
-                digest.update(data)
-            got += len(data)
-        if digest is not None and digest.hexdigest() != want:
+            log.debug("staged %s (%d bytes, no digest recorded)", info.path, info.bytes)
+            return
+        got = digests.update_from_fd(digest, f.fileno(), info.bytes)
+        if digest.hexdigest() != want:
             raise HashMismatchError(
                 f"{remote.describe(fs, path)} changed: {name} of the {got} bytes read is {digest.hexdigest()}, "
                 f"the manifest records {want} (the object was rewritten after the dataset was "

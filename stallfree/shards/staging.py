@@ -59,12 +59,14 @@ class Staging:
     ``concurrency``: the ranged GETs a file is read in, and how many at once (8 MB, as Amazon's
     CRT client: a 16 MB shard in two GETs, so a window of 8 shards is 16 connections, where one
     connection per shard left bandwidth unused through a 10 ms round trip; RESULTS.md, Object
-    storage)."""
+    storage). ``direct``: S3 parts as presigned GETs received straight into the staged file
+    (``shards/s3direct.py``, where the filesystem's options allow); False: through s3fs."""
 
     root: str | None = None
     cap_bytes: int | None = None
     part_bytes: int = 8 << 20
     concurrency: int = 8
+    direct: bool = True
 
     def __post_init__(self) -> None:
         if self.cap_bytes is not None and self.cap_bytes <= 0:
@@ -184,7 +186,7 @@ class StagingArea:
         tmp = f"{path}{_TMP}{os.getpid()}-{threading.get_ident()}"
         fd = -1
         try:
-            with open(tmp, "wb") as f:
+            with open(tmp, "w+b") as f:  # readable too: a fill may check what it wrote
                 fill(f)
             fd = _HELD.open(tmp, os.O_RDONLY)
             fcntl.flock(fd, fcntl.LOCK_SH)
