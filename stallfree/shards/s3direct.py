@@ -152,6 +152,10 @@ class DirectRoute:
         if sent is not None and sent != want:
             self._drop(endpoint)
             return sent
+        where = resp.getheader("Content-Range", "")
+        if resp.status == 206 and where and not where.startswith(f"bytes {start}-"):
+            self._drop(endpoint)  # another range than asked, of the right length: not our bytes
+            raise ConnectionError(f"asked for bytes {start}-{end - 1}, the answer says {where!r}")
         view = self._buffer()
         got = 0
         while got < want:

@@ -212,8 +212,12 @@ def test_with_timeouts_fills_only_what_the_user_left_out():
         "read_timeout": 15.0,
         "retries": {"total_max_attempts": 1},
         "max_pool_connections": 32,
+        "signature_version": "s3v4",
     }
-    mine = remote.with_timeouts("s3://b/ds", {"config_kwargs": {"read_timeout": 60}})
+    mine = remote.with_timeouts(
+        "s3://b/ds", {"config_kwargs": {"read_timeout": 60, "signature_version": "s3"}}
+    )
+    assert mine["config_kwargs"]["signature_version"] == "s3"  # the user's choice, SigV2 included
     assert mine["config_kwargs"]["read_timeout"] == 60 and mine["config_kwargs"]["connect_timeout"] == 5.0
     http = remote.with_timeouts("https://h/ds", {})["client_kwargs"]["timeout"]
     assert (http.sock_connect, http.sock_read, http.total) == (5.0, 15.0, None)
