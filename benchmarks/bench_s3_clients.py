@@ -13,7 +13,16 @@ plus each library's own batched call, concurrency its own: ``s3fs.cat_ranges`` a
 Reported: MB/s of range payload (median of ``--trials``), and GETs and bytes at the server per
 trial (from the proxy), so coalescing shows as fewer GETs, not as speed from nowhere.
 
+``--parts``: what staging does instead: the whole object in ``--part-mb`` MB ranged GETs,
+``--concurrency`` at once, written into a local file at their offsets, each client at its
+leanest: stallfree's ``remote.copy_parts`` through s3fs (``direct=False``: ``read_parts``, then
+``pwrite``) and through its direct route (presigned GETs, ``readinto`` + ``pwrite``,
+``shards/s3direct.py``), obstore (``get_range_async``, its buffer written without a copy) and
+boto3 (threads, ``Body.read()``). Reported: MB/s and this process's CPU ms per MiB (user + system,
+every thread), the figure that matters where the reader shares its cores with training.
+
     .venv-s3bench/bin/python benchmarks/bench_s3_clients.py --delay-ms 10
+    .venv-s3bench/bin/python benchmarks/bench_s3_clients.py --delay-ms 10 --parts --concurrency 8 16
 """
 
 from __future__ import annotations
@@ -120,6 +129,87 @@ def read_boto3(client: Any, ranges: list[tuple[int, int]], conc: int) -> list[by
         return list(pool.map(one, ranges))
 
 
+def _parts(size: int, part: int) -> list[tuple[int, int]]:
+    return [(a, min(size, a + part)) for a in range(0, size, part)]
+
+
+def copy_stallfree(direct: bool) -> Any:
+    def copy(endpoint: str, size: int, part: int, conc: int, fd: int) -> None:
+        from stallfree.shards import remote
+
+        fs, path = remote.url_to_fs(f"s3://{BUCKET}/{KEY}", **storage_options(endpoint))
+        remote.copy_parts(fs, path, size, fd, shard=KEY, part_bytes=part, concurrency=conc, direct=direct)
+
+    return copy
+
+
+def copy_obstore(endpoint: str, size: int, part: int, conc: int, fd: int) -> None:
+    import obstore
+
+    store = _CLIENTS.setdefault("obstore", _obstore(endpoint))
+
+    async def go() -> None:
+        sem = asyncio.Semaphore(conc)
+
+        async def one(a: int, b: int) -> None:
+            async with sem:
+                buf = await obstore.get_range_async(store, KEY, start=a, end=b)
+            os.pwrite(fd, memoryview(buf), a)
+
+        await asyncio.gather(*(one(a, b) for a, b in _parts(size, part)))
+
+    asyncio.run(go())
+
+
+def copy_boto3(endpoint: str, size: int, part: int, conc: int, fd: int) -> None:
+    client = _CLIENTS.setdefault(f"boto3-{conc}", _boto(endpoint, conc))
+
+    def one(r: tuple[int, int]) -> None:
+        body = client.get_object(Bucket=BUCKET, Key=KEY, Range=f"bytes={r[0]}-{r[1] - 1}")["Body"].read()
+        os.pwrite(fd, body, r[0])
+
+    with ThreadPoolExecutor(conc) as pool:
+        list(pool.map(one, _parts(size, part)))
+
+
+_CLIENTS: dict[str, Any] = {}  # made once per process, as a reader keeps its client
+
+
+def staging_parts(args: argparse.Namespace, payload: bytes) -> list[dict[str, Any]]:
+    """``--parts``: the whole object into a file per trial, by each client; MB/s, CPU ms/MiB."""
+    import tempfile
+
+    size, part = len(payload), args.part_mb << 20
+    clients = {
+        "stallfree s3fs (read_parts)": copy_stallfree(direct=False),
+        "stallfree direct (presigned, readinto)": copy_stallfree(direct=True),
+        "obstore": copy_obstore,
+        "boto3": copy_boto3,
+    }
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for conc in args.concurrency:
+            for name, copy in clients.items():
+                path = os.path.join(tmp, "copy")
+                with open(path, "w+b") as f:
+                    copy(args.endpoint, size, part, conc, f.fileno())  # connect, sign, warm
+                times, cpus = [], []
+                for _ in range(args.trials):
+                    os.unlink(path)
+                    with open(path, "w+b") as f:
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        copy(args.endpoint, size, part, conc, f.fileno())
+                        times.append(time.perf_counter() - t0)
+                        cpus.append(time.process_time() - c0)
+                    with open(path, "rb") as f:
+                        if f.read() != payload:
+                            raise RuntimeError(f"{name}: the copy differs from the object")
+                sec, cpu = statistics.median(times), statistics.median(cpus)
+                rows.append({"client": name, "concurrency": conc, "seconds": sec, "MB/s": size / sec / 1e6,
+                             "CPU ms/MiB": cpu * 1000 / (size >> 20)})  # fmt: skip
+    return rows
+
+
 def inner(args: argparse.Namespace) -> int:
     endpoint, setup = args.endpoint, args.setup_endpoint
     size = args.object_mb << 20
@@ -127,6 +217,9 @@ def inner(args: argparse.Namespace) -> int:
     b = _boto(setup)
     b.create_bucket(Bucket=BUCKET)
     b.put_object(Bucket=BUCKET, Key=KEY, Body=payload)
+    if args.parts:
+        print(json.dumps(staging_parts(args, payload)))
+        return 0
     clients = {
         "s3fs": (lambda c: _s3fs(endpoint), read_s3fs),
         "obstore": (lambda c: _obstore(endpoint), read_obstore),
@@ -173,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--range-kb", type=int, default=100)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--trials", type=int, default=3)
+    ap.add_argument("--parts", action="store_true", help="staging's whole-object part reads into a file")
+    ap.add_argument("--part-mb", type=int, default=8)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--endpoint", help=argparse.SUPPRESS)
@@ -185,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
         argv2 = [sys.executable, str(Path(__file__).resolve()), "--inner",
                  "--endpoint", lab.endpoint(args.delay_ms), "--setup-endpoint", lab.endpoint(0),
                  "--object-mb", str(args.object_mb), "--ranges", str(args.ranges),
-                 "--range-kb", str(args.range_kb), "--trials", str(args.trials),
+                 "--range-kb", str(args.range_kb), "--trials", str(args.trials), "--part-mb", str(args.part_mb),
+                 *(["--parts"] if args.parts else []),
                  "--concurrency", *map(str, args.concurrency)]  # fmt: skip
         done = lab.lab.run("node0", argv2, timeout=900, capture_output=True, text=True)
     if done.returncode != 0:
@@ -195,9 +291,21 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
+    load = os.getloadavg()[0]
+    if args.parts:
+        print(
+            f"one {args.object_mb} MB object into a local file in {args.part_mb} MB ranged GETs, s3rver "
+            f"{args.delay_ms} ms away each way; median of {args.trials}; load average {load:.1f}"
+        )
+        print("| client | concurrency | seconds | MB/s | CPU ms/MiB |\n|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(
+                f"| {r['client']} | {r['concurrency']} | {r['seconds']:.3f} | {r['MB/s']:.0f} | {r['CPU ms/MiB']:.2f} |"
+            )
+        return 0
     print(
         f"{args.ranges} x {args.range_kb} KB ranged GETs of one {args.object_mb} MB object, s3rver "
-        f"{args.delay_ms} ms away each way; median of {args.trials}; load average {os.getloadavg()[0]:.1f}"
+        f"{args.delay_ms} ms away each way; median of {args.trials}; load average {load:.1f}"
     )
     print(f"{'client':<20} {'conc':>5} {'seconds':>8} {'MB/s':>7} {'GETs':>5} {'server MB':>9}")
     for r in rows:
