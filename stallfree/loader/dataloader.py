@@ -31,7 +31,7 @@ import torch
 import torch.utils.data as tud
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import contracts, shardio
+from stallfree.loader import allocator, contracts, shardio
 from stallfree.loader.engine import Engine
 from stallfree.loader.iterator import LoaderIterator
 from stallfree.loader.options import LoaderOptions, plan
@@ -366,6 +366,7 @@ class DataLoader(tud.DataLoader[T_co]):
         ep: EpochIndices = self._index_source().epoch(epoch, resume)
         if self._plan.ordered:
             self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
+        allocator.keep_freed_memory()  # before the workers fork: they inherit it
         engine, owns = self._engine_for(ep.base_seed)
         # before the other workers fork (Assembler): its downloads start ~25 ms sooner. What a
         # fork copies of its threads is safe: the staging flocks are closed in the child

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import contracts, fetch, lifeline, pipeline, rows, shardio, shm
+from stallfree.loader import allocator, contracts, fetch, lifeline, pipeline, rows, shardio, shm
 from stallfree.loader import slots as slots_mod
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.fetch import MAP_IDX, MAP_SEQ, Fetched
@@ -88,6 +88,7 @@ def _start(ctx: WorkerContext) -> None:
         # Workers end on SIGTERM; a worker_init_fn may still install its own handler.
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        allocator.keep_freed_memory()  # a spawned worker's own (a forked one inherits the parent's)
         torch.set_num_threads(1)
         seed = _seed_worker(plan, ctx.wid)
         compat.set_worker_info(ctx.wid, plan.num_workers, seed, plan.dataset)

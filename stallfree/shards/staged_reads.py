@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import logging
+import os
 import posixpath
 import threading
 from collections import OrderedDict
@@ -255,7 +256,13 @@ class StagedShards:
         with self._lock:
             new = [s for s in dict.fromkeys(int(x) for x in shards) if s not in self._landing]
             self._landing.update(new)
+        # already staged (a warm epoch): nothing to do, and no thread woken for it; one evicted
+        # before it is read is fetched by its reader
+        new = [s for s in new if not os.path.exists(self._staged_path(s))]
         return [self._executor.submit(self._land, s) for s in new]
+
+    def _staged_path(self, s: int) -> str:
+        return self.area.path_of(self._namespace, self.dataset.manifest.shards[s].path)
 
     def _land(self, s: int) -> None:
         try:
