@@ -119,8 +119,8 @@ class LeadStaging:
     Order: the first window (``shards``) alone, so the first batch waits for as few bytes as
     possible; once it is in, ``then`` (the next window) and whatever ``ahead`` asked meanwhile;
     after that each ``ahead`` at once. The loader calls ``ahead`` with the next window's shards
-    as it dispatches a window's first batch, so staging runs one window ahead of dispatch and
-    no further (bounded: the staging area holds about two windows a rank)."""
+    as it dispatches each batch (a shard is landed once), so staging runs one window ahead of
+    dispatch and no further (bounded: the staging area holds about two windows a rank)."""
 
     def __init__(
         self,

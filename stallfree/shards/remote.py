@@ -21,8 +21,9 @@ a failure the client already retried (s3fs tries 5 times, ~1 s of backoff, for r
 dropped connections) is not retried again. With the defaults a read fails, naming the endpoint,
 after: ~0.3 s when connections are refused (3 attempts); 3 * 5 s when connects go unanswered;
 3 * 15 s (HTTP; 3 * 30 s for a size or existence lookup, which fsspec asks by HEAD, then GET)
-or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``,
-``atomic.is_local`` and ``s3direct`` (the lean route of ``copy_parts``).
+or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``
+and ``atomic.is_local``. Whole files copied into a local file (staging): ``file_copy.py``, through
+``read_parts`` or ``read_with_retries``.
 """
 
 from __future__ import annotations
@@ -31,17 +32,13 @@ import io
 import logging
 import os
 import sys
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
 
-from stallfree.shards import s3direct
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardError, ShardReadError
 
@@ -206,143 +203,6 @@ def read_parts(
             yield start, data
 
 
-def copy_parts(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    size: int,
-    fd: int,
-    *,
-    shard: str,
-    part_bytes: int = PART_BYTES,
-    concurrency: int = PART_CONCURRENCY,
-    policy: RetryPolicy | None = None,
-    direct: bool = True,
-) -> None:
-    """A whole file of ``size`` bytes written to the open file ``fd`` at the same offsets, in
-    ``part_bytes`` ranged reads, ``concurrency`` at once, each checked and retried like every
-    read here (a part asked again is written again whole). Returns once every part is written;
-    on an error, once no part is being written any more, so the caller may close ``fd``.
-
-    S3 through s3fs (where ``direct`` and ``s3direct.route_for`` allow): presigned GETs received
-    straight into the file (``s3direct.py``; see RESULTS.md, Object storage, for the CPU it
-    saves). Refused there (a redirect, 400 or 403: a bucket in another region, a policy that
-    denies presigned URLs), the file is read again through the filesystem's client, and so is
-    every later one. Any other filesystem: ``read_parts``, each part written."""
-    if part_bytes < 1 or concurrency < 1:
-        raise ValueError(f"part_bytes and concurrency must be >= 1, got {part_bytes}, {concurrency}")
-    route = _direct_route(fs) if direct else None
-    if route is not None:
-        try:
-            _copy_direct(route, path, size, fd, shard, part_bytes, concurrency, policy)
-            return
-        except s3direct.RouteRefused as exc:  # e.g. a bucket policy that denies presigned URLs
-            _refuse_route(fs, path, exc)
-    for start, data in read_parts(
-        fs, path, size, shard=shard, part_bytes=part_bytes, concurrency=concurrency, policy=policy
-    ):
-        s3direct.pwrite_all(fd, memoryview(data), start)
-
-
-def _copy_direct(
-    route: s3direct.DirectRoute,
-    path: str,
-    size: int,
-    fd: int,
-    shard: str,
-    part_bytes: int,
-    concurrency: int,
-    policy: RetryPolicy | None,
-) -> None:
-    parts = [(s, min(size, s + part_bytes)) for s in range(0, size, part_bytes)]
-    pool = _part_pool()
-    for first in range(0, len(parts), concurrency):
-        group = parts[first : first + concurrency]
-        futures = [
-            pool.submit(copy_part, route, path, a, b, fd, shard=shard, policy=policy) for a, b in group[1:]
-        ]
-        try:
-            copy_part(route, path, *group[0], fd, shard=shard, policy=policy)  # this thread reads one
-        finally:
-            wait(futures)  # none may write to ``fd`` after the caller was told it failed
-        for fut in futures:
-            fut.result()
-
-
-def _refuse_route(fs: fsspec.AbstractFileSystem, path: str, exc: BaseException) -> None:
-    """Read through the filesystem's own client from now on, and say why once."""
-    with _ROUTES_LOCK:
-        _ROUTES[id(fs)] = (os.getpid(), None)
-    log.warning(
-        "%s: presigned GETs refused (%s); reading shards through %s instead",
-        describe(fs, path),
-        exc,
-        type(fs).__name__,
-    )
-
-
-def copy_part(
-    route: s3direct.DirectRoute,
-    path: str,
-    start: int,
-    end: int,
-    fd: int,
-    *,
-    shard: str,
-    policy: RetryPolicy | None = None,
-) -> None:
-    """Bytes ``[start, end)`` of ``path`` through ``route`` into ``fd`` at the same offsets:
-    the length checked, a short or failed part asked again (``RetryPolicy``), then
-    ``RemoteReadError`` naming URL, shard and range; a local write error raised as it is."""
-    try:
-        _retrying(
-            route.fs, path, start, end, shard, None, policy or DEFAULT_POLICY, None,
-            fetch=lambda: route.copy_range(path, start, end, fd),
-        )  # fmt: skip
-    except s3direct.LocalWriteError as exc:  # the local disk's own error (full: the caller reads remotely)
-        raise exc.__cause__ from None
-
-
-# id(fs) -> (pid, the route or None): by identity, not fsspec's equality (a filesystem made again
-# after a fork equals the parent's, whose client must not be used in the child); an entry goes
-# with its filesystem
-_ROUTES: dict[int, tuple[int, s3direct.DirectRoute | None]] = {}
-_ROUTES_LOCK = threading.Lock()
-_PART_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, this process's pool)
-PART_THREADS = 16  # parts read at once by one process, over all its shards (8 shards of 2 parts)
-
-
-def _direct_route(fs: fsspec.AbstractFileSystem) -> s3direct.DirectRoute | None:
-    """``fs``'s direct route (made once per filesystem and process), None where it has none."""
-    key, pid = id(fs), os.getpid()
-    with _ROUTES_LOCK:
-        got = _ROUTES.get(key)
-        if got is not None and got[0] == pid and (got[1] is None or got[1].fs is fs):
-            return got[1]
-    config = getattr(fs, "config_kwargs", None) or {}
-    route = s3direct.route_for(
-        fs,
-        connect_s=float(config.get("connect_timeout", DEFAULT_TIMEOUTS.connect_s)),
-        read_s=float(config.get("read_timeout", DEFAULT_TIMEOUTS.read_s)),
-    )
-    try:
-        weakref.finalize(fs, _ROUTES.pop, key, None)
-    except TypeError:  # not weakly referable: not kept, asked again next time
-        return route
-    with _ROUTES_LOCK:
-        _ROUTES[key] = (pid, route)
-    return route
-
-
-def _part_pool() -> ThreadPoolExecutor:
-    """This process's threads for parts beyond the first of each group (made again after a
-    fork: a pool's threads do not survive one)."""
-    global _PART_POOL
-    with _ROUTES_LOCK:
-        if _PART_POOL is None or _PART_POOL[0] != os.getpid():
-            _PART_POOL = (os.getpid(), ThreadPoolExecutor(PART_THREADS, thread_name_prefix="stallfree-part"))
-        return _PART_POOL[1]
-
-
 def exists(
     fs: fsspec.AbstractFileSystem, path: str, *, shard: str, policy: RetryPolicy | None = None
 ) -> bool:
@@ -360,6 +220,23 @@ def _whole_file_options(fs: fsspec.AbstractFileSystem) -> dict[str, Any]:
     (25-70 ms per shard opened, at 10 ms each way)."""
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return {"max_concurrency": 1} if any(p in ("s3", "s3a") for p in protocols) else {}
+
+
+def read_with_retries(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int,
+    end: int,
+    *,
+    shard: str,
+    fetch: Callable[[], Any],
+    key: str | None = None,
+    policy: RetryPolicy | None = None,
+) -> Any:
+    """Bytes ``[start, end)`` of ``path`` as another transport reads them (``fetch``: one attempt,
+    returning the bytes, or the count it wrote somewhere), with this module's checks, retries and
+    errors (see the module docstring): how ``file_copy``'s direct S3 route stays one primitive."""
+    return _retrying(fs, path, start, end, shard, key, policy or DEFAULT_POLICY, None, fetch=fetch)
 
 
 def _retrying(
@@ -774,7 +651,7 @@ def with_timeouts(
         # shards of two parts) and a batch's concurrent shard reads
         config.setdefault("max_pool_connections", 32)
         # what botocore signs S3 requests with anyway; said here so that presigned GETs (the
-        # direct route of copy_parts) are SigV4 too: botocore presigns with SigV2 otherwise, which
+        # direct route of file_copy.copy_parts) are SigV4 too: botocore presigns with SigV2 otherwise, which
         # buckets made since 2020 refuse (anon=True still goes unsigned: s3fs overrides this)
         config.setdefault("signature_version", "s3v4")
         options["config_kwargs"] = config
@@ -831,8 +708,6 @@ def with_session(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
 
 
 __all__ = [
-    "copy_part",
-    "copy_parts",
     "DEFAULT_POLICY",
     "DEFAULT_TIMEOUTS",
     "RetryPolicy",
@@ -846,6 +721,7 @@ __all__ = [
     "read_file",
     "read_parts",
     "read_range",
+    "read_with_retries",
     "read_ranges",
     "unreachable",
     "url_to_fs",

@@ -13,7 +13,7 @@ Only what a presigned URL can express takes this route (``route_for``); a filesy
 or other per-request headers, requester-pays, proxies, a signature other than SigV4, or an
 fsspec implementation other than s3fs reads through its own client, and so does one whose
 presigned GETs the store refuses (``RouteRefused``: another region, a bucket policy). One attempt is ``DirectRoute.copy_range``; checking the
-length, retrying and wording errors is ``remote.copy_parts``' job, as for every remote read.
+length, retrying and wording errors is ``remote``'s (``file_copy.copy_part``), as for every remote read.
 Connections are kept per thread and per process (never used across a fork). Imports nothing of
 ours.
 """

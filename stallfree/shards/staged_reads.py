@@ -2,7 +2,8 @@
 
 Why: in block order a batch takes a few rows of each shard of its window; read where they lie,
 that is one ranged GET per sample (issue 20). Here the first read of a shard stages it whole
-(``remote.read_parts``: ranged GETs of ``Staging.part_bytes``, ``concurrency`` at once; its
+(``file_copy.copy_parts``: ranged GETs of ``Staging.part_bytes``, ``concurrency`` at once, written
+into the staged file as they arrive, over presigned URLs on S3; its
 sidecars beside it, fetched while it is, except a tar's ``.idx`` when the manifest records the
 shard's digest: the index is then scanned from the checked copy, no request) into a
 ``staging.StagingArea`` shared by the node's processes, and its samples are read from the local
@@ -29,7 +30,7 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from stallfree.shards import digests, formats, remote
+from stallfree.shards import digests, file_copy, formats, remote
 from stallfree.shards.errors import HashMismatchError, MissingShardError
 from stallfree.shards.formats import ShardOpen
 from stallfree.shards.staging import StagedFile, Staging, StagingArea
@@ -341,7 +342,7 @@ class StagedShards:
         its xxh3-128 where it records one (a seventh of sha256's CPU per byte: ``digests.py``),
         else its sha256. The digest is taken from the written file (parts land in any order)."""
         fs = self._fs
-        remote.copy_parts(
+        file_copy.copy_parts(
             fs,
             path,
             info.bytes,

@@ -1,4 +1,4 @@
-"""The direct route for staged parts (``shards/s3direct.py`` through ``remote.copy_parts``):
+"""The direct route for staged parts (``shards/s3direct.py`` through ``file_copy.copy_parts``):
 presigned GETs received straight into a file. Against moto's real S3 API for what S3 says (the
 signature, missing objects, refusals, objects shorter than asked), and against the loopback HTTP
 server's faults for what a transport does wrong (bodies cut short, ``Range`` ignored, 5xx, no
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from stallfree.shards import remote, s3direct
+from stallfree.shards import file_copy, remote, s3direct
 from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardReadError
 from stallfree.shards.remote import RetryPolicy
 from stallfree.testing.httpserve import serve_directory
@@ -26,7 +26,7 @@ def _object(s3, bucket, size=3 * 1000 + 17):
 def _copy(fs, path, size, tmp_path, **kw):
     out = tmp_path / "copy"
     with open(out, "w+b") as f:
-        remote.copy_parts(fs, path, size, f.fileno(), shard="obj.bin", policy=FAST, **kw)
+        file_copy.copy_parts(fs, path, size, f.fileno(), shard="obj.bin", policy=FAST, **kw)
     return out.read_bytes()
 
 
@@ -145,7 +145,7 @@ def served(tmp_path):
 def _part(route, start, end, tmp_path):
     out = tmp_path / "part"
     with open(out, "w+b") as f:
-        remote.copy_part(route, "obj.bin", start, end, f.fileno(), shard="obj.bin", policy=FAST)
+        file_copy.copy_part(route, "obj.bin", start, end, f.fileno(), shard="obj.bin", policy=FAST)
         f.seek(start)
         return f.read(end - start)
 
