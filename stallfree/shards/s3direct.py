@@ -26,12 +26,14 @@ import ssl
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 CHUNK = 1 << 20  # one readinto (and one pwrite): large enough that the per-call cost vanishes
 URL_LIFETIME_S = 3600  # a presigned URL's validity; renewed once half of it has passed
+URLS_KEPT = 256  # presigned URLs remembered per route
 _ERROR_BODY_MAX = 64 << 10  # an error response's body kept for its message, at most
 
 
@@ -73,7 +75,9 @@ class DirectRoute:
         self.connect_s, self.read_s = connect_s, read_s
         self._verify = verify  # botocore's ``verify``: True, False, or a CA bundle's path
         self._ssl: ssl.SSLContext | None = None  # made at the first https connection
-        self._urls: dict[str, tuple[float, str]] = {}  # path -> (signed at, URL)
+        # path -> (signed at, URL), the most recent few: a shard's parts and retries share one
+        # (a dataset's every shard would be ~0.5 KB each, for ever)
+        self._urls: OrderedDict[str, tuple[float, str]] = OrderedDict()
         self._urls_lock = threading.Lock()
         self._local = threading.local()
 
@@ -94,14 +98,18 @@ class DirectRoute:
         url = self.fs.url(path, expires=URL_LIFETIME_S)
         with self._urls_lock:
             self._urls[path] = (now, url)
+            self._urls.move_to_end(path)
+            while len(self._urls) > URLS_KEPT:
+                self._urls.popitem(last=False)
         return url
 
     def copy_range(self, path: str, start: int, end: int, fd: int) -> int:
         """One GET of bytes ``[start, end)`` of ``path``, written to ``fd`` at the same offsets
         as they arrive. Returns the bytes the server sent for it: ``end - start``, fewer (the
         body ended early) or more (it ignored ``Range``; nothing is written then). Raises
-        ``S3StatusError`` for an HTTP error, the socket's or ``http.client``'s error for a
-        transport failure."""
+        ``RouteRefused`` for a status in ``REFUSED``, ``S3StatusError`` for another HTTP error,
+        ``LocalWriteError`` when the file cannot be written, the socket's or ``http.client``'s
+        error for a transport failure."""
         parts = urlsplit(self.url(path))
         port = parts.port or (443 if parts.scheme == "https" else 80)
         endpoint = _Endpoint(parts.scheme, parts.hostname or "", port)

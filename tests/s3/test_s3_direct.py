@@ -184,3 +184,11 @@ def test_a_kept_alive_connection_the_server_closed_is_replaced(served, tmp_path)
         route._urls.clear()
         assert _part(route, 100, 200, tmp_path) == data[100:200]
         assert again.stats.requests == 1
+
+
+def test_a_route_remembers_a_bounded_number_of_signed_urls(served):
+    _, signer, route, _ = served
+    signed = [route.url(f"shard-{i:06d}.tar") for i in range(s3direct.URLS_KEPT + 50)]
+    assert signed[-1] == f"{signer.base}/shard-{s3direct.URLS_KEPT + 49:06d}.tar"
+    assert len(route._urls) == s3direct.URLS_KEPT  # a dataset of 10^5 shards keeps no 10^5 URLs
+    assert route.url("shard-000000.tar") == f"{signer.base}/shard-000000.tar"  # signed again
