@@ -36,7 +36,7 @@ def copy_parts(
 ) -> None:
     """A whole file of ``size`` bytes written to the open file ``fd`` at the same offsets, in
     ``part_bytes`` ranged reads, ``concurrency`` at once, each checked and retried like every
-    read here (a part asked again is written again whole). Returns once every part is written;
+    remote read (``remote``; a part asked again is written again whole). Returns once every part is written;
     on an error, once no part is being written any more, so the caller may close ``fd``.
 
     S3 through s3fs (where ``direct`` and ``s3direct.route_for`` allow): presigned GETs received
@@ -132,7 +132,7 @@ def _direct_route(fs: fsspec.AbstractFileSystem) -> s3direct.DirectRoute | None:
     key, pid = id(fs), os.getpid()
     with _ROUTES_LOCK:
         got = _ROUTES.get(key)
-        if got is not None and got[0] == pid and (got[1] is None or got[1].fs is fs):
+        if got is not None and got[0] == pid and (got[1] is None or got[1].serves(fs)):
             return got[1]
     config = getattr(fs, "config_kwargs", None) or {}
     route = s3direct.route_for(

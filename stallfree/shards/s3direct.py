@@ -88,6 +88,10 @@ class DirectRoute:
             raise RuntimeError("the filesystem of this route is gone")
         return fs
 
+    def serves(self, fs: Any) -> bool:
+        """Whether this is ``fs``'s route (and ``fs`` the very object it was made for)."""
+        return self._fs() is fs
+
     def url(self, path: str) -> str:
         """A presigned GET URL for ``path``, signed again once half its lifetime has passed."""
         now = time.monotonic()
