@@ -211,9 +211,8 @@ class Assembler:
                 self._sizes[seq] = len(indices)
                 seed = self.decode_seed(seq) if self.plan.worker_decode else None
                 ahead = self._shards_after(seq) if self._shards_after is not None else ()
-                if ahead and self._lead is not None:
-                    self._lead.ahead(ahead)
-                    ahead = ()
+                if ahead and self._lead is not None and self._lead.ahead(ahead):
+                    ahead = ()  # the main process stages it: the worker need not
                 self.engine.send(w, Task(self.gen, seq, indices, seed, self.epoch, ahead))
                 self.outstanding[w] += 1
                 self._dispatched += 1

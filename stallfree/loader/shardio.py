@@ -159,16 +159,18 @@ class LeadStaging:
             waiting, self._waiting = self._waiting, []
         self._land(waiting)
 
-    def ahead(self, shards: Sequence[int]) -> None:
+    def ahead(self, shards: Sequence[int]) -> bool:
         """Stage ``shards`` (the window after the one being dispatched) once the first window is
-        in; each shard is landed once per epoch, whatever the number of calls."""
+        in; each shard is landed once per epoch, whatever the number of calls. False where this
+        stages nothing (its set-up failed, or it was closed): the workers stage ahead then."""
         with self._lock:
             if self._staged is None or self._closed:
-                return
+                return False
             if self._first_left:
                 self._waiting.extend(shards)
-                return
+                return True
         self._land(shards)
+        return True
 
     def _land(self, shards: Sequence[int]) -> None:
         if not shards or self._staged is None:

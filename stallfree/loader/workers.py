@@ -88,7 +88,7 @@ def _start(ctx: WorkerContext) -> None:
         # Workers end on SIGTERM; a worker_init_fn may still install its own handler.
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        allocator.keep_freed_memory()  # a spawned worker's own (a forked one inherits the parent's)
+        allocator.keep_freed_memory()  # for a spawned worker; a forked one has the parent's already
         torch.set_num_threads(1)
         seed = _seed_worker(plan, ctx.wid)
         compat.set_worker_info(ctx.wid, plan.num_workers, seed, plan.dataset)

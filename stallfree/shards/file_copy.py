@@ -36,8 +36,9 @@ def copy_parts(
 ) -> None:
     """A whole file of ``size`` bytes written to the open file ``fd`` at the same offsets, in
     ``part_bytes`` ranged reads, ``concurrency`` at once, each checked and retried like every
-    remote read (``remote``; a part asked again is written again whole). Returns once every part is written;
-    on an error, once no part is being written any more, so the caller may close ``fd``.
+    remote read (``remote``; a part asked again is written again whole). Returns once every part
+    is written; on an error, once no part is being written any more, so the caller may close
+    ``fd``.
 
     S3 through s3fs (where ``direct`` and ``s3direct.route_for`` allow): presigned GETs received
     straight into the file (``s3direct.py``; see RESULTS.md, Object storage, for the CPU it

@@ -651,8 +651,8 @@ def with_timeouts(
         # shards of two parts) and a batch's concurrent shard reads
         config.setdefault("max_pool_connections", 32)
         # what botocore signs S3 requests with anyway; said here so that presigned GETs (the
-        # direct route of file_copy.copy_parts) are SigV4 too: botocore presigns with SigV2 otherwise, which
-        # buckets made since 2020 refuse (anon=True still goes unsigned: s3fs overrides this)
+        # direct route of file_copy.copy_parts) are SigV4 too: botocore presigns with SigV2
+        # otherwise, which buckets made since 2020 refuse (anon=True stays unsigned: s3fs says so)
         config.setdefault("signature_version", "s3v4")
         options["config_kwargs"] = config
     elif proto in ("http", "https"):
@@ -721,8 +721,8 @@ __all__ = [
     "read_file",
     "read_parts",
     "read_range",
-    "read_with_retries",
     "read_ranges",
+    "read_with_retries",
     "unreachable",
     "url_to_fs",
     "with_session",

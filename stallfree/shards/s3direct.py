@@ -12,10 +12,10 @@ Python object per chunk, the GIL released while the socket is read.
 Only what a presigned URL can express takes this route (``route_for``); a filesystem with SSE-C
 or other per-request headers, requester-pays, proxies, a signature other than SigV4, or an
 fsspec implementation other than s3fs reads through its own client, and so does one whose
-presigned GETs the store refuses (``RouteRefused``: another region, a bucket policy). One attempt is ``DirectRoute.copy_range``; checking the
-length, retrying and wording errors is ``remote``'s (``file_copy.copy_part``), as for every remote read.
-Connections are kept per thread and per process (never used across a fork). Imports nothing of
-ours.
+presigned GETs the store refuses (``RouteRefused``: another region, a bucket policy). One attempt
+is ``DirectRoute.copy_range``; checking the length, retrying and wording errors is ``remote``'s
+(through ``file_copy.copy_part``), as for every remote read. Connections are kept per thread
+and per process (never used across a fork). Imports nothing of ours.
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ _ERROR_BODY_MAX = 64 << 10  # an error response's body kept for its message, at 
 
 
 class S3StatusError(Exception):
-    """The store answered a GET with an HTTP error; ``status`` as ``remote.classify`` reads it
-    (404 missing, 401/403 denied, 5xx retried), ``code`` the S3 error code where given."""
+    """The store answered a GET with an HTTP error other than a refusal (``REFUSED``: those are
+    ``RouteRefused``); ``status`` as ``remote.classify`` reads it (404 missing, 401 denied, 5xx
+    retried), ``code`` the S3 error code where given."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}" if code else message)

@@ -192,3 +192,46 @@ def test_a_route_remembers_a_bounded_number_of_signed_urls(served):
     assert signed[-1] == f"{signer.base}/shard-{s3direct.URLS_KEPT + 49:06d}.tar"
     assert len(route._urls) == s3direct.URLS_KEPT  # a dataset of 10^5 shards keeps no 10^5 URLs
     assert route.url("shard-000000.tar") == f"{signer.base}/shard-000000.tar"  # signed again
+
+
+def test_a_server_dying_mid_body_is_an_error_not_data(tmp_path):
+    """A body that stops before its ``Content-Length`` (the server killed while it sends 1 MB at
+    ~0.5 MB/s, in 64 KB pieces): asked again, refused, then ``RemoteReadError``; whichever moment the kill lands
+    on (before the request, mid-body), the outcome is the same error."""
+    import threading
+    import time
+
+    root = tmp_path / "root"
+    root.mkdir()
+    size = 1 << 20
+    (root / "obj.bin").write_bytes(os.urandom(size))
+    with serve_directory(root, bandwidth_bytes_per_s=500_000) as server:
+        signer = _Signer(server.url)  # the route holds it weakly, as it does a filesystem
+        route = s3direct.DirectRoute(signer, connect_s=2, read_s=5)
+        outcome: list[BaseException] = []
+
+        def copy() -> None:
+            try:
+                _part(route, 0, size, tmp_path)
+            except BaseException as exc:  # noqa: BLE001 - handed to the test's thread
+                outcome.append(exc)
+
+        t = threading.Thread(target=copy)
+        t.start()
+        time.sleep(0.3)  # about a third of the body sent (not a timing assertion: see the docstring)
+        server.kill()
+        t.join(timeout=60)
+    assert not t.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], RemoteReadError), outcome
+    assert outcome[0].start == 0 and outcome[0].end == size
+
+
+def test_the_lead_says_when_it_stages_nothing(tmp_path):
+    """A ``LeadStaging`` whose set-up failed stages nothing, and says so: the loader then leaves
+    the next window's shards in the workers' tasks (``Task.stage_ahead``)."""
+    from stallfree.loader.shardio import LeadStaging
+    from stallfree.shards.staging import Staging
+
+    lead = LeadStaging(object(), Staging(root=str(tmp_path / "stage")), [0], [1])
+    assert lead.ahead([2, 3]) is False
+    lead.close()
