@@ -178,6 +178,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._engine: Engine | None = None
         self._lead: shardio.LeadStaging | None = None  # the main process staging a first window
         self._progress: EpochProgress | None = None
+        self._restored_epoch: int | None = None  # load_state_dict's epoch until the next iter()/set_epoch
 
     # torch's DataLoader lets these be reassigned after construction (the others raise there);
     # the plan is made once, so reassigning one makes it again, keeping the seed and the index
@@ -222,8 +223,15 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._plan.mode
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next iteration at the beginning of ``epoch`` (also passed on to a sampler with set_epoch)."""
-        self._next_epoch, self._resume_from = int(epoch), 0
+        """Start the next iteration at the beginning of ``epoch`` (also passed on to a sampler with set_epoch).
+
+        The epoch a restored state is in keeps its position: frameworks (transformers' Trainer,
+        Lightning, accelerate) call ``set_epoch`` at the top of every epoch, the resumed one
+        included, and resetting there would replay the part of it already trained on."""
+        epoch = int(epoch)
+        if self._restored_epoch is None or self._restored_epoch != epoch:
+            self._next_epoch, self._resume_from = epoch, 0
+        self._restored_epoch = None
         if not self._plan.fast:
             contracts.set_sampler_epoch(contracts.samplers_of(self.sampler, self.batch_sampler), epoch)
 
@@ -271,6 +279,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._resume_from = self._index_source().resume_from(st, reweighted=reweighted)
         self._plan = self._plan.with_seed(st.seed)
         self._next_epoch = st.epoch
+        self._restored_epoch = st.epoch
         self._progress = None
 
     def _mix_stats(self) -> dict[str, Any] | None:
@@ -361,6 +370,7 @@ class DataLoader(tud.DataLoader[T_co]):
         return Engine(worker, self.num_workers, self.multiprocessing_context)
 
     def _pipeline_iter(self) -> LoaderIterator:
+        self._restored_epoch = None
         epoch, resume = self._next_epoch, self._resume_from
         self._next_epoch, self._resume_from = epoch + 1, 0
         ep: EpochIndices = self._index_source().epoch(epoch, resume)
@@ -436,6 +446,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     # -- generic path -------------------------------------------------------------------
     def _generic_iter(self) -> _GenericIter:
+        self._restored_epoch = None
         epoch, skip = self._next_epoch, self._resume_from
         self._next_epoch, self._resume_from = epoch + 1, 0
         progress = StreamIndices().progress(epoch, skip)

@@ -81,6 +81,27 @@ def test_resume_yields_exactly_the_rest(stop_after, num_workers):
         assert seen + rest == full
 
 
+def test_set_epoch_of_the_restored_epoch_keeps_the_position():
+    """Frameworks call set_epoch(e) at the top of every epoch, the resumed one too (transformers'
+    Trainer does): that call must not restart the epoch a restored state is in; another epoch does."""
+    full = indices(DataLoader(Numbers(38), batch_size=4, shuffle=True, seed=3))
+    dl = DataLoader(Numbers(38), batch_size=4, shuffle=True, seed=3)
+    it = iter(dl)
+    seen = [i for _ in range(3) for i in next(it)["i"].tolist()]
+    state = dl.state_dict()
+    del it
+    resumed = DataLoader(Numbers(38), batch_size=4, shuffle=True, seed=3)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)
+    assert seen + indices(resumed) == full
+    resumed.set_epoch(0)  # after the restored iteration began, set_epoch moves again
+    assert indices(resumed) == full
+    moved = DataLoader(Numbers(38), batch_size=4, shuffle=True, seed=3)
+    moved.load_state_dict(state)
+    moved.set_epoch(1)
+    assert sorted(indices(moved)) == list(range(38)) and moved.state_dict()["epoch"] == 2
+
+
 @pytest.mark.parametrize("new_world", [3, 6])
 def test_resume_four_ranks_onto_three_and_six(new_world):
     n, bs = 120, 5
