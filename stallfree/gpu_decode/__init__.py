@@ -4,7 +4,7 @@
 (``Backend``, ``OutputSpec``, ``BackendOptions``), registry.py finds them by name
 (``register_backend`` adds one); dali.py, nvimgcodec.py and cpu.py are the built-in backends,
 augment.py draws the crop boxes they share, header.py reads sizes and refuses what no decoder
-should see.
+should see; jpeg_info.py says which JPEG decoder the CPU backend uses (``jpeg_decoder()``).
 """
 
 from __future__ import annotations
@@ -12,7 +12,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Backend", "BackendOptions", "ImageDecode", "OutputSpec", "register_backend"]
+__all__ = [
+    "Backend",
+    "BackendOptions",
+    "ImageDecode",
+    "JpegDecoder",
+    "OutputSpec",
+    "jpeg_decoder",
+    "register_backend",
+]
 
 _LAZY = {  # lazy: importing the package must not import torch or DALI
     "ImageDecode": "stallfree.gpu_decode.select",
@@ -20,6 +28,8 @@ _LAZY = {  # lazy: importing the package must not import torch or DALI
     "BackendOptions": "stallfree.gpu_decode.backend",
     "OutputSpec": "stallfree.gpu_decode.backend",
     "register_backend": "stallfree.gpu_decode.registry",
+    "jpeg_decoder": "stallfree.gpu_decode.jpeg_info",
+    "JpegDecoder": "stallfree.gpu_decode.jpeg_info",
 }
 
 

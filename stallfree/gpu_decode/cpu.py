@@ -18,6 +18,7 @@ DCT scaling), so outputs differ slightly — measured in tests/gpu_decode/test_a
 from __future__ import annotations
 
 import io
+import logging
 import math
 import threading
 from collections.abc import Sequence
@@ -30,6 +31,10 @@ from PIL import Image
 from .augment import Box
 from .backend import Alloc, BackendBase, BackendOptions, Failures, OutputSpec
 from .header import BadImageError, ImageInfo
+from .jpeg_info import JpegDecoder as JpegDecoder  # re-exported: stallfree.gpu_decode.cpu.jpeg_decoder()
+from .jpeg_info import jpeg_decoder as jpeg_decoder
+
+log = logging.getLogger(__name__)
 
 try:  # optional: ``pip install stallfree[fast]``
     import simplejpeg
@@ -47,6 +52,19 @@ JPEG_LIBRARIES = ("auto", "turbo", "simplejpeg", "pil")
 def turbo_available() -> bool:
     """Whether the region-of-interest JPEG extension was built into this install."""
     return _turbo is not None
+
+
+_pil_fallback_warned = False
+
+
+def _warn_pil_fallback() -> None:
+    """One WARNING per process, the first time a JPEG goes through PIL because the C decoder is
+    missing (not when PIL was asked for): a silent fallback costs several times the CPU per image."""
+    global _pil_fallback_warned
+    if _pil_fallback_warned:
+        return
+    _pil_fallback_warned = True
+    log.warning("decoding JPEGs with PIL, not the C region-of-interest decoder: %s", jpeg_decoder().reason)
 
 
 class CpuDecoder(BackendBase):
@@ -74,6 +92,7 @@ class CpuDecoder(BackendBase):
         # "auto": the region decoder where built (benchmarks/RESULTS.md, "Decode + augment"), else
         # PIL: simplejpeg measured no faster end to end than PIL with draft (1.27 vs 1.16 ms/image
         # at ImageNet sizes), so it stays an explicit choice.
+        self.pil_fallback = jpeg_library == "auto" and _turbo is None  # PIL because the C decoder is missing
         if jpeg_library == "auto":
             jpeg_library = "turbo" if _turbo is not None else "pil"
         self.jpeg_library = jpeg_library
@@ -175,6 +194,8 @@ class CpuDecoder(BackendBase):
                     return
             elif self._turbo_into(dst, data, box):
                 return
+        elif self.pil_fallback and info.format == "jpeg":
+            _warn_pil_fallback()
         self.normalise_into(dst, self.decode_one(data, info, box))
 
     def _turbo_into(self, dst: torch.Tensor, data: bytes, box: Box) -> bool:

@@ -135,7 +135,7 @@ class ImageDecode:
         threads = num_threads if num_threads is not None else _cpu_count()
         self._threads_given = num_threads is not None
         gpu_id = _gpu_id(device)
-        self.backend, self.reason = _choose(backend, gpu_id)
+        self.backend, self.reason = _choose(backend, gpu_id, jpeg_library)
         cls = registry.backend_class(self.backend)
         if transfer is not None and cls.runs_in_workers:  # only a worker-run backend has a transfer to shrink
             spec = dataclasses.replace(spec, dtype=_DTYPES[transfer])
@@ -281,16 +281,18 @@ class ImageDecode:
             raise ValueError(f"label field {self.label_field!r} is not an integer: {value!r:.40}") from None
 
 
-def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
+def _choose(backend: str, gpu_id: int | None, jpeg_library: str = "auto") -> tuple[str, str]:
     """(backend name, why). A name is taken as given (ImportError with its install hint when it is
-    missing); ``auto`` is the rule in the module docstring."""
+    missing); ``auto`` is the rule in the module docstring. Where auto picks the CPU backend the
+    reason also says which JPEG decoder runs (``jpeg_info.jpeg_decoder``), and claims the measured
+    speed only for the C decoder it was measured with."""
     has_cuda = torch.cuda.is_available() and gpu_id is not None
     if backend != "auto":
         entry = registry.entry(backend)
         if not registry.available(backend):
             raise ImportError(entry.install_hint or f"decode backend {backend!r} is not installed")
         why = f" (no CUDA: {entry.without_cuda})" if entry.gpu and not has_cuda else ""
-        return backend, f"forced by backend={backend!r}{why}"
+        return backend, f"forced by backend={backend!r}{why}"  # stats()["jpeg_library"] says the rest
     has_dali = registry.available("dali")
     if has_dali and has_cuda:
         return "dali", f"auto: CUDA device {gpu_id} and DALI present -> DALI mixed (GPU) decode"
@@ -300,21 +302,26 @@ def _choose(backend: str, gpu_id: int | None) -> tuple[str, str]:
         )
     if not has_cuda:  # no GPU to decode on: our CPU decoder beats DALI's CPU pipeline (RESULTS.md)
         why = "device is the CPU" if torch.cuda.is_available() else "no CUDA"
-        how = "region-of-interest C decoder" if _turbo_available() else "PIL (the C decoder was not built)"
-        return "cpu", (
-            f"auto: {why} -> CPU decoder, {how}; measured faster per image than DALI's own CPU "
-            "pipeline and simplejpeg (benchmarks/RESULTS.md, Decode + augment)"
-        )
+        return "cpu", f"auto: {why} -> CPU decoder; {_cpu_jpeg(jpeg_library)}"
     return "cpu", (
         f"auto: CUDA device {gpu_id} but DALI not installed and no nvImageCodec -> CPU decoder "
-        "(pip install stallfree[dali] for GPU decode)"
+        f"(pip install stallfree[dali] for GPU decode); {_cpu_jpeg(jpeg_library)}"
     )
 
 
-def _turbo_available() -> bool:
-    from .cpu import turbo_available
+def _cpu_jpeg(jpeg_library: str) -> str:
+    """Which JPEG decoder the CPU backend runs, and what is known of its speed."""
+    from .jpeg_info import jpeg_decoder
 
-    return turbo_available()
+    if jpeg_library != "auto":
+        return f"JPEGs through {jpeg_library} (jpeg_library={jpeg_library!r})"
+    info = jpeg_decoder()
+    if info.name == "turbo":
+        return (
+            "JPEGs through the region-of-interest C decoder, measured faster per image than DALI's own "
+            "CPU pipeline and simplejpeg (benchmarks/RESULTS.md, Decode + augment)"
+        )
+    return f"JPEGs through PIL, slower than the C decoder the benchmarks measured: {info.reason}"
 
 
 def _gpu_id(device: str | torch.device | int | None) -> int | None:
