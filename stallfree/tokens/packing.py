@@ -10,6 +10,20 @@ varlen packing do) they also start at 0 at the window's start, since the model s
 document before its window; ``positions="document"`` gives the offset from the document's true
 start instead.
 
+``labels`` says which training convention the windows follow. ``"shifted"`` (the default; Megatron,
+nanoGPT, a hand-written ``cross_entropy(logits, labels)``): ``labels[i] = input_ids[i + 1]``, the
+window's last ``seq_len`` tokens, so position ``i``'s logits are scored against ``labels[i]``.
+``"inputs"`` (Hugging Face ``*ForCausalLM`` and ``Trainer``, which shift the labels themselves):
+``labels`` equal ``input_ids``. Feeding ``"shifted"`` labels to a model that shifts again trains it
+to predict the token two ahead, with nothing to warn (a dataset cannot see which model it feeds),
+hence the choice is named. Neither convention masks anything: windows are always full (no
+padding), and a document boundary is trained the same in both (the first token of the next
+document predicted from the ``eos`` before it, or without ``eos`` from the previous document's last
+token), so the ``"inputs"`` loss equals the ``"shifted"`` loss over each window's first
+``seq_len - 1`` positions; the window's last target (its ``seq_len + 1``-th token), which a
+shifting model cannot see, is the one prediction ``"inputs"`` gives up, as Hugging Face's own
+``group_texts`` blocks do.
+
 Bounds: a corpus of ``seq_len`` tokens or fewer holds no window, and is a ValueError naming its
 size and ``seq_len`` (checked before anything ``seq_len`` long is allocated, so a huge one fails at
 once). Windows are int64: a uint64 id >= 2**63 is rejected when read, with an error naming the
@@ -33,6 +47,7 @@ from stallfree.shards.errors import CorruptShardError
 from stallfree.tokens.base import TokenSource, check_lengths, fingerprint_of
 
 POSITIONS = ("window", "document")
+LABELS = ("shifted", "inputs")
 _INT64_MAX = int(np.iinfo(np.int64).max)
 
 
@@ -73,7 +88,10 @@ class TokenDataset:
 
     ``source``: a path/URL (see ``open_tokens``) or an opened token source. ``eos``: a token
     inserted between documents (a raw ``.bin`` already holds its separators: there ``eos`` only
-    marks where documents end). ``positions``: ``"window"`` or ``"document"`` (module docstring).
+    marks where documents end). ``positions``: ``"window"`` or ``"document"``. ``labels``:
+    ``"shifted"`` (``labels[i] = input_ids[i + 1]``: Megatron, nanoGPT, your own
+    ``cross_entropy``) or ``"inputs"`` (``labels`` equal ``input_ids``: Hugging Face
+    ``*ForCausalLM`` / ``Trainer``, which shift them again; see the module docstring).
     """
 
     def __init__(
@@ -85,12 +103,19 @@ class TokenDataset:
         field: str = "input_ids",
         eos: int | None = None,
         positions: str = "window",
+        labels: str = "shifted",
         **storage_options: Any,
     ) -> None:
         if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
             raise ValueError(f"seq_len must be a positive integer, got {seq_len!r}")
         if positions not in POSITIONS:
             raise ValueError(f"positions must be one of {POSITIONS}, got {positions!r}")
+        if not isinstance(labels, str) or labels not in LABELS:
+            raise ValueError(
+                f"labels must be 'shifted' (labels[i] = input_ids[i + 1]: Megatron, nanoGPT, your own "
+                f"cross_entropy) or 'inputs' (labels = input_ids: Hugging Face *ForCausalLM / Trainer, "
+                f"which shift them), got {labels!r}"
+            )
         if eos is not None and (not isinstance(eos, (int, np.integer)) or not 0 <= eos <= _INT64_MAX):
             raise ValueError(f"eos must be a token id in [0, 2**63), got {eos!r}")
         if isinstance(source, str):
@@ -98,6 +123,7 @@ class TokenDataset:
         self.source = source
         self.seq_len = seq_len
         self.positions = positions
+        self.labels = labels
         self.eos = None if eos is None else int(eos)
         joined = getattr(source, "eos", None) is not None  # a raw .bin's documents already end in eos
         self._sep = 1 if self.eos is not None and not joined else 0
@@ -120,7 +146,15 @@ class TokenDataset:
 
     @property
     def fingerprint(self) -> str:
-        return fingerprint_of("tokens", self.source.fingerprint, self.seq_len, self.eos, self.positions)
+        shifted = self.labels == "shifted"  # the default keeps the fingerprint (and caches) it always had
+        return fingerprint_of(
+            "tokens",
+            self.source.fingerprint,
+            self.seq_len,
+            self.eos,
+            self.positions,
+            *(() if shifted else (self.labels,)),
+        )
 
     @property
     def documents(self) -> int:
@@ -153,8 +187,8 @@ class TokenDataset:
         return {k: torch.from_numpy(v) for k, v in self.windows(self._check(indices)).items()}
 
     def windows(self, idx: np.ndarray) -> dict[str, np.ndarray]:
-        """``(len(idx), seq_len)`` contiguous int64 arrays ``input_ids``, ``labels``,
-        ``position_ids``, ``doc_ids``.
+        """``(len(idx), seq_len)`` contiguous int64 arrays ``input_ids``, ``labels`` (as ``labels=``
+        says), ``position_ids``, ``doc_ids``.
 
         A window is cut into segments, one per document it touches (``searchsorted`` twice per
         window); per-token ids are ``np.repeat`` of per-segment values over the whole block, laid
@@ -187,10 +221,12 @@ class TokenDataset:
             count = width - np.bincount(row[hit], minlength=rows)
             tokens = np.full((rows, width), self.eos, np.int64)
             tokens.reshape(-1)[~is_eos] = self._gather(lo, count)
-            inputs, labels = np.ascontiguousarray(tokens[:, :L]), np.ascontiguousarray(tokens[:, 1:])
         else:
             tokens = self._gather(lo, np.full(rows, width, np.int64)).reshape(rows, width)
-            inputs = np.ascontiguousarray(tokens[:, :L], np.int64)
+        inputs = np.ascontiguousarray(tokens[:, :L], np.int64)
+        if self.labels == "inputs":
+            labels = inputs.copy()  # not the same array: masking labels in place must leave inputs alone
+        else:
             labels = np.ascontiguousarray(tokens[:, 1:], np.int64)
         return {"input_ids": inputs, "labels": labels, "position_ids": position, "doc_ids": doc_ids}
 
@@ -235,8 +271,8 @@ class TokenDataset:
     def __repr__(self) -> str:
         return (
             f"TokenDataset({self.source!r}, seq_len={self.seq_len}, windows={self._len}, "
-            f"documents={self.documents}, tokens={self.tokens})"
+            f"documents={self.documents}, tokens={self.tokens}, labels={self.labels!r})"
         )
 
 
-__all__ = ["POSITIONS", "TokenDataset", "open_tokens"]
+__all__ = ["LABELS", "POSITIONS", "TokenDataset", "open_tokens"]
