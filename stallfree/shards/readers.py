@@ -27,6 +27,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from stallfree.shards.arrow_check import BatchChecks
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
     CorruptShardError,
@@ -399,20 +400,30 @@ class TarShardReader:
 
 
 class _IpcFile:
-    """An Arrow IPC *file*: its footer lists the record batches (random access for free)."""
+    """An Arrow IPC *file*: its footer lists the record batches (random access for free);
+    ``blocks`` is that list as ``arrow_check.ipc_file_blocks`` read and checked it."""
 
     thread_safe = True
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: Any, blocks: Any, shard: str) -> None:
         self._reader = reader
         self.schema = reader.schema
         self.num_record_batches = reader.num_record_batches
+        self._blocks = blocks
+        if blocks is not None and len(blocks) != self.num_record_batches:
+            raise CorruptShardError(
+                f"the footer lists {len(blocks)} record batches, pyarrow read {self.num_record_batches}",
+                shard=shard,
+            )
 
     def get_batch(self, b: int):
         return self._reader.get_batch(b)
 
     def batch_rows(self, b: int) -> int:
         return self._reader.get_batch(b).num_rows
+
+    def offset_of(self, b: int) -> int | None:
+        return None if self._blocks is None else self._blocks.offset_of(b)
 
 
 # An IPC stream's first message starts with this continuation marker (Arrow >= 0.15 writers)
@@ -456,7 +467,9 @@ class _IpcStream:
             )
 
     def _walk(self, source: Any, shard: str) -> None:
-        """Read the stream once, noting each batch's ``[start, end)`` bytes and row count."""
+        """Read the stream once, noting each batch's ``[start, end)`` bytes and row count. A
+        message that does not parse past a readable schema is damage at a known place."""
+        import pyarrow as pa
         import pyarrow.ipc as ipc
 
         source.seek(0)
@@ -469,6 +482,13 @@ class _IpcStream:
                 batch = reader.read_next_batch()
             except StopIteration:
                 break
+            except (pa.ArrowException, OSError) as exc:
+                raise CorruptShardError(
+                    f"damaged Arrow IPC stream: the message of record batch {len(self._rows)} does not "
+                    f"parse: {exc}",
+                    shard=shard,
+                    offset=start,
+                ) from None
             end = source.tell()
             self._spans.append((start, end))
             self._rows.append(batch.num_rows)
@@ -488,6 +508,9 @@ class _IpcStream:
 
     def batch_rows(self, b: int) -> int:
         return self._rows[b]
+
+    def offset_of(self, b: int) -> int | None:
+        return self._spans[b][0]
 
 
 class _ParquetGroups:
@@ -518,24 +541,33 @@ class _ParquetGroups:
     def batch_rows(self, b: int) -> int:
         return self._file.metadata.row_group(b).num_rows
 
+    def offset_of(self, b: int) -> int | None:
+        return None
+
 
 def open_batches(source: Any, path: str, shard: str, local: bool, fetch: Any, walk_open: Any = None) -> Any:
     """The record batches of a table file, whichever of the layouts users have: Arrow IPC file
-    (ours), Arrow IPC stream (Hugging Face ``save_to_disk``), Parquet (``.parquet``)."""
+    (ours), Arrow IPC stream (Hugging Face ``save_to_disk``), Parquet (``.parquet``). An IPC
+    file's footer is checked before pyarrow trusts it (``arrow_check.check_ipc_file``)."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
+
+    from stallfree.shards.arrow_check import check_ipc_file
 
     try:
         if path.endswith(".parquet"):
             return _ParquetGroups(source)
+        blocks = check_ipc_file(lambda at, n: source.read_at(n, at), source.size(), shard, head=local)
         try:
-            return _IpcFile(ipc.open_file(source))
-        except pa.ArrowInvalid as file_exc:
+            return _IpcFile(ipc.open_file(source), blocks, shard)
+        except pa.ArrowException as file_exc:
+            if blocks is not None:  # it ends like an IPC file, with a sound footer: damaged
+                raise unreadable_table(path, shard, file_exc) from None
             try:
                 return _IpcStream(source, local, fetch, shard, walk_open)
-            except (pa.ArrowInvalid, OSError, _NotAStream):
+            except (pa.ArrowException, OSError, _NotAStream):
                 raise file_exc from None
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:
         raise unreadable_table(path, shard, exc) from None
 
 
@@ -575,6 +607,8 @@ class ArrowShardReader:
     ) -> None:
         import pyarrow as pa
 
+        from stallfree.shards.arrow_check import TailCached
+
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
         self.local = is_local(fs)
         self._lock = threading.Lock()
@@ -585,8 +619,10 @@ class ArrowShardReader:
                 self.size = self._source.size()
             else:
                 self.size = file_size(fs, path, shard)
-                # exact ranged reads (random access to batches), checked like every remote read
-                self._source = pa.PythonFile(RangeFile(fs, path, self.size, shard=shard), mode="r")
+                # exact ranged reads (random access to batches), checked like every remote read;
+                # the footer's bytes read once (the check, then pyarrow, read them)
+                raw = RangeFile(fs, path, self.size, shard=shard)
+                self._source = pa.PythonFile(TailCached(raw, self.size), mode="r")
         except FileNotFoundError:
             raise MissingShardError("shard not found", shard=shard) from None
         try:  # any check below may fail: the source must not outlive the error (nor the traceback)
@@ -612,6 +648,7 @@ class ArrowShardReader:
         self._reader = open_batches(self._source, path, shard, self.local, self._fetch, walk_open)
         self._schema = self._reader.schema
         self.batches = nb = self._reader.num_record_batches
+        self._checks = BatchChecks(nb)
         expected = info.samples if info is not None else None
         if expected is not None and nb == expected:
             self._starts = None  # one row per batch (how we write): batch index == row
@@ -620,7 +657,7 @@ class ArrowShardReader:
             starts, total = [], 0
             for b in range(nb):
                 starts.append(total)
-                total += self._reader.batch_rows(b)
+                total += self._rows_of(b)
             self._starts = starts
             self.rows = total
         from stallfree.shards.arrow import row_converter
@@ -638,7 +675,29 @@ class ArrowShardReader:
     def _fetch(self, start: int, end: int) -> bytes:
         return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard)[0]
 
+    def _rows_of(self, b: int) -> int:
+        """Batch ``b``'s row count, read to lay out rows when batches are not one row each."""
+        import pyarrow as pa
+
+        try:
+            rows = self._reader.batch_rows(b)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptShardError(
+                f"cannot read record batch {b} to count its rows: {exc}",
+                shard=self.shard,
+                offset=self._reader.offset_of(b),
+            ) from None
+        if rows < 0:
+            raise CorruptShardError(
+                f"record batch {b} says it holds {rows} rows",
+                shard=self.shard,
+                offset=self._reader.offset_of(b),
+            )
+        return rows
+
     def _batch(self, b: int):
+        """Record batch ``b``, validated (once per open) before any of its rows is converted: a
+        damaged one is a ``CorruptShardError``, never a read outside its buffers."""
         import pyarrow as pa
 
         reader = self._reader
@@ -646,11 +705,22 @@ class ArrowShardReader:
             raise ValueError(f"the reader of {self.shard} is closed")
         try:
             if self.local and reader.thread_safe:  # memory-mapped reads are
-                return reader.get_batch(b)
-            with self._lock:  # a Python file (or a one-group cache) underneath: one at a time
-                return reader.get_batch(b)
-        except (pa.ArrowInvalid, OSError) as exc:
-            raise CorruptShardError(f"cannot read record batch {b}: {exc}", shard=self.shard) from None
+                batch = reader.get_batch(b)
+            else:
+                with self._lock:  # a Python file (or a one-group cache) underneath: one at a time
+                    batch = reader.get_batch(b)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptShardError(
+                f"cannot read record batch {b}: {exc}", shard=self.shard, offset=reader.offset_of(b)
+            ) from None
+        if self._starts is None:
+            first, rows = b, 1
+        else:
+            first = self._starts[b]
+            rows = (self._starts[b + 1] if b + 1 < len(self._starts) else self.rows) - first
+        return self._checks.check(
+            batch, b, shard=self.shard, first_row=first, rows=rows, offset=reader.offset_of(b)
+        )
 
     def __len__(self) -> int:
         return self.rows
@@ -672,11 +742,14 @@ class ArrowShardReader:
             return f"{posixpath.splitext(self.shard)[0]}/{row}"
         if not (self.local and isinstance(self._reader, _IpcFile)):
             return None
-        if self._starts is None:
-            batch, r = self._batch(row), 0
-        else:
-            b = bisect_right(self._starts, row) - 1
-            batch, r = self._batch(b), row - self._starts[b]
+        try:
+            if self._starts is None:
+                batch, r = self._batch(row), 0
+            else:
+                b = bisect_right(self._starts, row) - 1
+                batch, r = self._batch(b), row - self._starts[b]
+        except CorruptShardError:
+            return None  # a damaged batch's key column cannot be trusted to name the row
         key = batch.column("__key__")[r].as_py()
         return None if key is None else str(key)
 
