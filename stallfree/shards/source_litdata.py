@@ -17,14 +17,16 @@ unpickle data read from a dataset.
 from __future__ import annotations
 
 import json
+import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stallfree.shards.source_base import SourceError
-from stallfree.shards.source_offsets import OffsetTableSource, ShardFile, image_array, inside
+from stallfree.shards.source_offsets import OffsetTableSource, ShardFile, image_array, shard_path
 
 INDEX_NAME = "index.json"
 # LitData's dtype tables, by index: numpy serializer (its _NUMPY_SCTYPES order) and tensors
@@ -36,6 +38,7 @@ _TENSOR_DTYPES = ("float32", "float32", "float64", "float64", "complex64", "comp
                   "int32", "int32", "int64", "int64", "bool")  # fmt: skip
 _BYTE_LEAVES = ("bytes", "jpeg", "file", "video", "tifffile")
 _SCALAR_LEAVES = {"int": np.int64, "float": np.float64, "bool": np.bool_}
+_MAX_SPEC_DEPTH = 64  # a sample's structure; deeper is not a dataset's
 
 
 def is_litdata_index(obj: Any) -> bool:
@@ -53,19 +56,28 @@ def leaf_names(spec_text: str | None, count: int, where: str) -> list[str]:
     try:
         spec = json.loads(spec_text)
         root = spec[1] if isinstance(spec, list) else spec
-    except (ValueError, IndexError, TypeError) as exc:
-        raise SourceError(f"{where}: unreadable data_spec: {exc}") from None
+    except (ValueError, IndexError, TypeError, RecursionError) as exc:
+        raise SourceError(f"{where}: unreadable data_spec: {type(exc).__name__}: {exc}") from None
     names: list[str] = []
 
-    def walk(node: Any, prefix: str) -> None:
+    def walk(node: Any, prefix: str, depth: int = 0) -> None:
+        if not isinstance(node, dict):
+            raise SourceError(f"{where}: data_spec node is {type(node).__name__}, not an object")
+        if depth > _MAX_SPEC_DEPTH:
+            raise SourceError(f"{where}: data_spec nests deeper than {_MAX_SPEC_DEPTH} levels")
         kind = node.get("type")
         children = node.get("children_spec") or []
+        if not isinstance(children, list):
+            raise SourceError(f"{where}: data_spec children_spec must be a list")
         if kind is None:
             names.append(prefix or "data")
             return
         if kind in ("builtins.dict", "collections.OrderedDict"):
             context = node.get("context")
-            keys = json.loads(context) if isinstance(context, str) else context
+            try:
+                keys = json.loads(context) if isinstance(context, str) else context
+            except (ValueError, RecursionError) as exc:
+                raise SourceError(f"{where}: data_spec dict keys are not JSON: {exc}") from None
             if not isinstance(keys, list) or len(keys) != len(children):
                 raise SourceError(f"{where}: data_spec dict keys do not match its children")
             labels = [str(k) for k in keys]
@@ -74,7 +86,7 @@ def leaf_names(spec_text: str | None, count: int, where: str) -> list[str]:
         else:
             raise SourceError(f"{where}: data_spec node type {kind!r} is not supported (dict, list, tuple)")
         for label, child in zip(labels, children, strict=True):
-            walk(child, f"{prefix}.{label}" if prefix else label)
+            walk(child, f"{prefix}.{label}" if prefix else label, depth + 1)
 
     walk(root, "")
     if len(names) != count:
@@ -82,6 +94,77 @@ def leaf_names(spec_text: str | None, count: int, where: str) -> list[str]:
     if len(set(names)) != len(names):
         raise SourceError(f"{where}: data_spec leaves do not have distinct names: {names}")
     return names
+
+
+@dataclass(frozen=True)
+class LitDataLayout:
+    """What a LitData ``index.json`` says: each leaf's serializer and field name (dataset-wide),
+    and the chunk files in order."""
+
+    formats: tuple[str, ...]
+    fields: tuple[str, ...]
+    files: tuple[ShardFile, ...]
+
+
+def litdata_layout(index: Any, root: str, index_path: str, *, local: bool = True) -> LitDataLayout:
+    """The layout of a LitData ``index.json`` (parsed: ``index``), checked: PyTreeLoader,
+    neither encrypted nor compressed, known serializers (``pickle`` refused: we never unpickle),
+    chunk files inside ``root`` (``local``: no link out of it either). SourceError naming
+    ``index_path`` (and the chunk's number) for anything else."""
+    if not is_litdata_index(index):
+        raise SourceError(f"{index_path} is not a LitData index (no 'chunks' and 'config')")
+    config = index["config"]
+    loader = config.get("item_loader", "PyTreeLoader")
+    if loader != "PyTreeLoader":
+        raise SourceError(f"{index_path}: item_loader {loader!r}; only PyTreeLoader datasets are read")
+    if config.get("encryption"):
+        raise SourceError(f"{index_path}: the dataset is encrypted")
+    if config.get("compression"):
+        raise SourceError(
+            f"{index_path}: compression {config['compression']!r} is not supported; "
+            "re-run optimize() without compression"
+        )
+    formats = config.get("data_format")
+    if not isinstance(formats, list) or not formats or not all(isinstance(f, str) for f in formats):
+        raise SourceError(f"{index_path}: config has no data_format (a list of serializer names)")
+    for fmt in formats:
+        base = fmt.split(":", 1)[0]
+        if base == "pickle":
+            raise SourceError(
+                f"{index_path}: a leaf is pickled; stallfree never unpickles data read from a dataset"
+            )
+        if base not in (*_BYTE_LEAVES, *_SCALAR_LEAVES, "str", "pil", "numpy", "no_header_numpy",
+                        "tensor", "no_header_tensor"):  # fmt: skip
+            raise SourceError(f"{index_path}: leaf format {fmt!r} is not supported")
+    spec = config.get("data_spec")
+    if spec is not None and not isinstance(spec, str):
+        raise SourceError(f"{index_path}: data_spec must be a string (torch treespec JSON)")
+    fields = leaf_names(spec, len(formats), index_path)
+    files = []
+    for i, chunk in enumerate(index["chunks"]):
+        where = f"{index_path} chunk {i}"
+        size = chunk.get("chunk_size") if isinstance(chunk, dict) else None
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise SourceError(f"{where}: needs a filename and an integer chunk_size")
+        files.append(ShardFile(shard_path(root, chunk.get("filename"), where, local=local), size))
+    return LitDataLayout(tuple(formats), tuple(fields), tuple(files))
+
+
+def decode_litdata_sample(layout: LitDataLayout, data: bytes, where: str) -> dict[str, Any]:
+    """One sample's bytes -> ``{field: value}``; ValueError (or struct.error) for bytes that do
+    not hold the leaves."""
+    n = len(layout.formats)
+    pos = 4 * n
+    if len(data) < pos:
+        raise ValueError("shorter than its size header")
+    sizes = struct.unpack_from(f"<{n}I", data, 0)
+    out: dict[str, Any] = {}
+    for name, fmt, size in zip(layout.fields, layout.formats, sizes, strict=True):
+        if pos + size > len(data):
+            raise ValueError(f"leaf {name!r} runs past the sample's end")
+        out[name] = _decode_leaf(fmt, data[pos : pos + size], f"{where} leaf {name!r}")
+        pos += size
+    return out
 
 
 class LitDataSource(OffsetTableSource):
@@ -93,53 +176,13 @@ class LitDataSource(OffsetTableSource):
     def __init__(self, root: str | Path, *, on_error: str = "raise") -> None:
         super().__init__(str(root), on_error=on_error)
         index_path, index = self._read_index(INDEX_NAME, "LitData")
-        if not is_litdata_index(index):
-            raise SourceError(f"{index_path} is not a LitData index (no 'chunks' and 'config')")
-        config = index["config"]
-        loader = config.get("item_loader", "PyTreeLoader")
-        if loader != "PyTreeLoader":
-            raise SourceError(f"{index_path}: item_loader {loader!r}; only PyTreeLoader datasets are read")
-        if config.get("encryption"):
-            raise SourceError(f"{index_path}: the dataset is encrypted")
-        if config.get("compression"):
-            raise SourceError(
-                f"{index_path}: compression {config['compression']!r} is not supported; "
-                "re-run optimize() without compression"
-            )
-        formats = config.get("data_format")
-        if not isinstance(formats, list) or not formats:
-            raise SourceError(f"{index_path}: config has no data_format")
-        for fmt in formats:
-            base = str(fmt).split(":", 1)[0]
-            if base == "pickle":
-                raise SourceError(
-                    f"{index_path}: a leaf is pickled; stallfree never unpickles data read from a dataset"
-                )
-            if base not in (*_BYTE_LEAVES, *_SCALAR_LEAVES, "str", "pil", "numpy", "no_header_numpy",
-                            "tensor", "no_header_tensor"):  # fmt: skip
-                raise SourceError(f"{index_path}: leaf format {fmt!r} is not supported")
-        self.formats = [str(f) for f in formats]
-        self.fields = leaf_names(config.get("data_spec"), len(formats), index_path)
-        self.files = []
-        for i, chunk in enumerate(index["chunks"]):
-            where = f"{index_path} chunk {i}"
-            if not isinstance(chunk, dict) or not isinstance(chunk.get("chunk_size"), int):
-                raise SourceError(f"{where}: needs a filename and an integer chunk_size")
-            self.files.append(ShardFile(inside(self.root, chunk.get("filename"), where), chunk["chunk_size"]))
+        self.layout = litdata_layout(index, self.root, index_path)
+        self.formats = list(self.layout.formats)
+        self.fields = list(self.layout.fields)
+        self.files = list(self.layout.files)
 
     def decode(self, fi: int, data: bytes, where: str) -> dict[str, Any]:
-        n = len(self.formats)
-        pos = 4 * n
-        if len(data) < pos:
-            raise ValueError("shorter than its size header")
-        sizes = struct.unpack_from(f"<{n}I", data, 0)
-        out: dict[str, Any] = {}
-        for name, fmt, size in zip(self.fields, self.formats, sizes, strict=True):
-            if pos + size > len(data):
-                raise ValueError(f"leaf {name!r} runs past the sample's end")
-            out[name] = _decode_leaf(fmt, data[pos : pos + size], f"{where} leaf {name!r}")
-            pos += size
-        return out
+        return decode_litdata_sample(self.layout, data, where)
 
 
 def _decode_leaf(fmt: str, cell: bytes, where: str) -> Any:
@@ -159,9 +202,11 @@ def _decode_leaf(fmt: str, cell: bytes, where: str) -> Any:
     table = _NUMPY_DTYPES if base == "numpy" else _TENSOR_DTYPES
     code, ndim = struct.unpack_from("<II", cell, 0)
     dtype = _dtype(table, code, where)
+    if 8 + 4 * ndim > len(cell):
+        raise ValueError(f"{where}: array header of {ndim} dimensions runs past the leaf's end")
     shape = struct.unpack_from(f"<{ndim}I", cell, 8)
     values = np.frombuffer(cell, dtype, offset=8 + 4 * ndim)
-    if values.size != int(np.prod(shape)):
+    if values.size != math.prod(shape):
         raise ValueError(f"{where}: array of shape {tuple(shape)} holds {values.size} values")
     return values.reshape(shape).copy()
 
@@ -176,4 +221,12 @@ def _dtype(table: tuple[str | None, ...], code: Any, where: str) -> np.dtype:
     return np.dtype(name)
 
 
-__all__ = ["INDEX_NAME", "LitDataSource", "is_litdata_index", "leaf_names"]
+__all__ = [
+    "INDEX_NAME",
+    "LitDataLayout",
+    "LitDataSource",
+    "decode_litdata_sample",
+    "is_litdata_index",
+    "leaf_names",
+    "litdata_layout",
+]

@@ -15,15 +15,24 @@ decoded to values. ``pkl`` columns are refused: we never unpickle data read from
 
 from __future__ import annotations
 
+import math
 import os
 import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stallfree.shards.source_base import SourceError
-from stallfree.shards.source_offsets import OffsetTableSource, ShardFile, decompressor, image_array, inside
+from stallfree.shards.source_offsets import (
+    OffsetTableSource,
+    ShardFile,
+    decompressor,
+    image_array,
+    shard_path,
+)
 
 INDEX_NAME = "index.json"
 _SCALARS = {
@@ -46,8 +55,114 @@ _REFUSED = {
 }
 
 
+Column = tuple[str, str, "int | None"]  # (name, encoding, fixed size or None: variable)
+
+
+@dataclass(frozen=True)
+class MDSShard:
+    """One shard of an MDS index: its file and its columns, in the order a sample stores them."""
+
+    file: ShardFile
+    columns: tuple[Column, ...]
+
+
 def is_mds_index(obj: Any) -> bool:
     return isinstance(obj, dict) and isinstance(obj.get("shards"), list)
+
+
+def mds_shards(
+    index: Any,
+    root: str,
+    index_path: str,
+    *,
+    exists: Callable[[str], bool] = os.path.exists,
+    local: bool = True,
+) -> list[MDSShard]:
+    """The shards an MDS ``index.json`` (parsed: ``index``) lists, checked: each file inside
+    ``root`` (``local``: no link out of it either), a sample count, known column encodings (a
+    ``pkl`` column is refused: we never unpickle), a codec we can undo. ``exists`` tells whether
+    the raw file of a compressed shard is there (it is read rather than the compressed one).
+    SourceError naming ``index_path`` and the shard's number for anything else."""
+    if not is_mds_index(index):
+        raise SourceError(f"{index_path} is not an MDS index (no 'shards' list)")
+    shards = []
+    for i, shard in enumerate(index["shards"]):
+        where = f"{index_path} shard {i}"
+        if not isinstance(shard, dict):
+            raise SourceError(f"{where}: not an object")
+        if shard.get("format") != "mds":
+            raise SourceError(
+                f"{where}: format {shard.get('format')!r}; only 'mds' shards are read (not xsv/json)"
+            )
+        file = _file_of(shard, root, where, exists, local)
+        shards.append(MDSShard(file, _columns_of(shard, where)))
+    return shards
+
+
+def _file_of(
+    shard: dict[str, Any], root: str, where: str, exists: Callable[[str], bool], local: bool
+) -> ShardFile:
+    """The file to read: the raw file when present (a cache may hold it decompressed), else
+    the compressed one."""
+    raw = shard.get("raw_data") or {}
+    zipped = shard.get("zip_data") or {}
+    if not isinstance(raw, dict) or not isinstance(zipped, dict):
+        raise SourceError(f"{where}: raw_data / zip_data must be objects")
+    samples = shard.get("samples")
+    if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
+        raise SourceError(f"{where}: 'samples' must be a count, got {samples!r}")
+    raw_path = shard_path(root, raw.get("basename"), where, local=local) if raw.get("basename") else None
+    if raw_path is not None and (not zipped.get("basename") or exists(raw_path)):
+        return ShardFile(raw_path, samples)
+    if zipped.get("basename"):
+        compression = shard.get("compression")
+        decompressor(compression, where)  # an unsupported codec fails here, before any work
+        raw_bytes = raw.get("bytes")
+        if not isinstance(raw_bytes, int) or isinstance(raw_bytes, bool) or raw_bytes < 0:
+            raw_bytes = None
+        path = shard_path(root, zipped["basename"], where, local=local)
+        return ShardFile(path, samples, str(compression), raw_bytes)
+    raise SourceError(f"{where}: names no shard file (raw_data / zip_data)")
+
+
+def _columns_of(shard: dict[str, Any], where: str) -> tuple[Column, ...]:
+    names, encodings, sizes = (shard.get(k) for k in ("column_names", "column_encodings", "column_sizes"))
+    if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)) or not (
+        len(names) == len(encodings) == len(sizes)
+    ):
+        raise SourceError(f"{where}: column_names / column_encodings / column_sizes missing or unequal")
+    for name, enc, size in zip(names, encodings, sizes, strict=True):
+        if not isinstance(name, str) or not name or not isinstance(enc, str):
+            raise SourceError(f"{where}: column names and encodings must be non-empty strings")
+        if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+            raise SourceError(f"{where}: column {name!r} size must be a byte count or null, got {size!r}")
+        base = enc.split(":", 1)[0]
+        if enc in _REFUSED or base in _REFUSED:
+            raise SourceError(f"{where}: column {name!r} ({enc}) holds {_REFUSED.get(enc) or _REFUSED[base]}")
+        if base not in (*_SCALARS, *_BYTE_ENCODINGS, "str", "int", "ndarray", "json", "pil",
+                        "str_int", "str_float", "str_decimal"):  # fmt: skip
+            raise SourceError(f"{where}: column {name!r} has unknown MDS encoding {enc!r}")
+    if len(set(names)) != len(names):
+        raise SourceError(f"{where}: column names repeat: {names}")
+    return tuple(zip(names, encodings, sizes, strict=True))
+
+
+def decode_mds_sample(columns: Sequence[Column], data: bytes, where: str) -> dict[str, Any]:
+    """One sample's bytes -> ``{column: value}``; ValueError (or struct.error) for bytes that do
+    not hold the columns."""
+    variable = [c for c in columns if c[2] is None]
+    pos = 4 * len(variable)
+    if len(data) < pos:
+        raise ValueError("shorter than its size header")
+    var_sizes = iter(struct.unpack_from(f"<{len(variable)}I", data, 0))
+    out: dict[str, Any] = {}
+    for name, encoding, size in columns:
+        n = next(var_sizes) if size is None else int(size)
+        if pos + n > len(data):
+            raise ValueError(f"column {name!r} runs past the sample's end")
+        out[name] = _decode_cell(encoding, data[pos : pos + n], f"{where} column {name!r}")
+        pos += n
+    return out
 
 
 class MDSSource(OffsetTableSource):
@@ -59,70 +174,12 @@ class MDSSource(OffsetTableSource):
     def __init__(self, root: str | Path, *, on_error: str = "raise") -> None:
         super().__init__(str(root), on_error=on_error)
         index_path, index = self._read_index(INDEX_NAME, "MDS")
-        if not is_mds_index(index):
-            raise SourceError(f"{index_path} is not an MDS index (no 'shards' list)")
-        self.files = []
-        self._columns: list[tuple[tuple[str, str, int | None], ...]] = []
-        for i, shard in enumerate(index["shards"]):
-            where = f"{index_path} shard {i}"
-            if not isinstance(shard, dict):
-                raise SourceError(f"{where}: not an object")
-            if shard.get("format") != "mds":
-                raise SourceError(
-                    f"{where}: format {shard.get('format')!r}; only 'mds' shards are read (not xsv/json)"
-                )
-            self.files.append(self._file_of(shard, where))
-            self._columns.append(self._columns_of(shard, where))
-
-    def _file_of(self, shard: dict[str, Any], where: str) -> ShardFile:
-        """The file to read: the raw file when present (a cache may hold it decompressed), else
-        the compressed one."""
-        raw = shard.get("raw_data") or {}
-        zipped = shard.get("zip_data") or {}
-        samples = shard.get("samples")
-        if not isinstance(samples, int) or samples < 0:
-            raise SourceError(f"{where}: 'samples' must be a count, got {samples!r}")
-        raw_path = inside(self.root, raw.get("basename"), where) if raw.get("basename") else None
-        if raw_path is not None and (not zipped.get("basename") or os.path.exists(raw_path)):
-            return ShardFile(raw_path, samples)
-        if zipped.get("basename"):
-            compression = shard.get("compression")
-            decompressor(compression, where)  # an unsupported codec fails here, before any work
-            return ShardFile(inside(self.root, zipped["basename"], where), samples, compression)
-        raise SourceError(f"{where}: names no shard file (raw_data / zip_data)")
-
-    def _columns_of(self, shard: dict[str, Any], where: str) -> tuple[tuple[str, str, int | None], ...]:
-        names, encodings, sizes = (shard.get(k) for k in ("column_names", "column_encodings", "column_sizes"))
-        if not (isinstance(names, list) and isinstance(encodings, list) and isinstance(sizes, list)) or not (
-            len(names) == len(encodings) == len(sizes)
-        ):
-            raise SourceError(f"{where}: column_names / column_encodings / column_sizes missing or unequal")
-        for name, enc in zip(names, encodings, strict=True):
-            base = str(enc).split(":", 1)[0]
-            if enc in _REFUSED or base in _REFUSED:
-                raise SourceError(
-                    f"{where}: column {name!r} ({enc}) holds {_REFUSED.get(enc) or _REFUSED[base]}"
-                )
-            if base not in (*_SCALARS, *_BYTE_ENCODINGS, "str", "int", "ndarray", "json", "pil",
-                            "str_int", "str_float", "str_decimal"):  # fmt: skip
-                raise SourceError(f"{where}: column {name!r} has unknown MDS encoding {enc!r}")
-        return tuple(zip(names, encodings, sizes, strict=True))
+        shards = mds_shards(index, self.root, index_path)
+        self.files = [s.file for s in shards]
+        self._columns = [s.columns for s in shards]
 
     def decode(self, fi: int, data: bytes, where: str) -> dict[str, Any]:
-        columns = self._columns[fi]
-        variable = [c for c in columns if c[2] is None]
-        pos = 4 * len(variable)
-        if len(data) < pos:
-            raise ValueError("shorter than its size header")
-        var_sizes = iter(struct.unpack_from(f"<{len(variable)}I", data, 0))
-        out: dict[str, Any] = {}
-        for name, encoding, size in columns:
-            n = next(var_sizes) if size is None else int(size)
-            if pos + n > len(data):
-                raise ValueError(f"column {name!r} runs past the sample's end")
-            out[name] = _decode_cell(encoding, data[pos : pos + n], f"{where} column {name!r}")
-            pos += n
-        return out
+        return decode_mds_sample(self._columns[fi], data, where)
 
 
 def _decode_cell(encoding: str, cell: bytes, where: str) -> Any:
@@ -162,9 +219,9 @@ def _ndarray(cell: bytes, args: str, where: str) -> np.ndarray:
         shape = tuple(int(d) for d in np.frombuffer(cell, shape_dtype, count=ndim, offset=pos + 1))
         pos += 1 + ndim * shape_dtype.itemsize
     values = np.frombuffer(cell, np.dtype(dtype), offset=pos)
-    if values.size != int(np.prod(shape)):
+    if values.size != math.prod(shape):
         raise ValueError(f"{where}: ndarray of shape {shape} holds {values.size} values")
     return values.reshape(shape).copy()
 
 
-__all__ = ["INDEX_NAME", "MDSSource", "is_mds_index"]
+__all__ = ["INDEX_NAME", "MDSShard", "MDSSource", "decode_mds_sample", "is_mds_index", "mds_shards"]

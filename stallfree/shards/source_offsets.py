@@ -12,40 +12,53 @@ reading a shard's samples opens its file once and reads each sample's span. A co
 from __future__ import annotations
 
 import bz2
-import gzip
-import json
 import logging
 import os
 import struct
-from collections.abc import Iterator, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from stallfree.shards.dataset_paths import inside, refuse_link_out
+from stallfree.shards.jsonfile import read_json
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
 from stallfree.shards.source_tables import row_sample
 
 log = logging.getLogger(__name__)
 
+# A file's offsets are uint32, so no raw file is larger than this: the most a compressed one may
+# decompress to when its index does not record its raw size.
+MAX_RAW_BYTES = 1 << 32
+
+
+def _gzip() -> Any:
+    return zlib.decompressobj(wbits=31)  # gzip header and trailer (CRC32, length) checked
+
+
 # Compression names both formats use, by what Python can undo without extra packages.
-DECOMPRESSORS = {"gz": gzip.decompress, "bz2": bz2.decompress}
+DECOMPRESSORS: dict[str, Callable[[], Any]] = {"gz": _gzip, "bz2": bz2.BZ2Decompressor}
+_MAGIC = {"gz": b"\x1f\x8b", "bz2": b"BZh"}  # how a further stream in the same file starts
 
 
 @dataclass(frozen=True)
 class ShardFile:
-    """One file of the dataset: its path, the sample count its index promises, and the
-    compression of the file on disk (None: stored raw)."""
+    """One file of the dataset: its path, the sample count its index promises, the
+    compression of the file on disk (None: stored raw) and, for a compressed one, the raw size
+    its index records (None: not recorded), which bounds what it may decompress to."""
 
     path: str
     samples: int
     compression: str | None = None
+    raw_bytes: int | None = None
 
 
-def decompressor(name: str | None, where: str):
-    """The function that undoes ``name`` (``gz``, ``bz2``, ``gz:9``...), or None for none;
+def decompressor(name: str | None, where: str) -> Callable[[], Any] | None:
+    """What makes a decompressor for ``name`` (``gz``, ``bz2``, ``gz:9``...), or None for none;
     SourceError naming the codec for one we cannot undo (zstd, brotli, snappy)."""
     if not name:
         return None
-    base = name.split(":", 1)[0]
+    base = str(name).split(":", 1)[0]
     fn = DECOMPRESSORS.get(base)
     if fn is None:
         raise SourceError(
@@ -53,6 +66,57 @@ def decompressor(name: str | None, where: str):
             "re-export the dataset uncompressed"
         )
     return fn
+
+
+def decompress(data: bytes, shard: ShardFile) -> bytes:
+    """A compressed file's bytes undone, bounded by its recorded raw size (else ``MAX_RAW_BYTES``):
+    SourceReadError naming the file, and the compressed byte offset where the codec tells it, for
+    damaged data (zlib's and bz2's own errors name no file), a stream cut short, trailing bytes,
+    or more output than the bound (a decompression bomb is not decompressed whole)."""
+    make = decompressor(shard.compression, shard.path)
+    if make is None:
+        return data
+    limit = shard.raw_bytes if shard.raw_bytes is not None else MAX_RAW_BYTES
+    codec = shard.compression
+    out: list[bytes] = []
+    total, rest = 0, data
+    try:
+        while True:  # gzip files may hold several members, one after another
+            undo = make()
+            chunk = undo.decompress(rest, limit + 1 - total)
+            total += len(chunk)
+            out.append(chunk)
+            if total > limit:
+                raise SourceReadError(
+                    f"{codec} data decompresses to more than the {limit} bytes its index allows",
+                    path=shard.path,
+                )
+            if not undo.eof:
+                raise SourceReadError(
+                    f"{codec} data cut short: the compressed stream ends before its end marker",
+                    path=shard.path,
+                    offset=len(data),
+                )
+            rest = undo.unused_data
+            if not rest:
+                break
+            if not rest.startswith(_MAGIC[str(codec).split(":", 1)[0]]):
+                raise SourceReadError(
+                    f"{len(rest)} bytes after the end of the {codec} stream", path=shard.path,
+                    offset=len(data) - len(rest),
+                )  # fmt: skip
+    except (zlib.error, OSError, EOFError, ValueError) as exc:
+        raise SourceReadError(f"cannot decompress ({codec}): {exc}", path=shard.path) from None
+    return b"".join(out)
+
+
+def shard_path(root: str, name: Any, where: str, *, local: bool = True) -> str:
+    """``inside`` (the name stays in ``root`` as spelled), and for a local dataset no symbolic
+    link on the way leads out of it."""
+    path = inside(root, name, where)
+    if local:
+        refuse_link_out(root, path, where)
+    return path
 
 
 def parse_table(head: bytes, path: str, file_size: int, expected: int | None) -> list[int]:
@@ -104,10 +168,12 @@ class OffsetTableSource(Source):
         """``(path, parsed JSON)`` of the index file ``name`` under the root; ``SourceError``
         naming ``what`` (the format) when it is missing or not JSON."""
         path = os.path.join(self.root, name)
+        refuse_link_out(self.root, path, f"the {what} index")
         try:
-            with open(path, encoding="utf-8") as f:
-                return path, json.load(f)
-        except (OSError, ValueError) as exc:
+            return path, read_json(path)
+        except OSError as exc:
+            raise SourceError(f"cannot read the {what} index {path}: {exc.strerror or exc}") from None
+        except ValueError as exc:
             raise SourceError(f"cannot read the {what} index {path}: {exc}") from None
 
     def _list(self) -> list[Item]:
@@ -149,16 +215,9 @@ class OffsetTableSource(Source):
         if self._blob is not None and self._blob[0] == fi:
             return self._blob[1]
         shard = self.files[fi]
-        undo = decompressor(shard.compression, shard.path)
         with open(shard.path, "rb") as f:
             data = f.read()
-        if undo is not None:
-            try:
-                data = undo(data)
-            except (OSError, EOFError, ValueError) as exc:
-                raise SourceReadError(
-                    f"cannot decompress ({shard.compression}): {exc}", path=shard.path
-                ) from None
+        data = decompress(data, shard)
         self._blob = (fi, data)
         return data
 
@@ -218,7 +277,7 @@ class OffsetTableSource(Source):
                         )
                     try:
                         fields = self.decode(fi, data, where)
-                    except (ValueError, struct.error, IndexError) as exc:
+                    except (ValueError, struct.error, IndexError, KeyError, TypeError, OverflowError) as exc:
                         raise SourceReadError(f"sample {row}: {exc}", path=shard.path, offset=begin) from None
                     yield row_sample(fields, number, shard.path)
                 except OSError as exc:
@@ -230,17 +289,6 @@ class OffsetTableSource(Source):
         finally:
             for f in handles.values():
                 f.close()
-
-
-def inside(root: str, name: Any, where: str) -> str:
-    """``root/name`` for a file name an index lists, refused if it is not a plain relative path
-    inside ``root`` (an index is data from elsewhere: it must not send us reading other files)."""
-    if not isinstance(name, str) or not name:
-        raise SourceError(f"{where}: a shard entry has no file name")
-    norm = os.path.normpath(name)
-    if os.path.isabs(name) or norm == ".." or norm.startswith(".." + os.sep):
-        raise SourceError(f"{where}: shard file {name!r} is outside the dataset directory")
-    return os.path.join(root, norm)
 
 
 def image_array(data: bytes, where: str):
@@ -264,10 +312,13 @@ def image_array(data: bytes, where: str):
 
 __all__ = [
     "DECOMPRESSORS",
+    "MAX_RAW_BYTES",
     "OffsetTableSource",
     "ShardFile",
+    "decompress",
     "decompressor",
     "image_array",
     "inside",
     "parse_table",
+    "shard_path",
 ]
