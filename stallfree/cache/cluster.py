@@ -5,7 +5,8 @@ owns it, so N nodes hold the dataset once and each holds about 1/N of it. Under 
 that is full hands new keys to the next server in the key's ranking (and readers follow the same
 chain), so the cluster fills completely even though hashing never splits keys exactly evenly.
 
-Capacity under ``minio`` is exact and shared by all clients: a small server-side script admits an
+Capacity under ``minio`` is exact and shared by all clients: a server-side function
+(``redis_functions.py``, loaded by the server's admin user; clients may call it, never send Lua) admits an
 entry only while the server's ``used`` counter plus its size fits ``capacity_bytes``. Under ``lru``
 the server evicts (``allkeys-lru`` with ``maxmemory``). An out-of-memory reply means "full".
 
@@ -30,25 +31,23 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from stallfree.cache import redis_functions
 from stallfree.cache.base import MAX_ENTRY_BYTES, BaseCache, PutResult
 from stallfree.cache.credentials import read_secret_file
 from stallfree.cache.policy import Policy
 from stallfree.cache.redis_ops import (
-    ADMIT_LUA,
-    DROP_LUA,
     FULL_KEY,
     USED_KEY,
     ClusterCacheError,
     connect,
     failure_reason,
     is_oom,
-    mget_and_full,
     parse_server,
     rendezvous_rank,
     server_info,
     server_status,
 )
-from stallfree.cache.signing import EntrySigner
+from stallfree.cache.signing import OVERHEAD, EntrySigner
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +64,6 @@ class _Server:
     ident: bytes  # what rendezvous hashing hashes: host:port, identical on every node
     kwargs: dict[str, Any]
     client: Any = None
-    admit: Any = None
-    drop: Any = None
     down_until: float = 0.0
     failures: int = 0
     full: bool = False
@@ -200,7 +197,7 @@ class ClusterCache(BaseCache):
             with self._lock:
                 if os.getpid() != self._pid:
                     for n in self._nodes:
-                        n.client = n.admit = n.drop = None
+                        n.client = None
                         n.configured = False
                     self._pid = os.getpid()
         now = time.monotonic()
@@ -208,8 +205,6 @@ class ClusterCache(BaseCache):
             return None
         if node.client is None:
             node.client = connect(node.kwargs)
-            node.admit = node.client.register_script(ADMIT_LUA)
-            node.drop = node.client.register_script(DROP_LUA)
         if not node.configured:
             self._configure(node)
         return node.client
@@ -220,6 +215,7 @@ class ClusterCache(BaseCache):
 
         node.configured = True
         node.client.ping()  # raises (and trips the breaker) when the server is unusable
+        redis_functions.ensure(node.client)  # likewise when it lacks them and we may not load them
         if not self.configure_servers:
             return
         try:
@@ -328,8 +324,14 @@ class ClusterCache(BaseCache):
         ranks = self._ranks(keys)
         pending = list(range(len(keys)))
 
+        limit = self.max_entry_bytes + (OVERHEAD if self._signer is not None else 0)
+        oversized: list[int] = []
+
         def fetch(server: int, positions: list[int]) -> Any:
-            return self._call(self._nodes[server], lambda c: mget_and_full(c, [keys[p] for p in positions]))
+            return self._call(
+                self._nodes[server],
+                lambda c: redis_functions.get_bounded(c, FULL_KEY, [keys[p] for p in positions], limit),
+            )
 
         for level in range(self._chain):
             groups: dict[int, list[int]] = {}
@@ -342,8 +344,9 @@ class ClusterCache(BaseCache):
                 if reply is None:
                     node.counts["misses"] += len(positions)
                     continue
-                values, full = reply
+                values, full = reply.values, reply.full
                 node.full = full or (node.full and bool(node.full_until))
+                oversized += (positions[i] for i in reply.oversized)
                 for pos, value in zip(positions, values, strict=True):
                     if value is not None:
                         out[pos] = value
@@ -354,7 +357,22 @@ class ClusterCache(BaseCache):
                             pending.append(pos)
             if not pending:
                 break
+        if oversized:
+            self._drop_oversized([keys[p] for p in oversized], limit)
         return self._open_signed(keys, out) if self._signer is not None else out
+
+    def _drop_oversized(self, keys: list[bytes], limit: int) -> None:
+        """Entries the server kept back for being over ``limit`` (never downloaded): counted as
+        ``oversized`` and deleted, as the base class does with one it received."""
+        if not self._stats["oversized"]:
+            log.warning(
+                "cluster: dropping %d entries over max_entry_bytes=%d, left on the server unread "
+                "(further ones only counted)",
+                len(keys),
+                limit,
+            )
+        self._stats.add(oversized=len(keys))
+        self._delete_raw(keys)
 
     def _open_signed(self, keys: Sequence[bytes], values: list[bytes | None]) -> list[bytes | None]:
         """Strip and check each entry's signature; unsigned or badly signed ones are deleted."""
@@ -387,7 +405,7 @@ class ClusterCache(BaseCache):
             if node.down_until > time.monotonic():
                 return []  # its keys are misses until it is back; never move them elsewhere
             return [
-                (chunk, self._call(node, lambda c, ch=chunk: self._store(c, node, [items[p] for p in ch])))
+                (chunk, self._call(node, lambda c, ch=chunk: self._store(c, [items[p] for p in ch])))
                 for chunk in _chunks(positions, items)
             ]
 
@@ -418,15 +436,14 @@ class ClusterCache(BaseCache):
                 break
         return PutResult(admitted, nbytes, len(pending))
 
-    def _store(self, client: Any, node: _Server, batch: list[tuple[bytes, bytes]]) -> list[int]:
+    def _store(self, client: Any, batch: list[tuple[bytes, bytes]]) -> list[int]:
         if self.policy.evicts:
             pipe = client.pipeline(transaction=False)
             for key, blob in batch:
                 pipe.set(key, blob, nx=True)
             return [1 if ok else 0 for ok in pipe.execute()]
         keys = [USED_KEY, FULL_KEY, *(k for k, _ in batch)]
-        args = [self.capacity_bytes or 0, *(b for _, b in batch)]
-        return [int(x) for x in node.admit(keys=keys, args=args, client=client)]
+        return redis_functions.admit(client, keys, [self.capacity_bytes or 0, *(b for _, b in batch)])
 
     def _delete_raw(self, keys: Sequence[bytes]) -> None:
         groups: dict[int, list[bytes]] = {}
@@ -435,7 +452,7 @@ class ClusterCache(BaseCache):
                 groups.setdefault(server, []).append(key)
         for server, mine in groups.items():
             node = self._nodes[server]
-            self._call(node, lambda c, ks=mine, n=node: n.drop(keys=[USED_KEY, *ks], args=[], client=c))
+            self._call(node, lambda c, ks=mine: redis_functions.drop(c, [USED_KEY, *ks]))
 
     def _contains_raw(self, key: bytes) -> bool:
         for server in self._ranks([key])[0][: self._chain]:

@@ -1,4 +1,5 @@
-"""The Redis side of the cluster tier: server URLs, key ownership, server scripts, status.
+"""The Redis side of the cluster tier: server URLs, key ownership, status (the server-side
+functions are in ``redis_functions.py``).
 
 Kept apart from ``ClusterCache`` (the client-side policy and fault handling) so each stays small.
 """
@@ -12,45 +13,6 @@ from urllib.parse import unquote, urlsplit
 
 USED_KEY = b"sf/__used__"
 FULL_KEY = b"sf/__full__"
-
-# KEYS[1] used counter, KEYS[2] full flag, KEYS[3..] entries; ARGV[1] capacity (0: none), ARGV[2..] values.
-# Returns per entry: 1 stored, 0 already present, -1 no room.
-ADMIT_LUA = """
-local cap = tonumber(ARGV[1])
-local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-local out = {}
-for i = 3, #KEYS do
-  if redis.call('EXISTS', KEYS[i]) == 1 then
-    out[#out + 1] = 0
-  else
-    local n = string.len(ARGV[i - 1])
-    if cap > 0 and used + n > cap then
-      out[#out + 1] = -1
-    else
-      redis.call('SET', KEYS[i], ARGV[i - 1])
-      used = used + n
-      out[#out + 1] = 1
-    end
-  end
-end
-redis.call('SET', KEYS[1], used)
-for i = 1, #out do
-  if out[i] == -1 then redis.call('SET', KEYS[2], '1') break end
-end
-return out
-"""
-
-# KEYS[1] used counter, KEYS[2..] entries to drop.
-DROP_LUA = """
-local freed = 0
-for i = 2, #KEYS do
-  local n = redis.call('STRLEN', KEYS[i])
-  if n > 0 then redis.call('DEL', KEYS[i]) freed = freed + n end
-end
-if freed > 0 and redis.call('EXISTS', KEYS[1]) == 1 then redis.call('DECRBY', KEYS[1], freed) end
-return freed
-"""
-
 
 class ClusterCacheError(RuntimeError):
     """Raised only by ``ClusterCache.check()``: which servers cannot be used, and why."""
@@ -112,21 +74,15 @@ def failure_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def mget_and_full(client: Any, keys: list[bytes]) -> tuple[list[bytes | None], bool]:
-    pipe = client.pipeline(transaction=False)
-    pipe.mget(keys)
-    pipe.exists(FULL_KEY)
-    values, full = pipe.execute()
-    return values, bool(full)
-
-
 def server_info(client: Any) -> dict[str, Any]:
     info = client.info()
     used = client.get(USED_KEY)
+    redis_policy = str(info.get("maxmemory_policy", ""))
     return {
         "used_memory": int(info.get("used_memory", 0)),
         "maxmemory": int(info.get("maxmemory", 0)),
-        "maxmemory_policy": str(info.get("maxmemory_policy", "")),
+        "policy": policy_of_server(redis_policy),
+        "maxmemory_policy": redis_policy,
         "keys": int(client.dbsize()),
         "cached_bytes": int(used) if used is not None else None,
         "evicted_keys": int(info.get("evicted_keys", 0)),
@@ -134,6 +90,17 @@ def server_info(client: Any) -> dict[str, Any]:
         "keyspace_misses": int(info.get("keyspace_misses", 0)),
         "run_id": str(info.get("run_id", "")),
     }
+
+
+def policy_of_server(maxmemory_policy: str) -> str:
+    """Our cache policy a server's ``maxmemory-policy`` stands for (``noeviction`` is ``minio``,
+    ``allkeys-lru`` is ``lru``); any other setting is shown as Redis names it."""
+    from stallfree.cache.policy import POLICIES
+
+    for policy in POLICIES.values():
+        if policy.redis_maxmemory_policy == maxmemory_policy:
+            return policy.name
+    return f"redis:{maxmemory_policy}"
 
 
 def server_status(

@@ -17,6 +17,7 @@ even by SIGKILL, the kernel kills the server too, so no orphan keeps the port an
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import logging
 import os
 import re
@@ -37,13 +38,15 @@ from stallfree.cache.policy import Policy, get_policy
 log = logging.getLogger(__name__)
 
 # What ClusterCache and ``stallfree cache stats`` send, and nothing else: connection set-up
-# (redis-py may send HELLO; its CLIENT SETINFO, unknown before Redis 7.2, is refused and ignored), the data path (GET/MGET/SET/EXISTS and the admission
-# and drop Lua scripts, whose redis.call()s are checked against the same list), and read-only INFO
-# and DBSIZE for stats. Keep it in step with cache/redis_ops.py and cache/cluster.py.
+# (redis-py may send HELLO; its CLIENT SETINFO, unknown before Redis 7.2, is refused and ignored), the
+# data path (GET/MGET/SET/EXISTS, and FCALL of the functions the admin loaded at start, whose
+# redis.call()s are checked against the same list), and read-only INFO and DBSIZE for stats. Never
+# EVAL, SCRIPT or FUNCTION: a client that may send Lua text may run any loop or allocation on the
+# server (redis_functions.py). Keep it in step with cache/redis_ops.py and cache/cluster.py.
 DATA_COMMANDS = (
     "ping", "auth", "hello", "client|setname", "quit", "reset", "select",
     "get", "mget", "set", "exists", "strlen", "del", "decrby", "incrby",
-    "eval", "evalsha", "script|load", "script|exists", "info", "dbsize",
+    "fcall", "fcall_ro", "info", "dbsize",
 )  # fmt: skip
 ADMIN_USER = "stallfree-admin"
 
@@ -107,7 +110,9 @@ class RedisServer:
         tls_ca_cert_file: str | os.PathLike | None = None,
         restricted: bool = True,
     ) -> None:
-        self.bind = bind
+        if capacity_bytes is not None and capacity_bytes <= 0:  # Redis reads maxmemory 0 as "no limit"
+            raise ValueError(f"capacity must be more than 0 bytes (None: no limit), got {capacity_bytes}")
+        self.bind = _check_bind(bind)
         self.restricted = restricted  # clients may run DATA_COMMANDS only (see the module docstring)
         self.admin_password: str | None = None
         self.port = port or free_port(self.host)
@@ -233,12 +238,35 @@ class RedisServer:
             if self._ping() and self._logged_ready(log_start):
                 log.info("redis-server up at %s (pid %d)", self.url, self.process.pid)
                 self._repick_port = False  # a restart keeps its URL
+                self._load_functions()
                 return self
             time.sleep(0.02)
         self.stop()
         raise RuntimeError(
             f"redis-server on port {self.port} did not answer within {timeout_s}s{self._log_tail()}"
         )
+
+    def _load_functions(self) -> None:
+        """Load the cache's server-side functions as the admin (restricted) or the default user:
+        clients may call them, never send Lua of their own (``redis_functions.py``)."""
+        from stallfree.cache import redis_functions
+        from stallfree.cache.redis_ops import connect
+
+        kwargs: dict = {"host": self.host, "port": self.port, "socket_timeout": 10.0}
+        if self.restricted:
+            kwargs.update(username=ADMIN_USER, password=self.admin_password)
+        elif self.password:
+            kwargs["password"] = self.password
+        if self.tls:  # our own server on our own socket: its identity is the clients' to check
+            kwargs.update(ssl=True, ssl_cert_reqs="none", ssl_check_hostname=False)
+        client = connect(kwargs)
+        try:
+            redis_functions.load(client)
+        except Exception as exc:
+            self.stop()
+            raise RuntimeError(f"could not load the cache functions into redis-server: {exc}") from exc
+        finally:
+            client.close()
 
     def _ping(self) -> bool:
         try:
@@ -329,6 +357,24 @@ def _die_with_parent() -> Callable[[], None] | None:
             os._exit(1)
 
     return preexec
+
+
+def _check_bind(bind: str) -> str:
+    """``bind`` if this machine can listen there; a ``ValueError`` naming it otherwise (an address
+    that is no address, or not one of this machine's), before any server or port is touched.
+    redis-server binds IP addresses, so a name other than localhost is refused unresolved."""
+    if bind == "localhost":
+        bind = "127.0.0.1"
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(bind).version == 6 else socket.AF_INET
+    except ValueError:
+        raise ValueError(f"cannot listen on {bind!r}: not an IP address") from None
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((bind, 0))
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {bind!r}: {exc.strerror or exc}") from None
+    return bind
 
 
 def _quote(text: str) -> str:

@@ -135,19 +135,24 @@ def run_serve(args: argparse.Namespace) -> int:
         capacity = parse_size(args.capacity)
     except ValueError as exc:
         return fail("cache serve", exc, 2)
+    if capacity <= 0:  # Redis would read maxmemory 0 as "no limit"
+        return fail("cache serve", f"--capacity must be more than 0, got {args.capacity!r}", 2)
     if (args.tls_cert is None) != (args.tls_key is None):
         return fail("cache serve", "--tls-cert and --tls-key go together", 2)
-    server = RedisServer(
-        args.port or None,
-        bind=args.bind,
-        capacity_bytes=capacity,
-        policy=args.policy,
-        workdir=args.dir,
-        executable=args.redis_server,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        tls_ca_cert_file=args.tls_ca,
-    )
+    try:
+        server = RedisServer(
+            args.port or None,
+            bind=args.bind,
+            capacity_bytes=capacity,
+            policy=args.policy,
+            workdir=args.dir,
+            executable=args.redis_server,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            tls_ca_cert_file=args.tls_ca,
+        )
+    except ValueError as exc:  # e.g. --bind names no address of this machine
+        return fail("cache serve", exc, 2)
     secret_file = args.secret_file or os.environ.get(_SECRET_FILE_ENV)
     try:
         server.password, password_file = _serve_password(args, server.workdir)
@@ -237,7 +242,7 @@ def run_stats(args: argparse.Namespace) -> int:
             continue
         cached = _human(row["cached_bytes"]) if row["cached_bytes"] is not None else "-"
         print(
-            f"{row['url']:<28} {row['maxmemory_policy']:<12} {row['keys']:>9} {_human(row['used_memory']):>10} "
+            f"{row['url']:<28} {row['policy']:<12} {row['keys']:>9} {_human(row['used_memory']):>10} "
             f"{(_human(row['maxmemory']) if row['maxmemory'] else 'none'):>10} {cached:>10} "
             f"{row['hit_rate']:>8.1%} {row['evicted_keys']:>8}"
         )

@@ -23,6 +23,14 @@ REFUSED = [
     ("ACL", "SETUSER", "default", "+@all"),
     ("KEYS", "*"),
     ("SCRIPT", "FLUSH"),
+    # Lua text of the client's own (issue 36): an endless loop answered every client BUSY, and
+    # string.rep grew a 256 MB server to 5 GB; clients may only FCALL the admin-loaded functions
+    ("EVAL", "while true do end", "0"),
+    ("EVAL", "return string.rep('x', 1500000000)", "0"),
+    ("EVALSHA", "a" * 40, "0"),
+    ("SCRIPT", "LOAD", "return 1"),
+    ("FUNCTION", "LOAD", "#!lua name=mine\nredis.register_function('spin', function() while true do end end)"),
+    ("FUNCTION", "FLUSH"),
 ]
 
 
@@ -69,3 +77,48 @@ def test_a_client_with_the_servers_policy_sends_no_config(redis_servers, caplog)
     cache.put_many([(CacheKey("fp", 1, "raw"), b"x")])
     assert cache.get_many([CacheKey("fp", 1, "raw")]) == [b"x"]
     assert "cannot apply" not in caplog.text
+
+
+def test_a_planted_oversized_value_is_never_downloaded(redis_servers):
+    """A value over the client's max_entry_bytes (planted by anyone holding the data password) is
+    left on the server unread, counted ``oversized`` and deleted: the client never receives it."""
+    (server,) = redis_servers(1, password="pw", capacity_bytes=64 << 20)
+    cache = ClusterCache([server.url], password="pw", max_entry_bytes=1 << 20)
+    good, planted = CacheKey("fp", 1, "raw"), CacheKey("fp", 2, "raw")
+    cache.put_many([(good, b"ok")])
+    client = redis.Redis(host=server.host, port=server.port, password="pw")
+    client.set(planted.to_bytes(), b"x" * (8 << 20))
+    admin = redis.Redis(host=server.host, port=server.port, username=ADMIN_USER, password=server.admin_password)
+    sent_before = int(admin.info("stats")["total_net_output_bytes"])
+    assert cache.get_many([planted, good]) == [None, b"ok"]
+    assert int(admin.info("stats")["total_net_output_bytes"]) - sent_before < 1 << 20
+    assert cache.stats()["oversized"] == 1
+    assert client.exists(planted.to_bytes()) == 0
+
+
+def test_a_restricted_server_without_the_functions_is_named_unusable(redis_servers, caplog):
+    """A server that lost its functions (restarted by hand, say) cannot get them from a data
+    client: its keys are misses and the log says how to fix it, never an EVAL fallback."""
+    (server,) = redis_servers(1, password="pw")
+    admin = redis.Redis(host=server.host, port=server.port, username=ADMIN_USER, password=server.admin_password)
+    admin.function_flush()
+    cache = ClusterCache([server.url], password="pw")
+    key = CacheKey("fp", 1, "raw")
+    with caplog.at_level("WARNING", logger="stallfree.cache.cluster"):
+        cache.put_many([(key, b"x")])
+        assert cache.get_many([key]) == [None]
+    assert "no stallfree_v1 function library" in caplog.text and "stallfree cache serve" in caplog.text
+    assert cache.stats()["servers"][server.url]["state"] == "down"
+
+
+def test_an_unrestricted_server_gets_the_functions_from_its_first_client(redis_servers):
+    """A Redis the user runs with a plain password: the first client loads the library itself."""
+    (server,) = redis_servers(1, password="pw", restricted=False)
+    plain = redis.Redis(host=server.host, port=server.port, password="pw")
+    plain.function_flush()
+    cache = ClusterCache([server.url], password="pw")
+    key = CacheKey("fp", 1, "raw")
+    cache.put_many([(key, b"payload")])
+    assert cache.get_many([key]) == [b"payload"]
+    names = [dict(zip(lib[::2], lib[1::2], strict=True))[b"library_name"] for lib in plain.function_list()]
+    assert names == [b"stallfree_v1"]

@@ -65,14 +65,14 @@ def test_serve_prints_url_applies_config_and_stops(tmp_path, capsys):
         assert main(["cache", "stats", url, "--password", "pw", "--json"]) == 0
         (row,) = json.loads(capsys.readouterr().out)
         assert row["maxmemory"] == 3_000_000
-        assert row["maxmemory_policy"] == "allkeys-lru"
+        assert row["maxmemory_policy"] == "allkeys-lru" and row["policy"] == "lru"
         assert row["keys"] == 1
         assert row["keyspace_hits"] >= 1 and row["keyspace_misses"] >= 1
         assert 0 < row["hit_rate"] < 1
 
         assert main(["cache", "stats", url, "--password", "pw"]) == 0
         table = capsys.readouterr().out
-        assert "allkeys-lru" in table and url in table
+        assert re.search(rf"^{re.escape(url)}\s+lru\s", table, re.M)
 
         assert main(["cache", "stats", url, "--password", "nope", "--json"]) == 1
         (row,) = json.loads(capsys.readouterr().out)
@@ -89,6 +89,31 @@ def test_serve_prints_url_applies_config_and_stops(tmp_path, capsys):
 def test_serve_rejects_bad_capacity(capsys):
     assert main(["cache", "serve", "--capacity", "lots"]) == 2
     assert "cannot read size 'lots'" in capsys.readouterr().err
+    assert main(["cache", "serve", "--capacity", "0"]) == 2  # Redis reads maxmemory 0 as "no limit"
+    assert "--capacity must be more than 0, got '0'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bind", ["999.1.1.1", "192.0.2.1"])
+def test_serve_names_an_address_it_cannot_listen_on(bind):
+    """Not an address, or no address of this machine (TEST-NET-1: nothing is sent there, the
+    kernel refuses the bind): one line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "stallfree", "cache", "serve", "--port", "0", "--bind", bind],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2
+    assert f"stallfree cache serve: error: cannot listen on {bind!r}" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_stats_names_our_policy_not_redis_setting(redis_servers, capsys):
+    """A minio server runs Redis's noeviction; stats says minio (the user's word for it)."""
+    (server,) = redis_servers(1, password="pw", policy="minio")
+    assert main(["cache", "stats", server.url, "--password", "pw", "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert (row["policy"], row["maxmemory_policy"]) == ("minio", "noeviction")
 
 
 class Serve:
