@@ -189,6 +189,12 @@ _FORMATS: dict[str, Ref] = {
     "tar": "stallfree.shards.format_tar:TAR",
     "arrow": "stallfree.shards.format_arrow:ARROW",
 }
+# Formats ``open_dataset`` reads in place but nothing writes (``format_names``, ``choices`` and
+# ``stallfree shard --format`` leave them out): datasets other libraries wrote (``inplace.py``).
+_READ_ONLY: dict[str, Ref] = {
+    "mds": "stallfree.shards.format_mds:MDS",
+    "litdata": "stallfree.shards.format_litdata:LITDATA",
+}
 
 
 def register_format(name: str, fmt: Ref, *, clobber: bool = False) -> None:
@@ -229,7 +235,8 @@ def choices(quote: bool = False) -> str:
 def get_format(name: str, *, where: str | None = None) -> Format:
     """The format registered as ``name`` (imported now); ``UnknownFormatError`` naming ``where``
     (the manifest, dataset or shard it came from) and the registered formats otherwise."""
-    ref = _FORMATS.get(name) if isinstance(name, str) else None
+    table = _READ_ONLY if isinstance(name, str) and name not in _FORMATS and name in _READ_ONLY else _FORMATS
+    ref = table.get(name) if isinstance(name, str) else None
     if ref is None:
         raise UnknownFormatError(
             f"unknown shard format {name!r} (registered formats: {choices()}; a new one is added "
@@ -238,13 +245,18 @@ def get_format(name: str, *, where: str | None = None) -> Format:
         )
     if isinstance(ref, str):
         module, _, attr = ref.partition(":")
-        ref = _FORMATS[name] = getattr(importlib.import_module(module), attr)
+        ref = table[name] = getattr(importlib.import_module(module), attr)
     return ref
 
 
 def find_format(name: Any) -> Format | None:
     """The format registered as ``name``, or None (a dataset that is not ours has no format)."""
-    return get_format(name) if isinstance(name, str) and name in _FORMATS else None
+    return get_format(name) if isinstance(name, str) and (name in _FORMATS or name in _READ_ONLY) else None
+
+
+def read_only_formats() -> tuple[Format, ...]:
+    """The formats read in place only (MDS, LitData), each imported now."""
+    return tuple(get_format(name) for name in _READ_ONLY)
 
 
 def scan_suffixes() -> tuple[str, ...]:
@@ -282,6 +294,7 @@ __all__ = [
     "format_names",
     "format_of_files",
     "get_format",
+    "read_only_formats",
     "register_format",
     "scan_choices",
     "scan_suffixes",

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from stallfree.shards.jsonfile import parse_json
+
 log = logging.getLogger(__name__)
 
 # Feature types stored as a {"bytes", "path"} struct holding one encoded file.
@@ -93,7 +95,7 @@ def features_of_schema(schema: Any) -> dict[str, Any] | None:
         return None
     try:
         info = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):
         log.warning("ignoring unreadable 'huggingface' schema metadata")
         return None
     features = (info.get("info") or {}).get("features") if isinstance(info, dict) else None
@@ -122,14 +124,14 @@ def read_saved_dataset(read_text: Callable[[str], str], where: str) -> SavedData
     """Parse ``state.json`` (the data files, in row order) and ``dataset_info.json`` (features)
     through ``read_text(name)``; ValueError naming ``where`` and the file for a bad one."""
     try:
-        state = json.loads(read_text("state.json"))
+        state = parse_json(read_text("state.json"), f"{where}/state.json")
         files = [entry["filename"] for entry in state["_data_files"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{where}/state.json is not a datasets save_to_disk state: {exc!r}") from None
     for name in files:
         safe_relative(name, f"{where}/state.json")
     try:
-        info = json.loads(read_text("dataset_info.json"))
+        info = parse_json(read_text("dataset_info.json"), f"{where}/dataset_info.json")
     except ValueError as exc:
         raise ValueError(f"{where}/dataset_info.json is not valid JSON: {exc}") from None
     features = info.get("features") if isinstance(info, dict) else None
@@ -139,8 +141,8 @@ def read_saved_dataset(read_text: Callable[[str], str], where: str) -> SavedData
 def splits_of_dataset_dict(text: str) -> list[str]:
     """The split names of a ``DatasetDict.save_to_disk`` directory's ``dataset_dict.json``."""
     try:
-        splits = json.loads(text).get("splits")
-    except (ValueError, AttributeError):
+        splits = parse_json(text, DATASET_DICT_FILE).get("splits")
+    except (ValueError, AttributeError):  # (parse_json's JSONFileError is a ValueError)
         splits = None
     return [str(s) for s in splits] if isinstance(splits, list) else []
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import posixpath
 import shlex
 import threading
 from bisect import bisect_right
@@ -29,8 +30,9 @@ from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import ManifestError, MissingShardError, ShardError, ShardReadError
 from stallfree.shards.formats import Format, ShardOpen, ShardReader
 from stallfree.shards.idx import IdxSample
+from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, join
-from stallfree.shards.scan import resolve
+from stallfree.shards.scan import INDEX_JSON, resolve
 from stallfree.shards.verify import verify_manifest
 
 log = logging.getLogger(__name__)
@@ -99,6 +101,13 @@ def _advice(url: str, fmt: Format, local: bool) -> str:
     the shards of an ``indexable`` format (tars; for tables it stops with "no .tar shards");
     the others get one by re-sharding, and ``stallfree shard`` reads local files."""
     src = shlex.quote(url)
+    reshard = getattr(fmt, "reshard_format", None)  # a format read in place: what it shards to
+    if reshard is not None:
+        return (
+            "Read in place (no sha256, every shard's index.json entry checked when it opens); "
+            f"`stallfree shard {src if local else 'LOCAL_COPY'} DST` writes {reshard} shards "
+            "with a manifest (byte-equal samples) that open instantly."
+        )
     if fmt.indexable:
         return (
             f"Write one with `stallfree index {src}` (or re-shard with `stallfree shard`) "
@@ -168,8 +177,12 @@ def _check_bucket(url: str, storage_options: dict[str, Any]) -> None:
 def _manifest_for_files(
     fs: fsspec.AbstractFileSystem, root: str, paths: list[str]
 ) -> tuple[Manifest, list[list[IdxSample]] | None]:
-    """A manifest for shard files that have none, made by the one format they all belong to."""
-    fmt = formats.format_of_files(paths)
+    """A manifest for shard files that have none, made by the one format they all belong to
+    (an ``index.json``: the read-only format whose index it is, MDS or LitData)."""
+    if len(paths) == 1 and posixpath.basename(paths[0]) == INDEX_JSON:
+        fmt = _in_place_format(fs, paths[0])
+    else:
+        fmt = formats.format_of_files(paths)
     if fmt is None:
         raise ShardError(f"a dataset without a manifest must be {formats.scan_choices()} files: {paths[:5]}")
     found = fmt.scan(fs, root, paths)
@@ -177,6 +190,31 @@ def _manifest_for_files(
         FORMAT_VERSION, fmt.name, found.fields, found.shards, classes=found.classes, extra=found.extra
     )
     return manifest, found.indices
+
+
+def _in_place_format(fs: fsspec.AbstractFileSystem, path: str) -> Format:
+    """The read-only format (``formats.read_only_formats``: MDS, LitData) whose index ``path``
+    is; a ``ShardError`` naming the file when it is none of them."""
+    where = path if is_local(fs) else fs.unstrip_protocol(path)
+    obj = parse_json(remote.read_file(fs, path, shard=INDEX_JSON), where)
+    for fmt in formats.read_only_formats():
+        if fmt.accepts(obj):  # type: ignore[attr-defined]
+            return fmt
+    known = ", ".join(f"{f.what}" for f in formats.read_only_formats())  # type: ignore[attr-defined]
+    raise ShardError(
+        f"{where} is not an index open_dataset reads ({known}: a 'shards' list, or 'chunks' and "
+        "'config'); make a dataset of the directory with `stallfree shard`",
+        shard=INDEX_JSON,
+    )
+
+
+def _manifest_state(manifest: Manifest) -> Any:
+    """A manifest as pickled state: its JSON, or, for a read-only format's manifest (built here
+    from an ``index.json``, never a ``manifest.json``, which ``Manifest.from_json`` refuses to
+    name such a format), the object itself (its shards are a plain list)."""
+    if manifest.format not in formats.format_names():
+        return manifest
+    return manifest.to_json()
 
 
 class ShardedDataset:
@@ -420,7 +458,7 @@ class ShardedDataset:
     def __getstate__(self) -> dict[str, Any]:
         return {
             "url": self.url,
-            "manifest": self.manifest.to_json(),
+            "manifest": _manifest_state(self.manifest),
             "root": self._root,
             "fs_url": self._fs_url,
             "storage_options": self._storage_options,
@@ -433,9 +471,12 @@ class ShardedDataset:
         scanned = state["scanned"]
         if scanned is not None:
             scanned = [[IdxSample(k, [tuple(m) for m in ms]) for k, ms in shard] for shard in scanned]
+        manifest = state["manifest"]
+        if not isinstance(manifest, Manifest):
+            manifest = Manifest.from_json(manifest, where=state["url"])
         self.__init__(  # type: ignore[misc]
             state["url"],
-            Manifest.from_json(state["manifest"], where=state["url"]),
+            manifest,
             state["root"],
             state["fs_url"],
             state["storage_options"],

@@ -22,13 +22,17 @@ import fsspec
 
 from stallfree.shards import formats, remote, stamps
 from stallfree.shards.atomic import is_local
+from stallfree.shards.dataset_paths import refuse_link_out
 from stallfree.shards.digests import ShardDigests
 from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
+from stallfree.shards.hf import DATASET_DICT_FILE, SAVE_TO_DISK_FILES, splits_of_dataset_dict
 from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx, render_idx
 from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
 from stallfree.shards.tar_walk import RangeReader, group_samples, walk_tar
 
 log = logging.getLogger(__name__)
+
+INDEX_JSON = "index.json"  # MosaicML MDS's and LitData's index: a dataset read in place (inplace.py)
 
 
 def file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
@@ -178,6 +182,8 @@ def _resolve_path(
         if not paths:
             raise MissingShardError(f"no files match {url}", shard=url)
         return fs, _common_root(paths), paths
+    if posixpath.basename(path) == INDEX_JSON:  # an MDS / LitData index, read in place
+        return fs, posixpath.dirname(path), [path]
     if path.endswith(".json"):
         return fs, posixpath.dirname(path), None
     suffixes = formats.scan_suffixes()
@@ -188,11 +194,43 @@ def _resolve_path(
         return fs, path.rstrip("/"), None
     if not fs.isdir(path):
         raise MissingShardError(f"no dataset at {url}", shard=url)
-    names = sorted(p for p in fs.ls(path, detail=False) if p.endswith(suffixes))
+    root = path.rstrip("/")
+    listing = sorted(fs.ls(path, detail=False))
+    entries = {posixpath.basename(p.rstrip("/")) for p in listing}
+    if DATASET_DICT_FILE in entries:
+        raise dataset_dict_error(fs, root, url)
+    if INDEX_JSON in entries:
+        return fs, root, [posixpath.join(root, INDEX_JSON)]
+    names = [p for p in listing if p.endswith(suffixes)]
     if not names:
         listed = ", ".join(suffixes[:-1]) + f" or {suffixes[-1]}" if len(suffixes) > 1 else suffixes[0]
-        raise MissingShardError(f"{url} has no manifest.json and no {listed} files", shard=url)
-    return fs, path.rstrip("/"), names
+        raise MissingShardError(
+            f"{url} has no manifest.json and no {listed} files, nor an index.json: it is none of "
+            "the layouts open_dataset reads (stallfree or WebDataset shards, Arrow / Parquet "
+            "tables, a Hugging Face save_to_disk directory, MosaicML MDS, LitData). Make a dataset "
+            f"of it with `stallfree shard {url} DST` (ImageFolder trees, files grouped by name, "
+            "JSONL, ...), then open DST",
+            shard=url,
+        )
+    if is_local(fs) and SAVE_TO_DISK_FILES[1] in entries:  # a save_to_disk directory's state.json
+        for name in names:
+            refuse_link_out(root, name, f"{url} ({SAVE_TO_DISK_FILES[1]})")
+    return fs, root, names
+
+
+def dataset_dict_error(fs: fsspec.AbstractFileSystem, root: str, url: str) -> ShardError:
+    """What opening a ``DatasetDict.save_to_disk`` directory says: it holds splits, name them."""
+    path = posixpath.join(root, DATASET_DICT_FILE)
+    try:
+        splits = splits_of_dataset_dict(remote.read_file(fs, path, shard=DATASET_DICT_FILE))
+    except (ShardError, ValueError):
+        splits = []
+    example = posixpath.join(url.rstrip("/"), splits[0] if splits else "train")
+    return ShardError(
+        f"{url} is a Hugging Face DatasetDict with splits {', '.join(splits) or '(none listed)'}: "
+        f"open one split directory, e.g. {example}",
+        shard=DATASET_DICT_FILE,
+    )
 
 
 def resolve_files(
