@@ -25,15 +25,16 @@ import posixpath
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from typing import Any, BinaryIO
 
 import fsspec
 
 from stallfree.shards import digests, file_copy, formats, remote
+from stallfree.shards.daemon_pool import DaemonThreadPool
 from stallfree.shards.errors import HashMismatchError, MissingShardError
 from stallfree.shards.formats import ShardOpen
-from stallfree.shards.staging import StagedFile, Staging, StagingArea
+from stallfree.shards.staging import Expected, StagedFile, Staging, StagingArea, StagingFullError
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ class StagedShards:
         self.dataset = dataset
         self.staging = staging
         self.area = StagingArea(staging.resolved_root(), staging.cap_bytes)
+        self.area.note(dataset.fingerprint, dataset.url)
         # after a fork the dataset's client is the parent's (not fork-safe): warm() renews it
         dataset.warm([], executor)
         # the client is made at the first request: in a loader's workers often never, the main
@@ -89,7 +91,8 @@ class StagedShards:
         # formats whose index can be rebuilt from a shard's own bytes (``indexable``: tar headers)
         self._derives_index = bool(self._format.indexable)
         # sidecars have a pool of their own: a shard's staging (on ``executor``) waits for them
-        self._sidecars = ThreadPoolExecutor(4, thread_name_prefix="stallfree-sidecar")
+        # (daemon threads: a download stuck on a slow server must not hold the process at exit)
+        self._sidecars = DaemonThreadPool(4, thread_name_prefix="stallfree-sidecar")
         self._keep_open = max(1, keep_open)
         self._lock = threading.RLock()  # a done-callback may run in the thread that holds it
         self._open: OrderedDict[int, _Open] = OrderedDict()  # most recently used last
@@ -99,6 +102,7 @@ class StagedShards:
         self._theirs: dict[int, None] = {}  # needed, but the other processes' share: after ours
         self._share = share if share is not None and share[1] > 1 else None
         self._warned_disk = False
+        self._warned_full = False
         self._unstageable: set[int] = set()  # shards the local disk refused: read remotely
         self._landing: set[int] = set()  # shards land() was asked for, once each
 
@@ -225,15 +229,48 @@ class StagedShards:
                     out[pos] = sample
                 continue
             try:
-                samples = self._wait(s).get_many(rows)
+                samples = self._read_staged(s, rows, keep=by_shard)
             except OSError as exc:  # the local disk, not the store (whose errors are ShardErrors)
                 if exc.errno not in _DISK_ERRORS:
                     raise
                 self._unstaged(s, exc)
+                samples = None
+            if samples is None:
                 samples = self.dataset.get_many([indices[p] for p in positions])
             for pos, sample in zip(positions, samples, strict=True):
                 out[pos] = sample
         return out
+
+    def _read_staged(self, s: int, rows: list[int], keep: Any) -> list[dict[str, Any]] | None:
+        """Shard ``s``'s ``rows`` from its staged copy; None when the cap leaves no room for it
+        (the files in use fill it): read remotely then. Before giving up, this process lets go
+        of the copies it keeps open but this batch does not read, and tries once more."""
+        try:
+            return self._wait(s).get_many(rows)
+        except StagingFullError as exc:
+            full = exc
+        if self._release_idle(keep):
+            try:
+                return self._wait(s).get_many(rows)
+            except StagingFullError as exc:
+                full = exc
+        if not self._warned_full:
+            self._warned_full = True
+            log.warning(
+                "%s: reading shards that do not fit with ranged GETs (about one per sample) instead; "
+                "raise the cap (staging=Staging(cap_bytes=...)) to at least two shard windows",
+                full,
+            )
+        return None
+
+    def _release_idle(self, keep: Any) -> bool:
+        """Close the open copies not in ``keep`` (their pins go: evictable); True if any."""
+        with self._lock:
+            idle = [s for s in self._open if s not in keep]
+            closing = [self._open.pop(s) for s in idle]
+        for o in closing:
+            o.close()
+        return bool(closing)
 
     def _unstaged(self, s: int, exc: OSError) -> None:
         """Staging failed on the local disk (full, read-only): say so once, read remotely."""
@@ -288,7 +325,13 @@ class StagedShards:
         # more round trip before the shard's first row could be read (50-100 ms at 10 ms each way)
         sides = [self._sidecars.submit(self._stage_sidecar, side, info.path) for side in wanted]
         try:
-            main = self.area.stage(self._namespace, info.path, lambda f: self._fetch_shard(path, info, f))
+            main = self.area.stage(
+                self._namespace,
+                info.path,
+                lambda f: self._fetch_shard(path, info, f),
+                size=info.bytes,
+                expect=_expected(info),
+            )
             pins.append(main)
             for fut in sides:
                 staged = fut.result()
@@ -333,7 +376,7 @@ class StagedShards:
         one means: tar, no .idx, scan headers)."""
         name = posixpath.join(posixpath.dirname(shard), posixpath.basename(side))
         try:
-            return self.area.stage(self._namespace, name, lambda f: self._fetch_small(side, shard, f))
+            return self.area.stage(self._namespace, name, produce=lambda: self._fetch_small(side, shard))
         except MissingShardError:
             return None
 
@@ -369,8 +412,8 @@ class StagedShards:
             )
         log.debug("staged %s (%d bytes)", info.path, got)
 
-    def _fetch_small(self, path: str, shard: str, f: BinaryIO) -> None:
-        f.write(remote.read_file(self._fs, path, shard=shard))
+    def _fetch_small(self, path: str, shard: str) -> bytes:
+        return remote.read_file(self._fs, path, shard=shard)
 
     def close(self) -> None:
         """Close the open copies, and those still being staged once they are (their pins
@@ -383,6 +426,16 @@ class StagedShards:
         for fut in pending:
             fut.add_done_callback(_close_result)
         self._sidecars.shutdown(wait=False, cancel_futures=True)
+
+
+def _expected(info: Any) -> Expected:
+    """What a staged copy of the shard ``info`` must be: its size, and its xxh3-128 (else its
+    sha256) where the manifest records one."""
+    if info.xxh3_128:
+        return Expected(info.bytes, "xxh3-128", info.xxh3_128)
+    if info.sha256:
+        return Expected(info.bytes, "sha256", info.sha256)
+    return Expected(info.bytes)
 
 
 def _close_result(fut: Future) -> None:

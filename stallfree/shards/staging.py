@@ -10,15 +10,41 @@ How the files are kept:
 - ``<root>/<namespace>/<name>``: ``namespace`` is the dataset's fingerprint (a changed dataset
   never meets an old copy), ``name`` the file's path in the dataset with ``/`` quoted. A file
   is written to a temporary name and renamed into place, so a half-written file is never seen.
+  ``<namespace>/.dataset.json`` says which dataset URL the namespace holds (``stallfree
+  staging list``).
+- Private to its user (issue 36): the default root, ``stallfree-staging-<uid>`` in the temp
+  directory, is a name anyone can guess, so it and every namespace directory are checked before
+  use (``os.lstat`` and ``fstat`` of an ``O_NOFOLLOW | O_DIRECTORY`` descriptor: a directory, not
+  a symbolic link, owned by this user, writable by no one else) and a failed check is a
+  ``StagingDirError`` naming the path and the problem. Refused rather than replaced by a fresh
+  private ``mkdtemp`` root: a per-process root would end the node-wide sharing (every worker and
+  rank fetching every shard, the cap counted per process, a root nobody finds again to clear),
+  and a directory planted under our name is something its user should hear about. Directories
+  are made 0700, files 0600; every operation inside the root goes through the checked
+  descriptors (``dir_fd``), so a symlink swapped in later is never followed.
 - One process of the node fetches a file; the others wait for it. The fetcher holds an
   exclusive ``flock`` on ``<name>.lock``: a waiter blocks on the same lock, then finds the file
   there. ``flock`` rather than an O_EXCL claim file with a pid in it: the kernel drops the lock
   of a process that dies, so a crashed fetcher's claim is taken over at once, with no pid reuse
   or lease timeout to judge.
-- A byte cap (``cap_bytes``). A file in use is pinned: its reader holds a shared ``flock`` on
-  it (``StagedFile``). Over the cap, the least recently used files (mtime, set on each use) that
-  no process pins are deleted, only then: a dataset that fits stays staged, and a second epoch
-  reads no remote byte.
+- A copy found staged (by an earlier run, another process, anyone) is checked before this
+  process first uses it (``Expected``): a regular file of this user, the manifest's size, and
+  the manifest's digest. The digest is taken once per node and copy: it is then recorded on the
+  file (an extended attribute with the file's inode, size and mtime, which any write changes),
+  so a later process checks that record instead of hashing the file again; a file system
+  without extended attributes hashes once per process. A damaged copy is deleted, with a
+  warning naming it, and fetched again. A copy this process fetched was checked as it was
+  fetched, and is not hashed again. Last use is the file's atime (set on each use), so the
+  mtime stays the time of its last write.
+- A byte cap (``cap_bytes``) that holds at every moment, counting files being written: room is
+  reserved under an exclusive ``flock`` on ``<root>/.room`` (which keeps the node's running
+  total, recounted from the directory now and then and whenever it says there is no room)
+  before a file is created, and the partial file is sized to its full length at once, so every
+  process counts it. Making room deletes the least recently used files that no process pins (a
+  reader holds a shared ``flock`` on a file it uses: ``StagedFile``). When the pinned files
+  leave no room, ``stage`` raises ``StagingFullError`` rather than wait for a pin to go (a
+  process waiting with pins of its own could wait for ever); the reader then reads that shard
+  with ranged GETs instead (``staged_reads.py``).
 - Every descriptor that holds one of these ``flock``s is closed in a forked child right after
   the fork (``_Held``): a ``flock`` belongs to the open file description, which the child
   shares, so a fetcher's lock released by the parent stayed held by the child's copy, and every
@@ -31,22 +57,62 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
+import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit, urlunsplit
+
+from stallfree.shards import digests
 
 log = logging.getLogger(__name__)
 
 _LOCK, _TMP = ".lock", ".tmp-"
+ROOM_FILE = ".room"  # the root's running total and the lock every change of it is made under
+NOTE_FILE = ".dataset.json"  # in a namespace: which dataset it holds
+_MARK = "user.stallfree.verified"  # the extended attribute recording a checked copy
 MAX_DEFAULT_CAP = 256 << 30
-TRIM_EVERY = 64  # files staged by a process between two walks of the whole area
+RECOUNT_EVERY = 64  # files staged on the node between two walks of the whole area
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NO_XATTR = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENOSPC, errno.E2BIG}
+if hasattr(errno, "ENODATA"):
+    _NO_XATTR.add(errno.ENODATA)
+
+
+class StagingDirError(RuntimeError):
+    """A staging directory that is not safe to use: not ours, writable by others, a symlink."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path, self.problem = path, problem
+        super().__init__(
+            f"staging directory {path} {problem}: refusing to stage there (another user could plant "
+            "or read staged shards); remove it, or pass staging=Staging(root=...) naming a directory "
+            "of your own"
+        )
+
+    def __reduce__(self):  # keep the fields across process boundaries (worker -> main)
+        return (StagingDirError, (self.path, self.problem))
+
+
+class StagingFullError(RuntimeError):
+    """No room for a file under the cap: the files that would have to go are in use (pinned),
+    or the file alone is larger than the cap."""
+
+    def __init__(self, path: str, size: int, cap: int, reason: str) -> None:
+        self.path, self.size, self.cap, self.reason = path, size, cap, reason
+        super().__init__(f"no room to stage {path} ({size} bytes) under the cap of {cap} bytes: {reason}")
+
+    def __reduce__(self):
+        return (StagingFullError, (self.path, self.size, self.cap, self.reason))
 
 
 @dataclass(frozen=True)
@@ -54,8 +120,9 @@ class Staging:
     """Where and how much to stage (the loader's ``staging=`` option).
 
     ``root``: the directory (None: ``stallfree-staging-<uid>`` in the system's temp directory,
-    one per user and node, so ranks and workers share it). ``cap_bytes``: the most it may hold
-    (None: half the disk space free when first opened, at most 256 GiB). ``part_bytes`` and
+    one per user and node, so ranks and workers share it; it must be this user's and writable by
+    no one else: ``StagingDirError``). ``cap_bytes``: the most it may hold at any moment (None:
+    half the disk space free when first opened, at most 256 GiB). ``part_bytes`` and
     ``concurrency``: the ranged GETs a file is read in, and how many at once (8 MB, as Amazon's
     CRT client: a 16 MB shard in two GETs, so a window of 8 shards is 16 connections, where one
     connection per shard left bandwidth unused through a 10 ms round trip; RESULTS.md, Object
@@ -77,7 +144,31 @@ class Staging:
             )
 
     def resolved_root(self) -> str:
-        return self.root or os.path.join(tempfile.gettempdir(), f"stallfree-staging-{os.getuid()}")
+        return self.root or default_root()
+
+
+def default_root() -> str:
+    """``stallfree-staging-<uid>`` in the system's temp directory."""
+    return os.path.join(tempfile.gettempdir(), f"stallfree-staging-{os.getuid()}")
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a staged file must be: ``size`` bytes (None: any) with digest ``digest`` under
+    ``algorithm`` (``"xxh3-128"`` or ``"sha256"``; None: no digest known)."""
+
+    size: int | None = None
+    algorithm: str | None = None
+    digest: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.algorithm is None) != (self.digest is None):
+            raise ValueError("Expected: algorithm and digest go together")
+        if self.algorithm not in (None, "xxh3-128", "sha256"):
+            raise ValueError(f"Expected: unknown digest algorithm {self.algorithm!r}")
+
+    def hasher(self):  # noqa: ANN201 - an xxhash or hashlib state
+        return digests.fast_hasher() if self.algorithm == "xxh3-128" else hashlib.sha256()
 
 
 class _Held:
@@ -91,9 +182,9 @@ class _Held:
         self.fds: set[int] = set()
         self.files: weakref.WeakSet[StagedFile] = weakref.WeakSet()
 
-    def open(self, path: str, flags: int, mode: int = 0o644) -> int:
+    def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
         with self.lock:
-            fd = os.open(path, flags | os.O_CLOEXEC, mode)
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
             self.fds.add(fd)
         return fd
 
@@ -118,6 +209,9 @@ os.register_at_fork(
     after_in_parent=lambda: _HELD.lock.release(),
     after_in_child=lambda: _HELD.after_fork_in_child(),
 )
+
+# copies this process checked or fetched: (st_dev, st_ino, st_size, st_mtime_ns) -> digest
+_CHECKED: dict[tuple[int, int, int, int], str | None] = {}
 
 
 class StagedFile:
@@ -144,114 +238,461 @@ class StagedFile:
         self.close()
 
 
+@dataclass(frozen=True)
+class StagedEntry:
+    """One file of the area as a walk found it (``path`` relative names kept for ``dir_fd`` use)."""
+
+    namespace: str  # the directory's name, quoted as on disk
+    name: str  # the file's name, quoted as on disk
+    size: int
+    last_use_ns: int  # atime: set on each use
+    partial: bool  # a file being written (``<name>.tmp-PID-THREAD``)
+
+
 class StagingArea:
     """The files of one staging directory (see the module docstring). Thread-safe; processes
-    coordinate through the file system only."""
+    coordinate through the file system only. ``close`` releases its directory descriptors."""
 
     def __init__(self, root: str, cap_bytes: int | None = None) -> None:
-        os.makedirs(root, exist_ok=True)
-        self.root = root
-        self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(root)
-        self._trim_lock = threading.Lock()
-        self._warned_full = False
-        # bytes staged, as last counted plus what this process staged since: the whole
-        # directory is walked only when that passes the cap, or every TRIM_EVERY files (other
-        # processes stage too), not once per file (a walk of 100,000 files takes a while)
-        self._estimate = self.staged_bytes()
-        self._since_walk = 0
+        self.root = os.path.abspath(root)
+        self._root_fd = open_private_dir(self.root, create=True)
+        self._ns_fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_fds, self._ns_fds, [self._root_fd])
+        self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap(self.root)
+
+    def close(self) -> None:
+        self._finalizer()
 
     def path_of(self, namespace: str, name: str) -> str:
         return os.path.join(self.root, quote(namespace, safe=""), quote(name, safe=""))
 
-    def stage(self, namespace: str, name: str, fill: Callable[[BinaryIO], None]) -> StagedFile:
-        """The staged file ``name`` of ``namespace``, pinned; ``fill(f)`` writes its content when
-        no process of the node has staged it yet (exactly one of them runs it at a time). An
-        exception from ``fill`` propagates, and nothing is left staged."""
-        path = self.path_of(namespace, name)
-        while True:
-            pinned = _pin(path)
-            if pinned is not None:
-                return pinned
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with _exclusive(path + _LOCK):
-                pinned = _pin(path)  # another process staged it while this one waited
-                if pinned is not None:
-                    return pinned
-                pinned = self._fill(path, fill)
-            self._added(pinned.size)
-            return pinned
+    # -- directories --------------------------------------------------------------------------
 
-    def _fill(self, path: str, fill: Callable[[BinaryIO], None]) -> StagedFile:
-        """Write ``path`` through a temporary file; returned pinned (no trim can take it first)."""
-        tmp = f"{path}{_TMP}{os.getpid()}-{threading.get_ident()}"
+    def namespace_fd(self, namespace: str, create: bool = True) -> int:
+        """The checked descriptor of ``namespace``'s directory (made 0700 when missing); raises
+        ``StagingDirError`` for one that is not safe, FileNotFoundError without ``create``."""
+        return self._namespace_fd(quote(namespace, safe=""), create)
+
+    def _namespace_fd(self, q: str, create: bool) -> int:
+        with self._lock:
+            fd = self._ns_fds.pop(q, None)
+            if fd is not None:
+                if os.fstat(fd).st_nlink > 0:  # not removed since (``staging clear``)
+                    self._ns_fds[q] = fd
+                    return fd
+                os.close(fd)
+            if create:
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(q, 0o700, dir_fd=self._root_fd)
+            fd = _open_checked_dir(q, os.path.join(self.root, q), dir_fd=self._root_fd)
+            self._ns_fds[q] = fd
+            return fd
+
+    def note(self, namespace: str, url: str) -> None:
+        """Record (once) which dataset ``namespace`` holds, for ``stallfree staging list``: its
+        URL without credentials or query."""
+        ns_fd = self.namespace_fd(namespace)
+        with contextlib.suppress(FileNotFoundError):
+            os.stat(NOTE_FILE, dir_fd=ns_fd, follow_symlinks=False)
+            return
+        body = json.dumps({"fingerprint": namespace, "url": _public_url(url), "created": time.time()})
+        tmp = f"{NOTE_FILE}{_TMP}{os.getpid()}-{threading.get_ident()}"
+        try:
+            fd = os.open(
+                tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=ns_fd
+            )
+            with os.fdopen(fd, "w") as f:
+                f.write(body)
+            os.rename(tmp, NOTE_FILE, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)
+        except OSError:  # a note is a convenience: a full disk must not fail a read
+            log.debug("could not write %s's note", namespace, exc_info=True)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=ns_fd)
+
+    # -- staging ------------------------------------------------------------------------------
+
+    def stage(
+        self,
+        namespace: str,
+        name: str,
+        fill: Callable[[BinaryIO], None] | None = None,
+        *,
+        size: int | None = None,
+        expect: Expected | None = None,
+        produce: Callable[[], bytes] | None = None,
+    ) -> StagedFile:
+        """The staged file ``name`` of ``namespace``, pinned.
+
+        Found staged, it is checked against ``expect`` first (see the module docstring); a
+        damaged copy is deleted and fetched again. Not staged, one process of the node fetches
+        it: ``fill(f)`` writes its ``size`` bytes (room for them is made first, under the cap:
+        ``StagingFullError`` when the files in use leave none) and checks them against
+        ``expect``'s digest itself (so they are not hashed twice). Where the size is only known
+        once fetched (a small sidecar), pass ``produce`` instead: its bytes are written. An
+        exception from ``fill`` or ``produce`` propagates, and nothing is left staged."""
+        if (produce is None) == (fill is None) or (fill is not None) != (size is not None):
+            raise ValueError("stage: pass fill= with size=, or produce= alone")
+        expect = expect or Expected(size=size)
+        ns_fd = self.namespace_fd(namespace)
+        fname = quote(name, safe="")
+        path = os.path.join(self.root, quote(namespace, safe=""), fname)
+        pinned, verdict = self._pin(ns_fd, fname, path, expect)
+        if verdict == _OK:
+            return pinned
+        if pinned is not None:
+            pinned.close()
+        with _exclusive(fname + _LOCK, ns_fd):
+            # another process may have fetched, checked or replaced it while this one waited
+            pinned, verdict = self._pin(ns_fd, fname, path, expect)
+            if verdict == _UNCHECKED:
+                verdict = self._hash(pinned, expect)
+            if verdict == _OK:
+                return pinned
+            if pinned is not None:
+                pinned.close()
+            if verdict != _ABSENT:
+                log.warning(
+                    "staged copy %s is damaged (%s): deleting it and fetching it again", path, verdict
+                )
+                self._discard(ns_fd, fname)
+            if produce is not None:
+                data = produce()
+                return self._fill(ns_fd, fname, path, len(data), lambda f: f.write(data), expect)
+            assert fill is not None and size is not None
+            return self._fill(ns_fd, fname, path, size, fill, expect)
+
+    def _pin(self, ns_fd: int, fname: str, path: str, expect: Expected) -> tuple[StagedFile | None, str]:
+        """``fname`` opened, pinned and touched as used now, and what is known of it: ``_OK``
+        (checked), ``_UNCHECKED`` (its digest must be taken), ``_ABSENT``, or what is wrong."""
+        try:
+            fd = _HELD.open(fname, os.O_RDONLY, dir_fd=ns_fd)
+        except FileNotFoundError:
+            return None, _ABSENT
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return None, "a symbolic link, not a file"
+            raise
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            st = os.fstat(fd)
+            if st.st_nlink == 0:  # evicted between open and pin
+                _HELD.close(fd)
+                return None, _ABSENT
+            with contextlib.suppress(OSError):  # the eviction order: least recently used first
+                os.utime(fd, ns=(time.time_ns(), st.st_mtime_ns))
+        except BaseException:
+            _HELD.close(fd)
+            raise
+        pinned = StagedFile(path, fd)
+        return pinned, _judge(fd, st, expect)
+
+    def _hash(self, pinned: StagedFile, expect: Expected) -> str:
+        """Take the pinned copy's digest: ``_OK`` (and recorded on it) or what is wrong."""
+        fd = pinned._fd
+        st = os.fstat(fd)
+        digest = expect.hasher()
+        digests.update_from_fd(digest, fd, st.st_size)
+        got = digest.hexdigest()
+        if got != expect.digest:
+            return f"its {expect.algorithm} is {got}, the manifest records {expect.digest}"
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o600)  # staged before copies were private
+        _record(fd, st, expect)
+        return _OK
+
+    def _fill(
+        self, ns_fd: int, fname: str, path: str, size: int, fill: Callable[[BinaryIO], None], expect: Expected
+    ) -> StagedFile:
+        """Write ``fname`` through a temporary file, in room reserved for it; returned pinned
+        (no eviction can take it first)."""
+        tmp = f"{fname}{_TMP}{os.getpid()}-{threading.get_ident()}"
+        wfd = self._reserve(ns_fd, tmp, size, path)
         fd = -1
         try:
-            with open(tmp, "w+b") as f:  # readable too: a fill may check what it wrote
+            with os.fdopen(wfd, "w+b") as f:  # readable too: a fill checks what it wrote
                 fill(f)
-            fd = _HELD.open(tmp, os.O_RDONLY)
+                f.flush()
+                st = os.fstat(f.fileno())
+                if st.st_size != size:
+                    raise OSError(errno.EIO, f"staging {path}: {st.st_size} bytes written, {size} reserved")
+                _record(f.fileno(), st, expect)
+            fd = _HELD.open(tmp, os.O_RDONLY, dir_fd=ns_fd)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.rename(tmp, path)  # visible whole or not at all
+            os.rename(tmp, fname, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)  # visible whole or not at all
         except BaseException:
             if fd >= 0:
                 _HELD.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+            with self._room() as room:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp, dir_fd=ns_fd)
+                    room.total -= size
             raise
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(path + _LOCK)  # later arrivals find the file before they look for a lock
+            os.unlink(fname + _LOCK, dir_fd=ns_fd)  # later arrivals find the file before a lock
         return StagedFile(path, fd)
 
-    def _added(self, size: int) -> None:
-        with self._trim_lock:
-            self._estimate += size
-            self._since_walk += 1
-            due = self._estimate > self.cap_bytes or self._since_walk >= TRIM_EVERY
-        if due:
-            self.trim()
+    # -- the cap ------------------------------------------------------------------------------
 
-    def staged_bytes(self) -> int:
-        return sum(size for _, size, _ in self._files())
+    @contextlib.contextmanager
+    def _room(self) -> Iterator[_Ledger]:
+        """The node's running total of staged bytes, under the area's exclusive lock."""
+        fd = _HELD.open(ROOM_FILE, os.O_CREAT | os.O_RDWR, 0o600, dir_fd=self._root_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            ledger = _Ledger.read(fd)
+            yield ledger
+            ledger.write(fd)
+        finally:
+            _HELD.close(fd)
 
-    def _files(self) -> list[tuple[str, int, float]]:
-        """(path, size, last use) of every staged file (locks and partial files aside); the
-        partial files of processes that died filling them are deleted on the way."""
-        out = []
-        for dirpath, _, names in os.walk(self.root):
-            for n in names:
-                if n.endswith(_LOCK):
-                    continue
-                if _TMP in n:
-                    _drop_if_orphaned(os.path.join(dirpath, n))
-                    continue
-                p = os.path.join(dirpath, n)
-                with contextlib.suppress(FileNotFoundError):
-                    st = os.stat(p)
-                    out.append((p, st.st_size, st.st_mtime))
+    def _reserve(self, ns_fd: int, tmp: str, size: int, path: str) -> int:
+        """Make room for ``size`` bytes and create the partial file ``tmp`` at that size (so every
+        walk counts it); returns its descriptor, open for writing."""
+        if size > self.cap_bytes:
+            raise StagingFullError(path, size, self.cap_bytes, "larger than the cap")
+        with self._room() as room:
+            if room.total is None or room.since_walk >= RECOUNT_EVERY or room.total + size > self.cap_bytes:
+                self._make_room(room, size)
+            if room.total + size > self.cap_bytes:
+                raise StagingFullError(
+                    path,
+                    size,
+                    self.cap_bytes,
+                    f"{room.total} bytes staged are in use (pinned) or being written",
+                )
+            fd = os.open(
+                tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=ns_fd
+            )
+            try:
+                os.ftruncate(fd, size)
+            except BaseException:
+                os.close(fd)
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=ns_fd)
+                raise
+            room.total += size
+            room.since_walk += 1
+        return fd
+
+    def _make_room(self, room: _Ledger, size: int) -> None:
+        """Under the room lock: recount the area, then delete least recently used unpinned
+        files until ``size`` more bytes fit (as many as can go)."""
+        entries = self.entries()
+        room.total, room.since_walk = sum(e.size for e in entries), 0
+        for e in sorted((e for e in entries if not e.partial), key=lambda e: e.last_use_ns):
+            if room.total + size <= self.cap_bytes:
+                return
+            with contextlib.suppress(FileNotFoundError, StagingDirError):
+                if _evict_at(self._namespace_fd(e.namespace, create=False), e.name):
+                    room.total -= e.size
+
+    def _discard(self, ns_fd: int, fname: str) -> None:
+        """Delete a damaged copy (pinned or not: every reader checks a copy before using it)."""
+        with self._room() as room:
+            try:
+                st = os.stat(fname, dir_fd=ns_fd, follow_symlinks=False)
+                os.unlink(fname, dir_fd=ns_fd)
+            except FileNotFoundError:
+                return
+            if room.total is not None and stat.S_ISREG(st.st_mode):
+                room.total -= st.st_size
+
+    def entries(self) -> list[StagedEntry]:
+        """Every file of the area (partial ones too; locks and notes aside); partial files whose
+        writers died are deleted on the way."""
+        out: list[StagedEntry] = []
+        with os.scandir(self._root_fd) as top:
+            namespaces = [e.name for e in top if e.is_dir(follow_symlinks=False)]
+        for q in namespaces:
+            try:
+                ns_fd = self._namespace_fd(q, create=False)
+            except (FileNotFoundError, StagingDirError):
+                continue
+            with os.scandir(ns_fd) as it:
+                for e in it:
+                    n = e.name
+                    if n.endswith(_LOCK) or n == NOTE_FILE or n.startswith(NOTE_FILE + _TMP):
+                        continue
+                    partial = _TMP in n
+                    if partial and _drop_if_orphaned(ns_fd, n):
+                        continue
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    out.append(StagedEntry(q, n, st.st_size, st.st_atime_ns, partial))
         return out
 
-    def trim(self, keep: str | None = None) -> None:
-        """Delete the least recently used unpinned files until the area is within its cap."""
-        with self._trim_lock:
-            files = self._files()
-            total = sum(size for _, size, _ in files)
-            self._estimate, self._since_walk = total, 0
-            if total <= self.cap_bytes:
-                return
-            for path, size, _ in sorted(files, key=lambda f: f[2]):
-                if total <= self.cap_bytes:
-                    return
-                if path != keep and _evict(path):
-                    total -= size
-                    self._estimate -= size
-            if not self._warned_full:
-                self._warned_full = True
-                log.warning(
-                    "staging area %s holds %d bytes, over its cap of %d, all in use: raise the cap "
-                    "(staging=Staging(cap_bytes=...)) to at least two shard windows",
-                    self.root,
-                    total,
-                    self.cap_bytes,
-                )
+    def staged_bytes(self) -> int:
+        return sum(e.size for e in self.entries())
+
+    def trim(self) -> None:
+        """Delete least recently used unpinned files until the area is within its cap, and
+        recount it (partial files of writers that died go too)."""
+        with self._room() as room:
+            self._make_room(room, 0)
+
+    def evict(self, namespace: str, name: str) -> bool:
+        """Delete one staged file unless a process pins it; True if deleted."""
+        try:
+            ns_fd = self.namespace_fd(namespace, create=False)
+        except FileNotFoundError:
+            return False
+        with self._room() as room:
+            fname = quote(name, safe="")
+            try:
+                size = os.stat(fname, dir_fd=ns_fd, follow_symlinks=False).st_size
+            except FileNotFoundError:
+                return False
+            if not _evict_at(ns_fd, fname):
+                return False
+            if room.total is not None:
+                room.total -= size
+            return True
+
+
+_OK, _UNCHECKED, _ABSENT = "ok", "unchecked", "absent"
+
+
+@dataclass
+class _Ledger:
+    """The ``.room`` file's content: bytes staged on the node (None: unknown, count them) and
+    files staged since the last count."""
+
+    total: int | None
+    since_walk: int
+
+    @classmethod
+    def read(cls, fd: int) -> _Ledger:
+        raw = os.pread(fd, 64, 0).split()
+        try:
+            total, since = int(raw[0]), int(raw[1])
+        except (IndexError, ValueError):
+            return cls(None, 0)
+        return cls(total if total >= 0 else None, since)
+
+    def write(self, fd: int) -> None:
+        body = f"{-1 if self.total is None else self.total} {self.since_walk}\n".encode()
+        os.pwrite(fd, body.ljust(48), 0)
+
+
+def _judge(fd: int, st: os.stat_result, expect: Expected) -> str:
+    """What a look (no hashing) says of an open staged copy: see ``StagingArea._pin``."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
+    if expect.size is not None and st.st_size != expect.size:
+        return f"{st.st_size} bytes, the manifest records {expect.size}"
+    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if identity in _CHECKED and _CHECKED[identity] == expect.digest:
+        return _OK
+    mark = _read_mark(fd)
+    if mark is not None:
+        ino, size, mtime_ns, algorithm, digest = mark
+        if (ino, size, mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
+            return "written to after it was staged"
+        if expect.digest is None or (algorithm, digest) == (expect.algorithm, expect.digest):
+            _CHECKED[identity] = expect.digest
+            return _OK
+    if expect.digest is None:
+        return _OK  # nothing recorded to check it against (a sidecar staged before marks were)
+    return _UNCHECKED
+
+
+def _record(fd: int, st: os.stat_result, expect: Expected) -> None:
+    """Note a checked copy (this process's memory, and the file's mark for the node's others)."""
+    _CHECKED[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = expect.digest
+    value = f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {expect.algorithm or '-'} {expect.digest or '-'}"
+    try:
+        os.setxattr(fd, _MARK, value.encode())
+    except OSError as exc:
+        if exc.errno not in _NO_XATTR:
+            raise
+
+
+def _read_mark(fd: int) -> tuple[int, int, int, str | None, str | None] | None:
+    try:
+        raw = os.getxattr(fd, _MARK)
+    except OSError as exc:
+        if exc.errno in _NO_XATTR:
+            return None
+        raise
+    parts = raw.decode("ascii", "replace").split()
+    if len(parts) != 5:
+        return None
+    try:
+        ino, size, mtime_ns = int(parts[0]), int(parts[1]), int(parts[2])
+    except ValueError:
+        return None
+    algorithm, digest = (None if p == "-" else p for p in parts[3:])
+    return ino, size, mtime_ns, algorithm, digest
+
+
+def open_private_dir(path: str, create: bool = False) -> int:
+    """A descriptor of directory ``path`` (made 0700 when missing and ``create``), checked:
+    not a symbolic link, owned by this user, writable by no one else (``StagingDirError``)."""
+    if create:
+        parent = os.path.dirname(path)
+        if parent:
+            os.makedirs(parent, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+    return _open_checked_dir(path, path)
+
+
+def _open_checked_dir(name: str, path: str, dir_fd: int | None = None) -> int:
+    try:
+        before = os.lstat(name, dir_fd=dir_fd) if dir_fd is not None else os.lstat(name)
+    except FileNotFoundError:
+        raise
+    if stat.S_ISLNK(before.st_mode):
+        raise StagingDirError(path, "is a symbolic link")
+    if not stat.S_ISDIR(before.st_mode):
+        raise StagingDirError(path, "is not a directory")
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StagingDirError(path, "was replaced by a symbolic link or a file") from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
+            raise StagingDirError(path, "was replaced while it was opened")
+        euid = os.geteuid()
+        if st.st_uid != euid:
+            raise StagingDirError(path, f"is owned by uid {st.st_uid}, not by this user (uid {euid})")
+        if st.st_mode & 0o022:
+            raise StagingDirError(
+                path, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+            )
+        if dir_fd is not None and st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)  # a namespace made before staged copies were private
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _close_fds(ns_fds: dict[str, int], others: list[int]) -> None:
+    for fd in list(ns_fds.values()) + others:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    ns_fds.clear()
+
+
+def _public_url(url: str) -> str:
+    """``url`` without user, password, query or fragment (what may be written to a note)."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return url
+    if not parts.scheme or not parts.netloc:
+        return url
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def default_cap(root: str) -> int:
@@ -259,48 +700,36 @@ def default_cap(root: str) -> int:
     return max(1, min(MAX_DEFAULT_CAP, shutil.disk_usage(root).free // 2))
 
 
-def _drop_if_orphaned(tmp: str) -> None:
-    """Delete a partial file whose writer (``...tmp-PID-THREAD``) is no longer alive."""
+def _drop_if_orphaned(ns_fd: int, tmp: str) -> bool:
+    """Delete a partial file whose writer (``...tmp-PID-THREAD``) is no longer alive; True if
+    it was deleted."""
     try:
         pid = int(tmp.rsplit(_TMP, 1)[1].split("-", 1)[0])
     except ValueError:
-        return
+        return False
     try:
         os.kill(pid, 0)
-        return  # still writing it
+        return False  # still writing it
     except ProcessLookupError:
         pass
     except PermissionError:
-        return  # alive, someone else's
+        return False  # alive, someone else's
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=ns_fd)
+    return True
 
 
-def _pin(path: str) -> StagedFile | None:
-    """``path`` opened and pinned, touched as used now; None if it is not staged."""
+def _evict_at(ns_fd: int, fname: str) -> bool:
+    """Delete ``fname`` unless a process pins it; True if deleted."""
     try:
-        fd = _HELD.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if os.fstat(fd).st_nlink == 0:  # evicted between open and pin
-            _HELD.close(fd)
-            return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # the eviction order: least recently used first
-    except BaseException:
-        _HELD.close(fd)
-        raise
-    return StagedFile(path, fd)
-
-
-def _evict(path: str) -> bool:
-    """Delete ``path`` unless a process pins it; True if deleted."""
-    try:
-        fd = _HELD.open(path, os.O_RDONLY)
+        fd = _HELD.open(fname, os.O_RDONLY, dir_fd=ns_fd)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        os.unlink(fname, dir_fd=ns_fd)  # a symlink in our directory: never ours, never pinned
+        return True
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -308,7 +737,11 @@ def _evict(path: str) -> bool:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 return False  # pinned: in use
             raise
-        os.unlink(path)
+        here = os.stat(fname, dir_fd=ns_fd, follow_symlinks=False)
+        st = os.fstat(fd)
+        if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
+            return False  # replaced meanwhile by a fresh copy
+        os.unlink(fname, dir_fd=ns_fd)
         return True
     except FileNotFoundError:
         return False
@@ -316,10 +749,19 @@ def _evict(path: str) -> bool:
         _HELD.close(fd)
 
 
+def _evict(path: str) -> bool:
+    """Delete the staged file at ``path`` unless a process pins it; True if deleted."""
+    parent = os.open(os.path.dirname(path), _DIR_FLAGS)
+    try:
+        return _evict_at(parent, os.path.basename(path))
+    finally:
+        os.close(parent)
+
+
 @contextlib.contextmanager
-def _exclusive(lock_path: str):
-    """Hold an exclusive ``flock`` on ``lock_path`` (blocks while another process holds it)."""
-    fd = _HELD.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+def _exclusive(lock_name: str, dir_fd: int) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``lock_name`` (blocks while another process holds it)."""
+    fd = _HELD.open(lock_name, os.O_CREAT | os.O_RDWR, 0o600, dir_fd=dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -327,4 +769,15 @@ def _exclusive(lock_path: str):
         _HELD.close(fd)
 
 
-__all__ = ["Staging", "StagedFile", "StagingArea", "default_cap"]
+__all__ = [
+    "Expected",
+    "Staging",
+    "StagedEntry",
+    "StagedFile",
+    "StagingArea",
+    "StagingDirError",
+    "StagingFullError",
+    "default_cap",
+    "default_root",
+    "open_private_dir",
+]

@@ -20,7 +20,7 @@ from stallfree.shards.errors import ChecksumMismatchError, HashMismatchError
 from stallfree.shards.manifest import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.staged_reads import StagedShards
-from stallfree.shards.staging import Staging, StagingArea
+from stallfree.shards.staging import Staging, StagingArea, StagingFullError
 from stallfree.shards.writer import ShardWriter
 
 TIMEOUT = 120
@@ -239,7 +239,7 @@ _DIE = textwrap.dedent("""
         print("filling", flush=True)
         sys.stdin.readline()
         os._exit(9)  # dies holding the claim, the file half written
-    StagingArea(sys.argv[1]).stage("ns", "a/shard.tar", fill)
+    StagingArea(sys.argv[1]).stage("ns", "a/shard.tar", fill, size=64)
 """)
 
 
@@ -253,20 +253,22 @@ def test_a_dead_fetchers_claim_is_taken_over_and_its_half_file_never_seen(tmp_pa
     proc.stdin.write("die\n")
     proc.stdin.flush()
     assert proc.wait(TIMEOUT) == 9
-    with area.stage("ns", "a/shard.tar", lambda f: f.write(b"the whole file")) as staged:
+    with area.stage("ns", "a/shard.tar", produce=lambda: b"the whole file") as staged:
         assert open(staged.path, "rb").read() == b"the whole file"
     area.trim()  # sweeps the dead writer's partial file
     assert os.listdir(os.path.dirname(final)) == ["a%2Fshard.tar"]
 
 
-def test_a_pinned_file_is_never_evicted(tmp_path):
+def test_a_pinned_file_is_never_evicted_and_the_cap_still_holds(tmp_path):
     area = StagingArea(str(tmp_path), cap_bytes=10)
-    with area.stage("ns", "one", lambda f: f.write(b"x" * 8)) as one:
-        with area.stage("ns", "two", lambda f: f.write(b"y" * 8)):
-            assert os.path.exists(one.path)  # over the cap, but both in use
-        area.trim()
+    with area.stage("ns", "one", produce=lambda: b"x" * 8) as one:
+        with pytest.raises(StagingFullError, match=r"no room to stage .*two \(8 bytes\) under the cap of 10"):
+            area.stage("ns", "two", produce=lambda: b"y" * 8)  # "one" is in use: it cannot go
         assert os.path.exists(one.path) and not os.path.exists(area.path_of("ns", "two"))
-    assert area.staged_bytes() == 8
+        assert area.staged_bytes() == 8
+    with area.stage("ns", "two", produce=lambda: b"y" * 8) as two:  # "one" unpinned: evicted for it
+        assert open(two.path, "rb").read() == b"y" * 8
+    assert not os.path.exists(area.path_of("ns", "one")) and area.staged_bytes() == 8
 
 
 def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
@@ -363,7 +365,9 @@ def small_disk(tmp_path):
     """A 64 KiB tmpfs (root only): a staging disk that fills up after a few shards."""
     mnt = tmp_path / "small"
     mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)], capture_output=True
+    )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode(errors='replace').strip()}")
     try:

@@ -28,7 +28,7 @@ _FETCH_WHILE_FORKED = textwrap.dedent(
         go.wait()
         f.write(b"from the fetcher")
 
-    fetch = threading.Thread(target=lambda: area.stage("ns", "x", fill).close())
+    fetch = threading.Thread(target=lambda: area.stage("ns", "x", fill, size=16).close())
     fetch.start()
     holding.wait()                     # the fetch lock is held now
     child = os.fork()                  # a worker, forked meanwhile; it lives on
@@ -38,7 +38,7 @@ _FETCH_WHILE_FORKED = textwrap.dedent(
     waiter = __import__("subprocess").Popen(
         [sys.executable, "-c",
          "import sys; from stallfree.shards.staging import StagingArea; "
-         "f = StagingArea(sys.argv[1], 1 << 30).stage('ns', 'x', lambda f: f.write(b'again')); "
+         "f = StagingArea(sys.argv[1], 1 << 30).stage('ns', 'x', produce=lambda: b'again'); "
          "print(open(f.path, 'rb').read().decode())",
          root],
         stdout=__import__("subprocess").PIPE, text=True)
@@ -75,7 +75,7 @@ _PIN_WHILE_FORKED = textwrap.dedent(
     from stallfree.shards.staging import StagingArea, _evict
 
     area = StagingArea(sys.argv[1], 1 << 30)
-    pin = area.stage("ns", "y", lambda f: f.write(b"y" * 100))
+    pin = area.stage("ns", "y", produce=lambda: b"y" * 100)
     path = pin.path
     r, w = os.pipe()
     child = os.fork()
