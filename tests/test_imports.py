@@ -256,7 +256,7 @@ def test_subpackages_never_import_the_cli():
     "source, allowed",
     [
         ("stallfree.shards", ("stallfree.shards",)),
-        ("stallfree.cache", ("stallfree.cache", "stallfree.shards")),
+        ("stallfree.cache", ("stallfree.cache", "stallfree.shards", "stallfree.extras")),
     ],
 )
 def test_layering(source, allowed):

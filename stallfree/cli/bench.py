@@ -202,6 +202,8 @@ def _finite(value):
 
 
 def run(args: argparse.Namespace) -> int:
+    from stallfree.extras import require
+    from stallfree.gpu_decode.jpeg_info import jpeg_decoder
     from stallfree.harness import report as rpt
     from stallfree.harness.errors import RankFailed, error_line
     from stallfree.harness.runner import run_bench
@@ -210,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
     dataset = str(args.dataset)
     if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():
         return fail("bench", f"dataset {dataset} does not exist", code=2)
+    if args.plot:  # before the run, not after minutes of it
+        require("matplotlib", "plot", "stallfree bench --plot")
     try:
         cfg = config_from_args(args)
         result = run_bench(cfg)
@@ -219,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         return fail("bench", error_line(exc), code=2)
     if result is None:  # a non-zero rank inside torchrun: rank 0 reports
         return 0
+    # the CPU decode's speed depends on it: a PIL fallback (C decoder not built) shows here
+    print(f"jpeg decoder: {jpeg_decoder()}")
     print(rpt.format_table(result, per_rank=not args.no_per_rank))
     if "analysis" in result:
         print()

@@ -39,8 +39,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stallfree.cli.doctor import version_lines
+
     if args.images < 8:
         return fail("demo", f"--images must be at least 8, got {args.images}", 2)
+    for line in version_lines():  # what the timings below depend on (a PIL fallback is slower)
+        print(line, flush=True)
     with tempfile.TemporaryDirectory(prefix="stallfree-demo-") as tmp:
         work = (args.workdir or Path(tmp)).resolve()
         return _run(args, work)

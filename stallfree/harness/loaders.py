@@ -331,6 +331,9 @@ class DaliAdapter(Adapter):
 
     def __init__(self, settings: LoaderSettings) -> None:
         super().__init__(settings)
+        from stallfree.extras import require
+
+        require("nvidia.dali", "dali", "the DALI loader of stallfree bench (--loader dali)")
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 

@@ -230,8 +230,9 @@ def plot_figure(report: dict[str, Any]) -> Any:
     The timeline panels share one x-axis, from 0 to the end of the slowest loader's run: with an
     axis each, every panel filled its width and a loader that took twice as long for the same
     steps looked the same as the fast one."""
-    import matplotlib
+    from stallfree.extras import require
 
+    matplotlib = require("matplotlib", "plot", "the bench plot (stallfree bench --plot)")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -101,7 +101,9 @@ def tokenize_files(
     ``dtype``: default uint16 when the vocabulary fits (< 65536 ids), else int32.
     ``progress(documents, tokens)``: called after each batch of ``batch_size`` documents (the CLI
     draws its progress bar from it)."""
-    from tokenizers import Tokenizer
+    from stallfree.extras import require
+
+    Tokenizer = require("tokenizers", "tokens", "tokenize_files (stallfree shard --tokenizer)").Tokenizer
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

@@ -39,12 +39,19 @@ def folder(tmp_path: Path) -> Path:
     return src
 
 
-def test_version_flag_prints_the_package_version():
+def test_version_flag_prints_the_package_torch_and_the_jpeg_decoder():
+    import torch
+
+    from stallfree.gpu_decode.jpeg_info import jpeg_decoder
+
     r = subprocess.run(
         [sys.executable, "-m", "stallfree", "--version"], capture_output=True, text=True, timeout=60
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.strip() == f"stallfree {stallfree.__version__}"
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"stallfree {stallfree.__version__}"
+    assert lines[1].startswith(f"torch {torch.__version__} (")
+    assert lines[2] == f"jpeg decoder: {jpeg_decoder()}" and len(lines) == 3
 
 
 def test_every_subcommand_has_a_description_and_an_example(monkeypatch):

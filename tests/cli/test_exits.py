@@ -1,0 +1,133 @@
+"""How commands end: output into a pipe whose reader went away (``stallfree inspect ... | head``)
+ends quietly with 141, not a BrokenPipeError traceback (issue 30 item 7); ``stallfree doctor``
+reports one line per check, or JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import stallfree
+from stallfree.cli import EXIT_BROKEN_PIPE, main
+from stallfree.cli.doctor import DALI_DISTRIBUTIONS, dali_cuda_major
+from stallfree.extras import EXTRAS
+from stallfree.gpu_decode.jpeg_info import jpeg_decoder
+from stallfree.shards.writer import ShardWriter
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    dst = tmp_path / "ds"
+    with ShardWriter(str(dst), max_samples=2) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "bin": bytes([i]) * 10})
+    return dst
+
+
+def run_into_closed_pipe(*argv: str) -> subprocess.CompletedProcess:
+    """``stallfree ARGV`` with stdout a pipe whose read end is closed before the command starts:
+    every write to it fails, as when ``head`` has exited."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "stallfree", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("json_flag", [[], ["--json"]])
+def test_inspect_into_a_closed_pipe_ends_quietly_with_141(dataset: Path, json_flag: list[str]):
+    r = run_into_closed_pipe("inspect", str(dataset), *json_flag)
+    assert r.stderr == ""  # no traceback, no "Exception ignored ... BrokenPipeError" at exit
+    assert r.returncode == EXIT_BROKEN_PIPE == 141
+
+
+def test_help_version_and_doctor_into_a_closed_pipe_end_quietly():
+    for argv in (["--version"], ["doctor"]):
+        r = run_into_closed_pipe(*argv)
+        assert r.stderr == "", (argv, r.stderr)
+        assert r.returncode == EXIT_BROKEN_PIPE, argv
+    r = run_into_closed_pipe("--help")  # argparse drops its own messages' write errors: exit 0
+    assert (r.returncode, r.stderr) == (0, "")
+
+
+def test_inspect_piped_into_head_prints_the_first_lines(dataset: Path):
+    # the reader the issue names; whether the write is refused depends on timing, the output not
+    r = subprocess.run(
+        ["bash", "-c", f'"{sys.executable}" -m stallfree inspect "{dataset}" | head -n 2'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout.splitlines() == [f"dataset:     {dataset}", "format:      tar (manifest version 1)"]
+
+
+def parse_doctor(out: str) -> dict[str, tuple[str, str]]:
+    """``[ok] name: detail`` lines -> {name: (mark, detail)}, in order."""
+    checks = {}
+    for line in out.splitlines():
+        mark, rest = line[1:3], line[5:]
+        name, _, detail = rest.partition(": ")
+        checks[name.rstrip(":")] = (mark, detail.strip())
+    return checks
+
+
+def test_doctor_prints_one_line_per_check_and_every_extra(capsys):
+    assert main(["doctor"]) == 0  # the dev environment has no problem
+    out = capsys.readouterr().out
+    checks = parse_doctor(out)
+    assert len(checks) == len(out.splitlines())
+    names = list(checks)
+    assert names[:6] == ["stallfree", "python", "torch", "jpeg decoder", "dali", "redis-server"]
+    assert names[6:] == [f"[{name}]" for name in EXTRAS]
+    assert checks["stallfree"] == ("ok", f"{stallfree.__version__} ({Path(stallfree.__file__).parents[1]})")
+    assert checks["jpeg decoder"] == ("ok", str(jpeg_decoder()))  # the dev environment builds it
+    assert checks["[plot]"][0] == "ok" and checks["[plot]"][1].startswith("matplotlib ")
+    assert checks["[dali-cuda13]"] == (
+        "--",
+        "nvidia-dali-cuda130 not installed: GPU decode with DALI (for torch built for CUDA 13)",
+    )
+
+
+def test_doctor_json_has_the_same_checks(capsys):
+    assert main(["doctor", "--json"]) == 0
+    checks = json.loads(capsys.readouterr().out)
+    assert [c["name"] for c in checks][:3] == ["stallfree", "python", "torch"]
+    assert {c["status"] for c in checks} <= {"ok", "missing", "warn", "problem"}
+    by_name = {c["name"]: c for c in checks}
+    assert by_name["[redis]"]["status"] == "ok" and "redis " in by_name["[redis]"]["detail"]
+    assert by_name["jpeg decoder"]["detail"] == str(jpeg_decoder())
+
+
+def test_doctor_warns_when_the_c_jpeg_decoder_is_not_built():
+    # the build failure the issue found silent: the C extension made unimportable
+    code = (
+        "import sys\n"
+        "sys.modules['stallfree.gpu_decode._turbo'] = None\n"
+        "from stallfree.cli import main\n"
+        "sys.exit(main(['doctor']))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    mark, detail = parse_doctor(r.stdout)["jpeg decoder"]
+    assert mark == "!!" and detail.startswith("pil (the C extension stallfree.gpu_decode._turbo is not built")
+    assert detail.endswith("install gcc and libjpeg62-turbo-dev, then reinstall stallfree)")
+
+
+def test_dali_cuda_major_comes_from_the_distribution_name():
+    assert DALI_DISTRIBUTIONS == {"nvidia-dali-cuda120": 12, "nvidia-dali-cuda130": 13}
+    assert dali_cuda_major({"nvidia-dali-cuda120": "2.4.0"}) == 12
+    assert dali_cuda_major({"nvidia-dali-cuda130": "2.4.0"}) == 13
+    assert dali_cuda_major({}) is None
