@@ -60,15 +60,17 @@ def open_tokens(
     **storage_options: Any,
 ) -> TokenSource:
     """The token source ``source`` names: a Megatron prefix (``x/name`` for ``name.bin`` +
-    ``name.idx``, or either file), a raw ``.bin`` (``dtype=`` required), or an Arrow/Parquet
-    dataset (file, directory, glob) with column ``field``."""
+    ``name.idx``, or either file), a raw ``.bin`` (``dtype=`` required), the output directory of
+    ``stallfree shard --tokenizer`` (opened by its ``tokens.json``, either layout), or an
+    Arrow/Parquet dataset (file, directory, glob) with column ``field``."""
     from stallfree.shards import remote
     from stallfree.tokens.megatron import MegatronSource, prefix_of
 
     fs, path = remote.url_to_fs(source, **storage_options)
     prefix = prefix_of(path)
+    data_file = path.endswith((".arrow", ".parquet"))
     if path.endswith(".idx") or (
-        not path.endswith((".arrow", ".parquet"))
+        not data_file
         and remote.exists(fs, prefix + ".idx", shard=source)
         and remote.exists(fs, prefix + ".bin", shard=source)
     ):
@@ -77,6 +79,13 @@ def open_tokens(
         from stallfree.tokens.rawbin import RawBinSource
 
         return RawBinSource(source, dtype, eos=eos, **storage_options)
+    if not data_file and not any(c in path for c in "*?["):
+        from stallfree.tokens.token_dir import read_token_dir, refuse_bare_megatron
+
+        written = read_token_dir(fs, path, source)
+        if written is not None:
+            return written.open(dtype=dtype, field=field, **storage_options)
+        refuse_bare_megatron(fs, path, source)
     from stallfree.tokens.arrow_tokens import ArrowTokenSource
 
     return ArrowTokenSource(source, field=field, **storage_options)

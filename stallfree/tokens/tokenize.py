@@ -19,11 +19,11 @@ import numpy as np
 
 from stallfree.shards.atomic import AtomicFile
 from stallfree.shards.errors import SampleDecodeError, ShardError, WriteError
+from stallfree.tokens.token_dir import LAYOUTS, TOKENS_FORMAT, TOKENS_MANIFEST
 
 log = logging.getLogger(__name__)
 
-TOKENS_MANIFEST = "tokens.json"
-LAYOUTS = ("megatron", "arrow")
+__all__ = ["LAYOUTS", "TOKENS_MANIFEST", "iter_texts", "tokenize_files"]
 
 
 def _texts_jsonl(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Iterator[str]:
@@ -97,7 +97,8 @@ def tokenize_files(
 ) -> dict[str, Any]:
     """Tokenize every document of ``sources`` into ``dst`` (a directory URL) and return the
     ``tokens.json`` contents. ``layout``: ``"megatron"`` (``dst/name.bin`` + ``.idx``) or
-    ``"arrow"`` (Arrow shards + ``manifest.json``; open either with ``TokenDataset(dst...)``).
+    ``"arrow"`` (Arrow shards + ``manifest.json``); open either with ``TokenDataset(dst, seq_len)``
+    (token_dir.py reads ``tokens.json``).
     ``dtype``: default uint16 when the vocabulary fits (< 65536 ids), else int32.
     ``progress(documents, tokens)``: called after each batch of ``batch_size`` documents (the CLI
     draws its progress bar from it)."""
@@ -148,7 +149,7 @@ def tokenize_files(
                     progress(docs, tokens)
         files = [s.to_json() for s in w.shards]
     manifest = {
-        "format": "stallfree.tokens",
+        "format": TOKENS_FORMAT,
         "version": 1,
         "layout": layout,
         "dtype": dt.name,

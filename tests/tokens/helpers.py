@@ -79,3 +79,7 @@ def check_windows(ds, docs, eos=None, positions="window"):
         seen += list(range(i * L, (i + 1) * L))
     assert seen == list(range(n * L))  # every stream position an input exactly once, in order
     return tokens
+
+
+# The texts the tokenizer fixture (conftest.py) is trained on and tokenize tests write.
+TEXTS = [f"the quick brown fox {i} jumps over the lazy dog {i * 7}" for i in range(40)] + ["", "ünïcödé"]

@@ -13,23 +13,9 @@ import pytest
 from stallfree.shards.errors import SampleDecodeError
 from stallfree.tokens.packing import TokenDataset
 from stallfree.tokens.tokenize import tokenize_files
-from tests.tokens.helpers import check_windows
+from tests.tokens.helpers import TEXTS, check_windows
 
 tokenizers = pytest.importorskip("tokenizers")
-
-TEXTS = [f"the quick brown fox {i} jumps over the lazy dog {i * 7}" for i in range(40)] + ["", "ünïcödé"]
-
-
-@pytest.fixture
-def tokenizer_json(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(TEXTS, trainers.BpeTrainer(vocab_size=300, special_tokens=["[UNK]", "<eos>"]))
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return str(path), tok
 
 
 @pytest.mark.parametrize("layout", ["megatron", "arrow"])
