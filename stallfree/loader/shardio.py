@@ -24,12 +24,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch.utils.data
 
 from stallfree.loader import contracts
+from stallfree.shards.daemon_pool import DaemonThreadPool
 from stallfree.shards.staging import Staging
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,8 @@ class ConcurrentShards:
 
     def __init__(self, dataset: Any, threads: int = 8, staging: Staging | None = None) -> None:
         self._ds = dataset
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stallfree-shard")
+        # daemon threads: a read stuck on a slow server must not hold the process at exit
+        self._pool = DaemonThreadPool(max(1, threads), thread_name_prefix="stallfree-shard")
         self._staged = None
         if staging is not None:
             from stallfree.shards.staged_reads import StagedShards
@@ -132,7 +133,8 @@ class LeadStaging:
     ) -> None:
         from stallfree.shards.staged_reads import StagedShards
 
-        self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="stallfree-lead-stage")
+        # daemon threads: a download stuck on a slow server must not hold the process at exit
+        self._pool = DaemonThreadPool(max(1, threads), thread_name_prefix="stallfree-lead-stage")
         self._closed = False
         self._lock = threading.Lock()
         self._waiting: list[int] = list(then)  # asked for before the first window is in
