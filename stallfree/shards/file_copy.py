@@ -13,11 +13,12 @@ import logging
 import os
 import threading
 import weakref
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 
 import fsspec
 
 from stallfree.shards import remote, s3direct
+from stallfree.shards.daemon_pool import DaemonThreadPool
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ def copy_part(
     try:
         remote.read_with_retries(
             route.fs, path, start, end, shard=shard, policy=policy,
-            fetch=lambda: route.copy_range(path, start, end, fd),
+            fetch=lambda deadline_at: route.copy_range(path, start, end, fd, deadline_at),
         )  # fmt: skip
     except s3direct.LocalWriteError as exc:  # the local disk's own error (full: the caller reads remotely)
         raise exc.__cause__ from None
@@ -124,7 +125,7 @@ def copy_part(
 # with its filesystem
 _ROUTES: dict[int, tuple[int, s3direct.DirectRoute | None]] = {}
 _ROUTES_LOCK = threading.Lock()
-_PART_POOL: tuple[int, ThreadPoolExecutor] | None = None  # (pid, this process's pool)
+_PART_POOL: tuple[int, DaemonThreadPool] | None = None  # (pid, this process's pool)
 PART_THREADS = 16  # parts read at once by one process, over all its shards (8 shards of 2 parts)
 
 
@@ -150,13 +151,14 @@ def _direct_route(fs: fsspec.AbstractFileSystem) -> s3direct.DirectRoute | None:
     return route
 
 
-def _part_pool() -> ThreadPoolExecutor:
+def _part_pool() -> DaemonThreadPool:
     """This process's threads for parts beyond the first of each group (made again after a
-    fork: a pool's threads do not survive one)."""
+    fork: a pool's threads do not survive one). Daemon threads: a part still downloading when
+    the process exits is abandoned, not waited for (``daemon_pool.py``)."""
     global _PART_POOL
     with _ROUTES_LOCK:
         if _PART_POOL is None or _PART_POOL[0] != os.getpid():
-            _PART_POOL = (os.getpid(), ThreadPoolExecutor(PART_THREADS, thread_name_prefix="stallfree-part"))
+            _PART_POOL = (os.getpid(), DaemonThreadPool(PART_THREADS, thread_name_prefix="stallfree-part"))
         return _PART_POOL[1]
 
 

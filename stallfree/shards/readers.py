@@ -27,6 +27,7 @@ from typing import Any
 import fsspec
 import numpy as np
 
+from stallfree.shards import stamps
 from stallfree.shards.arrow_check import BatchChecks
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
@@ -38,6 +39,7 @@ from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.remote import RangeFile, read_file, read_ranges
 from stallfree.shards.scan import file_size, record_mismatches, scan_tar, sha256_of
+from stallfree.shards.sums import remote_member_check
 from stallfree.shards.tar import BLOCK, parse_header, split_name
 from stallfree.shards.tar_walk import RangeReader, walk_tar
 
@@ -67,9 +69,11 @@ def _fetch_ranges(
     ranges: list[tuple[int, int]],
     shard: str,
     keys: list[str | None] | None = None,
+    pin: stamps.remote.VersionPin | None = None,
 ) -> list[bytes]:
-    """Each range's bytes, exactly, through the one checked and retried remote read."""
-    return read_ranges(fs, path, ranges, shard=shard, keys=keys)
+    """Each range's bytes, exactly, through the one checked and retried remote read (of the
+    version ``pin`` names, where given)."""
+    return read_ranges(fs, path, ranges, shard=shard, keys=keys, pin=pin)
 
 
 def _check_record(
@@ -160,7 +164,12 @@ class TarShardReader:
 
     ``member_check(j, key, field, data, offset)``, when given, sees every member read (``j``: its
     place in the index, members flattened in order) and raises to refuse it (``sums.MemberSums``:
-    ``open_dataset(..., verify_samples=True)``)."""
+    ``open_dataset(..., verify_samples=True)``).
+
+    Remote reads are pinned to the version of the object found when the reader opened
+    (``stamps.open_version``): a shard rewritten mid-run is ``remote.ObjectChangedError``, not
+    new bytes; where the store offers no version to pin, every member is checked against the
+    shard's ``.sums`` (``sums.remote_member_check``) unless ``member_check`` is given."""
 
     def __init__(
         self,
@@ -174,6 +183,7 @@ class TarShardReader:
     ) -> None:
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
         self.member_check = member_check
+        self.pin: stamps.remote.VersionPin | None = None  # what every remote read asks for
         self.local = is_local(fs)
         # Local shards are read with pread, not through a memory map: a mapping leaves every page
         # a worker has read resident in it, so RSS/PSS grows to the data set size (measured: +380
@@ -189,8 +199,11 @@ class TarShardReader:
             self._fd = self._file.fileno()
             self.size = os.fstat(self._fd).st_size
         else:
-            self.size = file_size(fs, path, shard)
+            opened = stamps.open_version(fs, path, shard)
+            self.size, self.pin = opened.size, opened.pin
         try:  # any check below may fail: the file must not outlive the error (nor the traceback)
+            if not self.local and self.pin is None and self.member_check is None:
+                self.member_check = remote_member_check(fs, path, shard)
             self._load_index(samples, verify_hash)
         except BaseException:
             self.close()
@@ -276,7 +289,7 @@ class TarShardReader:
     def _read(self, start: int, end: int, key: str | None = None) -> bytes:
         if self._fd is not None:
             return self._pread(start, end, key)
-        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard, [key])[0]
+        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard, [key], self.pin)[0]
 
     def _pread(self, start: int, end: int, key: str | None = None) -> bytes:
         data = os.pread(self._fd, end - start, start)
@@ -382,7 +395,7 @@ class TarShardReader:
             return [self.get(r) for r in rows]
         groups = coalesce([(*self.span(r), r) for r in set(rows)])
         keys = [self._keys[g[2][0]] for g in groups]
-        blobs = _fetch_ranges(self.fs, self.path, [(g[0], g[1]) for g in groups], self.shard, keys)
+        blobs = _fetch_ranges(self.fs, self.path, [(g[0], g[1]) for g in groups], self.shard, keys, self.pin)
         found: dict[int, dict[str, Any]] = {}
         for (start, _, tags), blob in zip(groups, blobs, strict=True):
             for r in tags:

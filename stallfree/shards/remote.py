@@ -21,23 +21,35 @@ a failure the client already retried (s3fs tries 5 times, ~1 s of backoff, for r
 dropped connections) is not retried again. With the defaults a read fails, naming the endpoint,
 after: ~0.3 s when connections are refused (3 attempts); 3 * 5 s when connects go unanswered;
 3 * 15 s (HTTP; 3 * 30 s for a size or existence lookup, which fsspec asks by HEAD, then GET)
-or 5 * 15 s (S3) when a server accepts and never answers. Imports nothing of ours but ``errors``
-and ``atomic.is_local``. Whole files copied into a local file (staging): ``file_copy.py``, through
-``read_parts`` or ``read_with_retries``.
+or 5 * 15 s (S3) when a server accepts and never answers. A server that answers, but trickles
+(a byte every 2 s resets any read timeout), is stopped by a ranged read's deadline
+(``Timeouts.deadline_s``: a floor on the rate after a grace period, for all attempts together),
+then ``RemoteReadError`` naming URL and range.
+
+Pinned reads (``VersionPin``, recorded when a shard is opened, ``stamps.open_version``): every
+ranged read of it asks the store for that version (S3: by ``VersionId``, or ``If-Match`` the
+ETag; HTTP: ``If-Match`` a strong ETag, else ``If-Unmodified-Since``), so an object rewritten
+mid-run is ``ObjectChangedError`` naming the shard, never the new bytes. Imports nothing of ours
+but ``errors`` and ``atomic.is_local``. Whole files copied into a local file (staging):
+``file_copy.py``, through ``read_parts`` or ``read_with_retries``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import logging
 import os
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import fsspec
+import fsspec.asyn
 
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardError, ShardReadError
@@ -75,21 +87,100 @@ class RetryPolicy:
 
 @dataclass(frozen=True, slots=True)
 class Timeouts:
-    """Connect and read timeouts given to the storage client when the user gave none. s3fs's own
-    defaults (5 s / 15 s); aiohttp's default for fsspec's HTTP client is a 300 s total, which
-    let a server that accepts and never answers hold a read for five minutes."""
+    """How long a remote read may take. ``connect_s`` / ``read_s``: given to the storage client
+    when the user gave none (s3fs's own defaults, 5 s / 15 s; aiohttp's default for fsspec's
+    HTTP client is a 300 s total, which let a server that accepts and never answers hold a read
+    for five minutes).
+
+    ``part_grace_s`` / ``part_min_bytes_per_s``: the deadline of one ranged read of ``n`` bytes,
+    all its attempts together, is ``part_grace_s + n / part_min_bytes_per_s`` (``deadline_s``).
+    Why a floor on the rate and not one fixed deadline: reads here go from a 4 KB sample to a
+    16 MB staging part, and any one number either kills big parts on a slow link or lets a small
+    read trickle for minutes. A read timeout cannot do it: it bounds the *gap* between bytes, and
+    a server that sends a byte every 2 s (a broken proxy, a throttled or overloaded store) never
+    trips it; such a download held a loader for ever (issue 36). The defaults (30 s, then
+    256 KiB/s: 94 s for a 16 MiB part, 30.4 s for a 100 KB sample) are far below any link a
+    training job can run on, so they end only reads that would have stalled it anyway; set them
+    with ``open_dataset(url, stallfree_timeouts=Timeouts(...))``. Enforced for s3fs and fsspec's
+    HTTP client (async filesystems: the request is cancelled) and the presigned S3 route
+    (``s3direct``); a synchronous fsspec backend has only its own timeouts."""
 
     connect_s: float = 5.0
     read_s: float = 15.0
+    part_grace_s: float = 30.0
+    part_min_bytes_per_s: float = 256 * 1024
 
     def __post_init__(self) -> None:
         if self.connect_s <= 0 or self.read_s <= 0:
             raise ValueError(f"timeouts must be positive, got connect {self.connect_s}, read {self.read_s}")
+        if self.part_grace_s <= 0 or self.part_min_bytes_per_s <= 0:
+            raise ValueError(
+                f"a read's deadline must be positive, got part_grace_s {self.part_grace_s}, "
+                f"part_min_bytes_per_s {self.part_min_bytes_per_s}"
+            )
+
+    def deadline_s(self, nbytes: int) -> float:
+        """Seconds a ranged read of ``nbytes`` may take, all attempts together."""
+        return self.part_grace_s + max(0, nbytes) / self.part_min_bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class VersionPin:
+    """The version of an object every ranged read of it must get (recorded when its shard is
+    opened: ``stamps.open_version``). ``version_id``: S3's ``VersionId`` (read by it: the old
+    bytes stay readable after a rewrite); ``etag``: sent as ``If-Match`` (S3; HTTP when strong);
+    ``last_modified``: HTTP's ``Last-Modified``, sent as ``If-Unmodified-Since`` where the server
+    sends no strong ETag (one-second resolution: a rewrite within the same second is not seen)."""
+
+    etag: str | None = None
+    version_id: str | None = None
+    last_modified: str | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.etag or self.version_id or self.last_modified):
+            raise ValueError("a VersionPin needs an etag, a version_id or a last_modified")
+
+    def describe(self) -> str:
+        """What was pinned, as a user reads it: ``VersionId abc``, ``ETag "d41d..."``."""
+        if self.version_id:
+            return f"VersionId {self.version_id}"
+        if self.etag:
+            return f"ETag {self.etag}"
+        return f"Last-Modified {self.last_modified}"
+
+
+class ObjectChangedError(RemoteReadError):
+    """The object changed since its shard was opened: the store refused a ranged read pinned to
+    the version recorded then (HTTP 412 Precondition Failed). A ``RemoteReadError`` with the same
+    fields (URL, shard, sample key, range) and ``pinned``: what was recorded (``VersionPin.describe``).
+    Not retried: the bytes the dataset was indexed with are gone."""
+
+    def __init__(self, message: str, *, pinned: str | None = None, **fields: Any) -> None:
+        self.pinned = pinned
+        super().__init__(message, **fields)
+
+    def __reduce__(self):
+        fields = {k: getattr(self, k) for k in ("shard", "key", "offset", "url", "start", "end", "got")}
+        return (_rebuild_changed, (self.reason, self.pinned, fields))
+
+
+def _rebuild_changed(reason: str, pinned: str | None, fields: dict[str, Any]) -> ObjectChangedError:
+    return ObjectChangedError(reason, pinned=pinned, **fields)
 
 
 # What a read without ``policy=`` uses (looked up at call time, so tests can shorten the backoff).
 DEFAULT_POLICY = RetryPolicy()
 DEFAULT_TIMEOUTS = Timeouts()
+
+# id(fs) -> the Timeouts a dataset asked for (``url_to_fs(..., stallfree_timeouts=)``); an entry
+# goes with its filesystem (by identity: fsspec's equality ignores what is not a client option)
+_FS_TIMEOUTS: dict[int, Timeouts] = {}
+_FS_TIMEOUTS_LOCK = threading.Lock()
+
+
+def timeouts_for(fs: fsspec.AbstractFileSystem) -> Timeouts:
+    """The ``Timeouts`` reads of ``fs`` keep: those it was made with, else ``DEFAULT_TIMEOUTS``."""
+    return _FS_TIMEOUTS.get(id(fs)) or DEFAULT_TIMEOUTS
 
 
 # -- reads ----------------------------------------------------------------------------------
@@ -104,21 +195,25 @@ def read_range(
     shard: str,
     key: str | None = None,
     policy: RetryPolicy | None = None,
+    pin: VersionPin | None = None,
 ) -> bytes:
     """Bytes ``[start, end)`` of ``path``: exactly ``end - start`` of them, or an error (see the
-    module docstring). ``shard`` and ``key`` only name the read in errors."""
+    module docstring); with ``pin``, of that version of the object or ``ObjectChangedError``.
+    ``shard`` and ``key`` only name the read in errors."""
     if start < 0 or end < start:
         raise ValueError(f"bad range [{start}, {end}) for {path}")
     if start == end:
         return b""
+    deadline = _Deadline.start(fs, end - start)
     try:  # the common case first, without the retry loop's set-up (~1.5 µs a read)
-        # keywords: s3fs's cat_file takes ``version_id`` second
-        first: Any = fs.cat_file(path, start=start, end=end)
+        first: Any = _get(fs, path, start, end, pin, deadline.left())
     except Exception as exc:  # noqa: BLE001 - classified in the loop
         first = exc
     if type(first) is bytes and len(first) == end - start:
         return first
-    return _retrying(fs, path, start, end, shard, key, policy or DEFAULT_POLICY, first)
+    return _retrying(
+        fs, path, start, end, shard, key, policy or DEFAULT_POLICY, first, pin=pin, deadline=deadline
+    )
 
 
 def read_ranges(
@@ -129,22 +224,20 @@ def read_ranges(
     shard: str,
     keys: Sequence[str | None] | None = None,
     policy: RetryPolicy | None = None,
+    pin: VersionPin | None = None,
 ) -> list[bytes]:
     """Several ranges of one file, concurrently where the filesystem can (``cat_ranges``); each
     checked like ``read_range``, and only the failed or short ones asked again. ``keys[i]`` names
-    range ``i``'s first sample in errors."""
+    range ``i``'s first sample in errors. The ranges share one deadline, that of their bytes
+    together (they share the link)."""
     if keys is not None and len(keys) != len(ranges):
         raise ValueError(f"{len(keys)} keys for {len(ranges)} ranges")
     names = list(keys) if keys is not None else [None] * len(ranges)
     if len(ranges) == 1:
-        return [read_range(fs, path, *ranges[0], shard=shard, key=names[0], policy=policy)]
+        return [read_range(fs, path, *ranges[0], shard=shard, key=names[0], policy=policy, pin=pin)]
+    deadline = _Deadline.start(fs, sum(max(0, b - a) for a, b in ranges))
     try:
-        first: list[Any] = fs.cat_ranges(
-            [path] * len(ranges),
-            starts=[r[0] for r in ranges],
-            ends=[r[1] for r in ranges],
-            on_error="return",
-        )
+        first: list[Any] = _get_many(fs, path, ranges, pin, deadline.left())
     except Exception as exc:  # one failure for all: each range then goes its own way
         first = [exc] * len(ranges)
     out = []
@@ -152,8 +245,135 @@ def read_ranges(
         if isinstance(got, bytes) and len(got) == end - start:
             out.append(got)
         else:
-            out.append(_retrying(fs, path, start, end, shard, key, policy or DEFAULT_POLICY, got))
+            out.append(
+                _retrying(
+                    fs,
+                    path,
+                    start,
+                    end,
+                    shard,
+                    key,
+                    policy or DEFAULT_POLICY,
+                    got,
+                    pin=pin,
+                    deadline=deadline,
+                )
+            )
     return out
+
+
+# -- one attempt: plain, within a deadline, pinned to a version -----------------------------
+
+
+class _Deadline:
+    """When a read must be done by (monotonic), and the ``Timeouts`` that set it; ``None`` for
+    filesystems that cannot be held to one (synchronous backends: only their own timeouts)."""
+
+    __slots__ = ("at", "nbytes", "timeouts")
+
+    def __init__(self, at: float, nbytes: int, timeouts: Timeouts) -> None:
+        self.at, self.nbytes, self.timeouts = at, nbytes, timeouts
+
+    @staticmethod
+    def start(fs: Any, nbytes: int) -> _Deadline:
+        timeouts = timeouts_for(fs)
+        return _Deadline(time.monotonic() + timeouts.deadline_s(nbytes), nbytes, timeouts)
+
+    def left(self) -> float:
+        """Seconds left (at least a millisecond: 0 means "no timeout" to fsspec)."""
+        return max(0.001, self.at - time.monotonic())
+
+    def passed(self) -> bool:
+        return time.monotonic() >= self.at
+
+    def explain(self) -> str:
+        t = self.timeouts
+        return (
+            f"did not finish within its deadline of {t.deadline_s(self.nbytes):.1f} s "
+            f"(Timeouts.part_grace_s {t.part_grace_s:g} s, then {t.part_min_bytes_per_s:g} bytes/s "
+            f"for {self.nbytes} bytes): the server is sending too slowly"
+        )
+
+
+def _limit(fs: Any, seconds: float) -> dict[str, Any]:
+    """The keyword that bounds a call of an async filesystem's sync method (fsspec's ``sync``
+    takes ``timeout=`` and cancels the request when it passes); none for a synchronous one."""
+    return {"timeout": seconds} if getattr(fs, "async_impl", False) else {}
+
+
+def pin_route(fs: Any) -> str | None:
+    """How ranged reads of ``fs`` can be pinned to a version: ``"s3"`` (s3fs: ``VersionId`` or
+    ``If-Match``), ``"http"`` (fsspec's HTTP client: conditional headers), or None."""
+    module = type(fs).__module__ or ""
+    if module.startswith("s3fs"):
+        return "s3"
+    if module.startswith("fsspec.implementations.http"):
+        return "http"
+    return None
+
+
+def _http_conditions(fs: Any, pin: VersionPin) -> dict[str, Any]:
+    """``headers=`` for fsspec's HTTP ``cat_file``: the filesystem's own headers (the keyword
+    replaces them) and the condition."""
+    headers = dict((getattr(fs, "kwargs", None) or {}).get("headers") or {})
+    if pin.etag:
+        headers["If-Match"] = pin.etag
+    else:
+        headers["If-Unmodified-Since"] = str(pin.last_modified)
+    return {"headers": headers}
+
+
+async def _s3_pinned(fs: Any, path: str, ranges: Sequence[tuple[int, int]], pin: VersionPin) -> list[Any]:
+    """Ranged GETs through s3fs's client with the version asked for (s3fs's ``cat_file`` cannot
+    send ``If-Match``); each outcome bytes or the exception, as ``cat_ranges(on_error="return")``."""
+    bucket, key, _ = fs.split_path(path)
+    condition = {"VersionId": pin.version_id} if pin.version_id else {"IfMatch": pin.etag}
+
+    async def one(start: int, end: int) -> bytes:
+        resp = await fs._call_s3(
+            "get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **condition
+        )
+        try:
+            return await resp["Body"].read()
+        finally:
+            resp["Body"].close()
+
+    return list(await asyncio.gather(*(one(a, b) for a, b in ranges), return_exceptions=True))
+
+
+def _get(fs: Any, path: str, start: int, end: int, pin: VersionPin | None, seconds: float) -> Any:
+    """One attempt at bytes ``[start, end)`` (the bytes; raises on failure)."""
+    if pin is None:
+        # keywords: s3fs's cat_file takes ``version_id`` second
+        return fs.cat_file(path, start=start, end=end, **_limit(fs, seconds))
+    route = pin_route(fs)
+    if route == "s3":
+        got = fsspec.asyn.sync(fs.loop, _s3_pinned, fs, path, [(start, end)], pin, timeout=seconds)[0]
+        if isinstance(got, BaseException):
+            raise got
+        return got
+    if route == "http":
+        return fs.cat_file(path, start=start, end=end, **_http_conditions(fs, pin), **_limit(fs, seconds))
+    raise ValueError(f"{type(fs).__name__} reads cannot be pinned to a version ({pin.describe()})")
+
+
+def _get_many(
+    fs: Any, path: str, ranges: Sequence[tuple[int, int]], pin: VersionPin | None, seconds: float
+) -> list[Any]:
+    """One attempt at each range, concurrently: bytes or the exception, per range."""
+    if pin is not None and pin_route(fs) == "s3":
+        return fsspec.asyn.sync(fs.loop, _s3_pinned, fs, path, list(ranges), pin, timeout=seconds)
+    extra = _http_conditions(fs, pin) if pin is not None and pin_route(fs) == "http" else {}
+    if pin is not None and not extra:
+        raise ValueError(f"{type(fs).__name__} reads cannot be pinned to a version ({pin.describe()})")
+    return fs.cat_ranges(
+        [path] * len(ranges),
+        starts=[r[0] for r in ranges],
+        ends=[r[1] for r in ranges],
+        on_error="return",
+        **extra,
+        **_limit(fs, seconds),
+    )
 
 
 def read_file(
@@ -229,14 +449,18 @@ def read_with_retries(
     end: int,
     *,
     shard: str,
-    fetch: Callable[[], Any],
+    fetch: Callable[[float], Any],
     key: str | None = None,
     policy: RetryPolicy | None = None,
 ) -> Any:
-    """Bytes ``[start, end)`` of ``path`` as another transport reads them (``fetch``: one attempt,
-    returning the bytes, or the count it wrote somewhere), with this module's checks, retries and
-    errors (see the module docstring): how ``file_copy``'s direct S3 route stays one primitive."""
-    return _retrying(fs, path, start, end, shard, key, policy or DEFAULT_POLICY, None, fetch=fetch)
+    """Bytes ``[start, end)`` of ``path`` as another transport reads them (``fetch(deadline_at)``:
+    one attempt, done by ``deadline_at`` (``time.monotonic``) or raising, returning the bytes, or
+    the count it wrote somewhere), with this module's checks, retries, deadline and errors (see
+    the module docstring): how ``file_copy``'s direct S3 route stays one primitive."""
+    deadline = _Deadline.start(fs, end - start)
+    return _retrying(
+        fs, path, start, end, shard, key, policy or DEFAULT_POLICY, None, fetch=fetch, deadline=deadline
+    )
 
 
 def _retrying(
@@ -248,11 +472,15 @@ def _retrying(
     key: str | None,
     policy: RetryPolicy,
     first: Any,
-    fetch: Callable[[], Any] | None = None,
+    fetch: Callable[[float], Any] | None = None,
+    pin: VersionPin | None = None,
+    deadline: _Deadline | None = None,
 ) -> Any:
     """The attempt loop; ``first`` is the outcome of an attempt already made (bytes or an
     exception), or None. ``fetch`` makes an attempt other than ``cat_file``: its outcome is
-    bytes, or (a copy into a file) the number of bytes the server sent, checked alike."""
+    bytes, or (a copy into a file) the number of bytes the server sent, checked alike.
+    ``deadline`` bounds all attempts together (a ranged read; None for a whole file of unknown
+    size); ``pin`` the version every attempt asks for."""
     want = None if start is None or end is None else end - start
     delays = policy.delays()
     outcome = first
@@ -260,12 +488,13 @@ def _retrying(
     last: BaseException | None = None
     for attempt in range(policy.attempts):
         if outcome is None:
+            if deadline is not None and deadline.passed():
+                raise _late(fs, path, start, end, shard, key, attempt, deadline, short) from None
             try:
-                # keywords: s3fs's cat_file takes ``version_id`` second
                 if fetch is not None:
-                    outcome = fetch()
+                    outcome = fetch(deadline.at if deadline is not None else float("inf"))
                 elif want is not None:
-                    outcome = fs.cat_file(path, start=start, end=end)
+                    outcome = _get(fs, path, start, end, pin, deadline.left() if deadline else 0)
                 else:
                     outcome = fs.cat_file(path, **_whole_file_options(fs))
             except Exception as exc:
@@ -294,8 +523,10 @@ def _retrying(
         else:
             exc = outcome
             short = None
-            if _raise_final(fs, path, start, shard, key, exc):
+            if _raise_final(fs, path, start, end, shard, key, exc, pin):
                 raise _failed(fs, path, start, end, shard, key, attempt + 1, exc, None) from None
+            if deadline is not None and deadline.passed():
+                raise _late(fs, path, start, end, shard, key, attempt + 1, deadline, None) from None
             if client_retries(fs, exc):  # the client retried it already: again multiplies the wait
                 raise _failed(fs, path, start, end, shard, key, attempt + 1, exc, None) from None
             last = exc
@@ -303,21 +534,63 @@ def _retrying(
         outcome = None
         delay = next(delays, None)
         if delay is not None:
-            time.sleep(delay)
+            time.sleep(delay if deadline is None else min(delay, max(0.0, deadline.at - time.monotonic())))
     raise _failed(fs, path, start, end, shard, key, policy.attempts, last, short) from None
+
+
+def _late(
+    fs: fsspec.AbstractFileSystem,
+    path: str,
+    start: int | None,
+    end: int | None,
+    shard: str,
+    key: str | None,
+    attempts: int,
+    deadline: _Deadline,
+    short: int | None,
+) -> RemoteReadError:
+    """The error for a ranged read that ran past its deadline (``Timeouts.deadline_s``)."""
+    url = describe(fs, path)
+    tries = f"{attempts} attempt{'s' if attempts != 1 else ''}"
+    return RemoteReadError(
+        f"reading bytes {start}..{end} of {url} {deadline.explain()} ({tries})",
+        shard=shard,
+        key=key,
+        offset=start,
+        url=url,
+        start=start,
+        end=end,
+        got=short,
+    )
 
 
 def _raise_final(
     fs: fsspec.AbstractFileSystem,
     path: str,
     start: int | None,
+    end: int | None,
     shard: str,
     key: str | None,
     exc: BaseException,
+    pin: VersionPin | None = None,
 ) -> bool:
     """Raise the error for a failure that asking again cannot mend; return whether the server
     refused the request outright (the caller words that), False for a transient failure."""
     kind = classify(exc)
+    if kind == "changed" and pin is not None:
+        url = describe(fs, path)
+        raise ObjectChangedError(
+            f"{url} changed since its shard was opened: the store no longer has the version read then "
+            f"({pin.describe()}; HTTP 412 for bytes {start}..{end}). The dataset was rewritten "
+            "while in use: reopen it (a manifest's digests make staged reads check every copy)",
+            pinned=pin.describe(),
+            shard=shard,
+            key=key,
+            offset=start,
+            url=url,
+            start=start,
+            end=end,
+        ) from None
     if kind == "missing":
         raise MissingShardError(f"{describe(fs, path)} not found", shard=shard, key=key) from None
     if kind == "denied":  # the store answered, and said no: not damaged
@@ -330,7 +603,7 @@ def _raise_final(
         ) from None
     if kind in ("shard", "foreign"):
         raise exc  # ours already, or a bug or a bad argument: not ours to reword
-    return kind == "refused"
+    return kind in ("refused", "changed")
 
 
 def _failed(
@@ -391,7 +664,8 @@ class RangeFile(io.RawIOBase):
     Parquet file through (``pa.PythonFile(RangeFile(...))``), so those reads are checked and
     retried like every other. fsspec's own file objects hand a short body back as it came.
     ``block_size`` > 0 reads ahead that many bytes (a sequential walk of an Arrow stream);
-    0 reads exactly what is asked (random access to record batches)."""
+    0 reads exactly what is asked (random access to record batches). ``pin``: every read asks
+    for that version of the object (``read_range``)."""
 
     def __init__(
         self,
@@ -402,10 +676,11 @@ class RangeFile(io.RawIOBase):
         shard: str,
         block_size: int = 0,
         policy: RetryPolicy | None = None,
+        pin: VersionPin | None = None,
     ) -> None:
         super().__init__()
         self._fs, self._path, self.size, self._shard = fs, path, size, shard
-        self._block, self._policy = block_size, policy
+        self._block, self._policy, self._pin = block_size, policy, pin
         self._pos = 0
         self._buf, self._buf_start = b"", 0
 
@@ -436,12 +711,14 @@ class RangeFile(io.RawIOBase):
         elif self._block and end - start < self._block:
             fetch_end = min(self.size, start + self._block)
             self._buf = read_range(
-                self._fs, self._path, start, fetch_end, shard=self._shard, policy=self._policy
+                self._fs, self._path, start, fetch_end, shard=self._shard, policy=self._policy, pin=self._pin
             )
             self._buf_start = start
             data = self._buf[: end - start]
         else:
-            data = read_range(self._fs, self._path, start, end, shard=self._shard, policy=self._policy)
+            data = read_range(
+                self._fs, self._path, start, end, shard=self._shard, policy=self._policy, pin=self._pin
+            )
         self._pos = start + len(data)
         return data
 
@@ -503,7 +780,7 @@ def _info(fs: fsspec.AbstractFileSystem, path: str, shard: str, policy: RetryPol
             if kind in ("denied", "shard", "foreign"):
                 raise
             last = _transport_cause(exc) or exc
-            if kind == "refused" or client_retries(fs, last):
+            if kind in ("refused", "changed") or client_retries(fs, last):
                 raise _failed(
                     fs, path, None, None, shard, None, attempt + 1, last, None, "looking up"
                 ) from None
@@ -540,12 +817,26 @@ def status_of(exc: BaseException) -> int | None:
     return None
 
 
+def _precondition_failed(exc: BaseException) -> bool:
+    """HTTP 412 (a conditional read whose version is gone), on the error or its causes (s3fs
+    turns botocore's ``PreconditionFailed`` into an ``OSError`` caused by it)."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if status_of(exc) == 412:
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def classify(exc: BaseException) -> str:
-    """What a failed request means: ``missing`` (404), ``denied`` (401/403), ``retry`` (no answer,
-    a timeout, 5xx, 408, 416, 429: asking again may work), ``refused`` (another 4xx: it will not),
-    ``shard`` (already one of our errors) or ``foreign`` (not a storage failure at all: a bug)."""
+    """What a failed request means: ``missing`` (404), ``denied`` (401/403), ``changed`` (412: a
+    pinned version is gone), ``retry`` (no answer, a timeout, 5xx, 408, 416, 429: asking again
+    may work), ``refused`` (another 4xx: it will not), ``shard`` (already one of our errors) or
+    ``foreign`` (not a storage failure at all: a bug)."""
     if isinstance(exc, ShardError):
         return "shard"
+    if _precondition_failed(exc):
+        return "changed"
     if isinstance(exc, FileNotFoundError):
         return "retry" if _transport_cause(exc) is not None else "missing"
     if isinstance(exc, PermissionError):
@@ -667,10 +958,34 @@ def with_timeouts(
     return options
 
 
+TIMEOUTS_OPTION = "stallfree_timeouts"  # the storage option that carries a dataset's Timeouts
+
+
 def url_to_fs(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str]:
     """``fsspec.core.url_to_fs`` with ``with_timeouts`` applied (and, for S3, ``with_session``):
-    how shards/ (and tokens/) make a filesystem from a user's URL and options."""
-    return fsspec.core.url_to_fs(url, **with_session(url, with_timeouts(url, storage_options)))
+    how shards/ (and tokens/) make a filesystem from a user's URL and options.
+
+    ``stallfree_timeouts=Timeouts(...)`` (ours, not passed to fsspec): this filesystem's connect
+    and read timeouts where the options set none, and its reads' deadline (``timeouts_for``); it
+    then gets a filesystem of its own (not fsspec's cached instance, which others may share)."""
+    timeouts = storage_options.pop(TIMEOUTS_OPTION, None)
+    if timeouts is None:
+        return fsspec.core.url_to_fs(url, **with_session(url, with_timeouts(url, storage_options)))
+    if not isinstance(timeouts, Timeouts):
+        raise TypeError(f"{TIMEOUTS_OPTION} must be a stallfree Timeouts, got {type(timeouts).__name__}")
+    options = {
+        **with_session(url, with_timeouts(url, storage_options, timeouts)),
+        "skip_instance_cache": True,
+    }
+    fs, path = fsspec.core.url_to_fs(url, **options)
+    key = id(fs)
+    with _FS_TIMEOUTS_LOCK:
+        _FS_TIMEOUTS[key] = timeouts
+    try:
+        weakref.finalize(fs, _FS_TIMEOUTS.pop, key, None)
+    except TypeError:  # not weakly referable: kept for the process (a few bytes)
+        pass
+    return fs, path
 
 
 _MODEL_LOADER: Any = None  # botocore's loader of service models, shared by this process's sessions
@@ -710,9 +1025,14 @@ def with_session(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
 __all__ = [
     "DEFAULT_POLICY",
     "DEFAULT_TIMEOUTS",
+    "TIMEOUTS_OPTION",
+    "ObjectChangedError",
     "RetryPolicy",
     "Timeouts",
+    "VersionPin",
     "RangeFile",
+    "pin_route",
+    "timeouts_for",
     "describe",
     "exists",
     "file_size",

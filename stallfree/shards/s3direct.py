@@ -16,6 +16,12 @@ presigned GETs the store refuses (``RouteRefused``: another region, a bucket pol
 is ``DirectRoute.copy_range``; checking the length, retrying and wording errors is ``remote``'s
 (through ``file_copy.copy_part``), as for every remote read. Connections are kept per thread
 and per process (never used across a fork). Imports nothing of ours.
+
+A part has a deadline (``copy_range(..., deadline_at)``, set by ``remote.Timeouts``): the body is
+received one ``recv`` at a time (``_Response.readinto``: at most one read of the socket, so the
+time is checked between them), with the socket's timeout never past the deadline, so a server
+that trickles a byte every few seconds is cut off at the deadline (``DeadlineExceeded``), not
+held for ever by a read timeout it never trips.
 """
 
 from __future__ import annotations
@@ -54,6 +60,32 @@ class RouteRefused(Exception):
 
 
 REFUSED = (301, 307, 400, 403)  # statuses that send a read back to the filesystem's own client
+
+
+class DeadlineExceeded(TimeoutError):
+    """A part was not received by its deadline (the server sends, but too slowly)."""
+
+
+class _Response(http.client.HTTPResponse):
+    """An ``HTTPResponse`` whose ``readinto`` returns after at most one read of the socket
+    (``http.client``'s fills the whole buffer first, however slowly the bytes come), so a
+    deadline is checked between reads. Chunked bodies and bodies of unknown length are read as
+    ``http.client`` reads them (S3 sends ``Content-Length``)."""
+
+    def readinto(self, b: Any) -> int:
+        if self.chunked or self.length is None or self.fp is None:
+            return super().readinto(b)
+        view = memoryview(b)[: self.length]
+        if not len(view):
+            return 0
+        n = self.fp.readinto1(view)
+        if not n:
+            self.close()  # the body ended early: the caller sees fewer bytes than asked
+            return 0
+        self.length -= n
+        if not self.length:
+            self.close()  # all of it: the connection may carry the next request
+        return n
 
 
 class LocalWriteError(Exception):
@@ -108,31 +140,43 @@ class DirectRoute:
                 self._urls.popitem(last=False)
         return url
 
-    def copy_range(self, path: str, start: int, end: int, fd: int) -> int:
+    def copy_range(self, path: str, start: int, end: int, fd: int, deadline_at: float = float("inf")) -> int:
         """One GET of bytes ``[start, end)`` of ``path``, written to ``fd`` at the same offsets
-        as they arrive. Returns the bytes the server sent for it: ``end - start``, fewer (the
-        body ended early) or more (it ignored ``Range``; nothing is written then). Raises
-        ``RouteRefused`` for a status in ``REFUSED``, ``S3StatusError`` for another HTTP error,
-        ``LocalWriteError`` when the file cannot be written, the socket's or ``http.client``'s
-        error for a transport failure."""
+        as they arrive, done by ``deadline_at`` (``time.monotonic``). Returns the bytes the
+        server sent for it: ``end - start``, fewer (the body ended early) or more (it ignored
+        ``Range``; nothing is written then). Raises ``RouteRefused`` for a status in
+        ``REFUSED``, ``S3StatusError`` for another HTTP error, ``LocalWriteError`` when the file
+        cannot be written, ``DeadlineExceeded`` past the deadline, the socket's or
+        ``http.client``'s error for a transport failure."""
         parts = urlsplit(self.url(path))
         port = parts.port or (443 if parts.scheme == "https" else 80)
         endpoint = _Endpoint(parts.scheme, parts.hostname or "", port)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        resp = self._request(endpoint, target, headers)
+        resp = self._request(endpoint, target, headers, deadline_at)
         try:
-            return self._receive(resp, start, end, fd, endpoint)
+            return self._receive(resp, start, end, fd, endpoint, deadline_at)
         except BaseException:
             self._drop(endpoint)
             raise
 
-    def _request(self, endpoint: _Endpoint, target: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+    def _bound(self, conn: http.client.HTTPConnection, deadline_at: float) -> None:
+        """The socket's timeout: the read timeout, or what is left of the deadline if less."""
+        left = deadline_at - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded("the part's deadline passed")
+        if conn.sock is not None:
+            conn.sock.settimeout(min(self.read_s, left))
+
+    def _request(
+        self, endpoint: _Endpoint, target: str, headers: dict[str, str], deadline_at: float
+    ) -> http.client.HTTPResponse:
         """Send the GET on this thread's connection to ``endpoint``; a kept-alive connection the
         server closed meanwhile is replaced once, at once (not an attempt of the retry policy)."""
         for fresh in (False, True):
             conn, reused = self._connection(endpoint, fresh)
             try:
+                self._bound(conn, deadline_at)
                 conn.request("GET", target, headers=headers)
                 return conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -145,7 +189,13 @@ class DirectRoute:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _receive(
-        self, resp: http.client.HTTPResponse, start: int, end: int, fd: int, endpoint: _Endpoint
+        self,
+        resp: http.client.HTTPResponse,
+        start: int,
+        end: int,
+        fd: int,
+        endpoint: _Endpoint,
+        deadline_at: float = float("inf"),
     ) -> int:
         want = end - start
         if resp.status >= 300:
@@ -170,16 +220,26 @@ class DirectRoute:
             self._drop(endpoint)  # another range than asked, of the right length: not our bytes
             raise ConnectionError(f"asked for bytes {start}-{end - 1}, the answer says {where!r}")
         view = self._buffer()
-        got = 0
+        conn = self._local.pool.get(endpoint)
+        got = 0  # written to the file
         while got < want:
-            n = resp.readinto(view[: min(CHUNK, want - got)])
-            if not n:
+            # fill the buffer a receive at a time (a deadline check between them), then one pwrite
+            size, filled = min(CHUNK, want - got), 0
+            while filled < size:
+                if deadline_at - time.monotonic() < self.read_s and conn is not None:
+                    self._bound(conn, deadline_at)  # raises once it has passed
+                n = resp.readinto(view[filled:size])
+                if not n:
+                    break
+                filled += n
+            if filled:
+                try:
+                    pwrite_all(fd, view[:filled], start + got)
+                except OSError as exc:
+                    raise LocalWriteError(f"writing bytes {start + got}.. of the copy: {exc}") from exc
+                got += filled
+            if filled < size:
                 break
-            try:
-                pwrite_all(fd, view[:n], start + got)
-            except OSError as exc:
-                raise LocalWriteError(f"writing bytes {start + got}.. of the copy: {exc}") from exc
-            got += n
         if got < want:
             self._drop(endpoint)
         return got
@@ -206,6 +266,7 @@ class DirectRoute:
             )
         else:
             conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.connect_s)
+        conn.response_class = _Response
         conn.connect()
         if conn.sock is not None:
             conn.sock.settimeout(self.read_s)
@@ -278,6 +339,7 @@ def route_for(fs: Any, connect_s: float, read_s: float) -> DirectRoute | None:
 
 __all__ = [
     "CHUNK",
+    "DeadlineExceeded",
     "DirectRoute",
     "LocalWriteError",
     "REFUSED",

@@ -20,6 +20,14 @@ What each store gives (``store_version``):
 - anything else: any of ``mtime``/``created`` fsspec reports; with none, only the size and the
   index hash, and a warning says that a shard rewritten in place with equal sizes keeps its
   fingerprint.
+
+The same facts pin a remote shard's reads to the version that was opened (``open_version``,
+``remote.VersionPin``): S3's ``VersionId`` or ``ETag``, HTTP's strong ``ETag`` or
+``Last-Modified``; each ranged read then asks for that version, and a rewrite mid-run is
+``remote.ObjectChangedError``, not new bytes (issue 36: 20 samples of a shard rewritten in place
+with the same size were delivered with the new content). Where the store offers neither (a plain
+HTTP server, other fsspec backends) a tar reader checks every member against its ``.sums``
+instead (``sums.remote_member_check``).
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import fsspec
@@ -75,6 +84,47 @@ def store_version(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> tuple
     if size is None:
         size = remote.file_size(fs, path, shard=shard)  # raises the store's own explanation
     return int(size), version_of(info)
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedObject:
+    """A remote file as it was when opened: its size, and the version its reads are pinned to
+    (None where the store offers none that a read can ask for)."""
+
+    size: int
+    pin: remote.VersionPin | None
+
+
+def open_version(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> OpenedObject:
+    """Size and version of a remote file from one ``info`` request (what a reader asks anyway
+    for the size). MissingShardError if absent, RemoteReadError if the store cannot be asked."""
+    info = remote._info(fs, path, shard, remote.DEFAULT_POLICY)
+    if info is None:
+        raise MissingShardError("shard not found", shard=shard)
+    size = info.get("size")
+    if size is None:
+        size = remote.file_size(fs, path, shard=shard)  # raises the store's own explanation
+    return OpenedObject(int(size), pin_for(fs, info))
+
+
+def pin_for(fs: fsspec.AbstractFileSystem, info: dict[str, Any]) -> remote.VersionPin | None:
+    """The version reads of the file ``info`` describes can be pinned to, or None: S3 (s3fs)
+    ``VersionId`` (a versioned bucket; "null" is no version) else its ``ETag``; HTTP a strong
+    ``ETag`` (a weak one, ``W/"..."``, never matches ``If-Match``) else ``Last-Modified``."""
+    route = remote.pin_route(fs)
+    etag = info.get("ETag") or info.get("etag")
+    etag = str(etag) if etag else None
+    if route == "s3":
+        version = info.get("VersionId")
+        if version and version != "null":
+            return remote.VersionPin(etag=etag, version_id=str(version))
+        return remote.VersionPin(etag=etag) if etag else None
+    if route == "http":
+        if etag and not etag.startswith("W/"):
+            return remote.VersionPin(etag=etag)
+        modified = info.get("Last-Modified")
+        return remote.VersionPin(last_modified=str(modified)) if modified else None
+    return None
 
 
 def version_of(info: dict[str, Any]) -> str | None:

@@ -14,6 +14,11 @@ cache) but are not dependencies (``benchmarks/bench_integrity.py`` measures thos
 header's algorithm byte leaves room for one). It catches every burst error up to 32 bits and all but 2^-32 of
 the rest: damage, not tampering (a signed manifest would be the answer to that).
 
+Remote reads of a shard whose store cannot pin a version (``stamps.pin_for``: a plain HTTP
+server without ``ETag`` or ``Last-Modified``, fsspec backends other than S3 and HTTP) are checked
+against it by default (``remote_member_check``): there, nothing else would notice a shard
+rewritten in place with the same size mid-run. ``benchmarks/bench_remote_pin.py`` measures it.
+
 Layout (little-endian)::
 
     magic b"SFsm" | version u8 (1) | algorithm u8 (1: zlib CRC32) | reserved u16 | count u64
@@ -22,13 +27,19 @@ Layout (little-endian)::
 
 from __future__ import annotations
 
+import logging
 import posixpath
 import struct
 import sys
 import zlib
 from array import array
 
-from stallfree.shards.errors import ChecksumMismatchError, IndexMismatchError
+import fsspec
+
+from stallfree.shards import remote
+from stallfree.shards.errors import ChecksumMismatchError, IndexMismatchError, MissingShardError
+
+log = logging.getLogger(__name__)
 
 MAGIC = b"SFsm"
 VERSION = 1
@@ -115,3 +126,20 @@ class MemberSums:
         got = checksum(data)
         if got != self.values[j]:
             raise mismatch(self.shard, key, field, offset, got, self.values[j], len(data))
+
+
+def remote_member_check(fs: fsspec.AbstractFileSystem, tar_path: str, shard: str) -> MemberSums | None:
+    """The check of a remote tar's members against its ``.sums`` (read once, now), for reads
+    that cannot be pinned to a version; None (logged) when the shard has no ``.sums`` (a tar
+    written by another tool): its reads are then unchecked."""
+    try:
+        data = remote.read_file(fs, sums_path_for(tar_path), shard=shard)
+    except MissingShardError:
+        log.info(
+            "%s: the store reports no version to pin reads to and the shard has no %s: a rewrite "
+            "in place with the same size would not be noticed",
+            shard,
+            posixpath.basename(sums_path_for(tar_path)),
+        )
+        return None
+    return MemberSums(parse_sums(data, shard), shard)

@@ -52,10 +52,14 @@ def test_one_sample_reads_about_one_sample(served):
     shard_bytes = os.path.getsize(root / "tar" / "shard-000000.tar")
     ds = open_dataset(f"{server.url}/tar")
     _reset(server)
-    first = ds[3]  # first use of the shard: size, .idx, two header checks, then the sample
+    # first use of the shard: size, .idx, .sums (this server sends no ETag: reads are checked
+    # against the CRCs instead of pinned), two header checks, then the sample
+    first = ds[3]
     assert first["jpg"] == samples[3]["jpg"] and first["cls"] == b"3"
     idx_bytes = os.path.getsize(root / "tar" / "shard-000000.idx")
-    assert _settled(server).bytes_sent <= _span(samples[3]) + idx_bytes + 2 * 512
+    sums_bytes = os.path.getsize(root / "tar" / "shard-000000.sums")
+    assert _settled(server).paths["/tar/shard-000000.sums"] == 1
+    assert _settled(server).bytes_sent <= _span(samples[3]) + idx_bytes + sums_bytes + 2 * 512
     assert _settled(server).bytes_sent < shard_bytes / 4
     _reset(server)
     got = ds[7]
