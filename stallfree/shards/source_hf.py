@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from stallfree.shards.dataset_paths import OutsideDatasetError, refuse_link_out
 from stallfree.shards.hf import (
     DATASET_DICT_FILE,
     HFColumns,
@@ -108,13 +109,22 @@ def open_hf_dir(root: str | Path, *, on_error: str = "raise") -> HFTableSource:
             f"{root} is a DatasetDict with splits {', '.join(splits) or '(none listed)'}: "
             f"shard one split directory, e.g. {root / (splits[0] if splits else 'train')}"
         )
+
+    def read_text(name: str) -> str:
+        refuse_link_out(str(root), str(root / name), f"{root} ({name})")
+        return (root / name).read_text(encoding="utf-8", errors="surrogateescape")
+
     try:
-        saved = read_saved_dataset(lambda name: (root / name).read_text(), str(root))
+        saved = read_saved_dataset(read_text, str(root))
     except OSError as exc:
         raise SourceReadError(f"{type(exc).__name__}: {exc.strerror or exc}", path=str(root)) from None
+    except OutsideDatasetError:
+        raise
     except ValueError as exc:
         raise SourceError(str(exc)) from None
     paths = [str(root / name) for name in saved.files]
+    for path in paths:
+        refuse_link_out(str(root), path, f"{root / 'state.json'}")
     missing = [p for p in paths if not os.path.exists(p)]
     if missing:
         raise SourceError(f"{missing[0]} is listed in {root / 'state.json'} but does not exist")
