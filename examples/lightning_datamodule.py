@@ -14,8 +14,9 @@ dict: seed, epoch, global position) into the checkpoint, and loads it into the n
 Three things to know when you bring your own module:
 - `use_distributed_sampler=False`: stallfree splits its seeded order across ranks itself; Lightning
   must not swap in a DistributedSampler (that would turn the fast path off).
-- Don't call `set_epoch` in hooks: every `iter()` of the loader starts the next epoch by itself, and
-  Lightning calls `iter()` once per epoch (the resumed epoch goes on from its saved position).
+- `set_epoch` is not needed: every `iter()` of the loader starts the next epoch by itself, and
+  Lightning calls `iter()` once per epoch. Calling `set_epoch(epoch)` each epoch (in a hook) is
+  fine, also for the resumed one: it goes on from its saved position.
 - The loader has a length, so Lightning does not fetch a batch ahead: the state saved with a
   checkpoint covers exactly the batches trained on so far.
 """

@@ -13,7 +13,8 @@ variables, which s3fs reads itself):
 
 Kill it at any time and run the same command again (with any number of processes): it goes on
 from the last checkpoint with no sample lost or repeated, because the loader's state is a global
-position in a seeded epoch order, not a per-rank count.
+position in a seeded epoch order, not a per-rank count. Calling `set_epoch(epoch)` each epoch is
+fine, also for the resumed one.
 """
 
 from __future__ import annotations
@@ -101,19 +102,19 @@ def main() -> None:
     )
     model = small_net(classes).to(device)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step, start_epoch, resumed = 0, 0, False
+    step, start_epoch = 0, 0
     if os.path.exists(args.ckpt):  # resume: model, optimiser and the loader's position
         ckpt = torch.load(args.ckpt, map_location=device, weights_only=True)
         model.load_state_dict(ckpt["model"])
         optim.load_state_dict(ckpt["optim"])
         loader.load_state_dict(json.loads(ckpt["loader"]))  # any world size may resume it
-        step, start_epoch, resumed = ckpt["step"], json.loads(ckpt["loader"])["epoch"], True
+        step, start_epoch = ckpt["step"], json.loads(ckpt["loader"])["epoch"]
     ddp = nn.parallel.DistributedDataParallel(model) if distributed else model
     log = open(f"{args.log_keys}.{rank}", "a") if args.log_keys else None  # noqa: SIM115
 
     for epoch in range(start_epoch, args.epochs):
-        if not (resumed and epoch == start_epoch):  # set_epoch would restart the resumed epoch
-            loader.set_epoch(epoch)
+        # fine for the resumed epoch too: there set_epoch keeps the position load_state_dict restored
+        loader.set_epoch(epoch)
         for batch in loader:
             if log is not None:  # before the step: a checkpoint never covers a batch not logged
                 log.write(json.dumps({"step": step + 1, "keys": list(batch["__key__"])}) + "\n")

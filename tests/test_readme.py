@@ -152,7 +152,6 @@ def prepare(root: Path) -> dict[str, object]:
         for _ in range(12):
             w.write(rng.integers(0, 50_000, 700))
     rng.integers(0, 50_000, 9_000).astype(np.uint16).tofile(root / "data" / "code.bin")
-    (root / "in1k").symlink_to("in1k-train")  # the bench block's http://.../in1k
     return {
         "items": [(f"img{i:03d}", jpeg, i % 3) for i, jpeg in enumerate(jpeg_bytes(12, sizes=small))],
         "epochs": 1,
