@@ -8,14 +8,6 @@
 # modules at once (a fresh clone's parallel pass took 5:48 against 4:19 with the .pyc there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "setup: installing redis-server (apt-get)" >&2
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
-fi
-if [ ! -f /usr/include/jpeglib.h ] || ! command -v gcc >/dev/null 2>&1; then
-  echo "setup: installing gcc and libjpeg62-turbo-dev (apt-get)" >&2
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libjpeg62-turbo-dev >/dev/null
-fi
 # uv_pip_args DIR: the configuration pip in DIR's venv installs with (pip.conf files and PIP_*
 # variables) as uv flags, one a line. uv reads neither, and without them it would miss the local
 # wheels and indexes pip is pointed at. pip's precedence: PIP_* over [install] over [global]; its
@@ -92,6 +84,20 @@ venv_for() {
     touch "$stamp"
   fi
 }
+# --uv-pip-args DIR: print the flags uv_install passes for DIR's pip configuration, one a line, and
+# stop (tests/test_wheel.py installs a built wheel into a fresh venv with them)
+if [ "${1:-}" = "--uv-pip-args" ]; then
+  uv_pip_args "${2:-.venv}"
+  exit 0
+fi
+if ! command -v redis-server >/dev/null 2>&1; then
+  echo "setup: installing redis-server (apt-get)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
+fi
+if [ ! -f /usr/include/jpeglib.h ] || ! command -v gcc >/dev/null 2>&1; then
+  echo "setup: installing gcc and libjpeg62-turbo-dev (apt-get)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libjpeg62-turbo-dev >/dev/null
+fi
 venv_for .venv requirements-dev.txt
 if [ "${1:-}" = "--all-torch" ]; then  # the test suite also runs on the second torch version CI tests
   venv_for .venv-torch2.14 requirements-dev-torch2.14.txt

@@ -56,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="stallfree",
         description="Input-pipeline accelerator for PyTorch training.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  stallfree shard ./imagenet/train ./in1k-shards --format tar --workers 4",
+        epilog="example:\n  stallfree shard ./imagenet/train ./in1k --format tar --workers 4",
     )
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
     parser.add_argument(

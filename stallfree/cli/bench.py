@@ -12,9 +12,9 @@ from pathlib import Path
 from stallfree.cli._common import describe, fail, parse_key_value
 
 EPILOG = """examples:
-  stallfree bench ./in1k-shards --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
+  stallfree bench ./in1k --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
   stallfree bench http://127.0.0.1:8000/shards --loader stallfree,torch,webdataset --analyze
-  stallfree bench ./in1k-shards --loader torch --tune --tune-workers 1,2,4
+  stallfree bench ./in1k --loader torch --tune --tune-workers 1,2,4
   torchrun --nproc-per-node 8 -m stallfree bench s3://bucket/in1k --step model
 """
 

@@ -20,8 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "example:\n  stallfree inspect ./in1k-train\n  stallfree inspect s3://bucket/in1k-train --json\n"
-            "  stallfree inspect s3://bucket/in1k-train -o endpoint_url=http://127.0.0.1:9000 -o anon=true"
+            "example:\n  stallfree inspect ./in1k\n  stallfree inspect s3://bucket/in1k --json\n"
+            "  stallfree inspect s3://bucket/in1k -o endpoint_url=http://127.0.0.1:9000 -o anon=true"
         ),
     )
     p.add_argument("dataset", help="dataset directory (or its manifest.json): local path or fsspec URL")
@@ -39,7 +39,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "with PIL. Exits 1 and lists every problem (shard, sample key, byte offset) if any is found."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example:\n  stallfree verify ./in1k-train --decode\n  stallfree verify ./in1k-train --json",
+        epilog="example:\n  stallfree verify ./in1k --decode\n  stallfree verify ./in1k --json",
     )
     v.add_argument("dataset", help="dataset directory (or its manifest.json): local path or fsspec URL")
     v.add_argument("--decode", action="store_true", help="also decode every image field with PIL")

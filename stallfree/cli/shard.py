@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "examples:\n"
-            "  stallfree shard ./imagenet/train ./in1k-train --format tar --max-bytes 256MB --workers 8\n"
+            "  stallfree shard ./imagenet/train ./in1k --format tar --max-bytes 256MB --workers 8\n"
             "  stallfree shard 'tokens/*.parquet' s3://bucket/tokens --format arrow --max-samples 100000\n"
             "  stallfree shard ./old-tars ./reshuffled --shuffle-seed 0 --on-error skip --json\n"
             "  stallfree shard ./hf-saved-dataset ./hf-shards --max-samples 1000\n"
