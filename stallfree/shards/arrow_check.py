@@ -235,14 +235,15 @@ def validate_batch(
             problem = str(exc)
     if problem is not None:
         raise CorruptShardError(
-            f"record batch {batch_no}{_row_span(first_row, rows if rows is not None else batch.num_rows)} "
+            f"record batch {batch_no}{row_span(first_row, rows if rows is not None else batch.num_rows)} "
             f"is damaged: {problem}",
             shard=shard,
             offset=offset,
         )
 
 
-def _row_span(first: int | None, count: int) -> str:
+def row_span(first: int | None, count: int) -> str:
+    """`` (row N)`` or `` (rows N..M)`` for messages; empty when the first row is not known."""
     if first is None:
         return ""
     return f" (row {first})" if count == 1 else f" (rows {first}..{first + max(count, 1) - 1})"
@@ -279,5 +280,6 @@ __all__ = [
     "check_ipc_file",
     "footer_span",
     "ipc_file_blocks",
+    "row_span",
     "validate_batch",
 ]

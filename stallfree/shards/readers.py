@@ -28,7 +28,7 @@ import fsspec
 import numpy as np
 
 from stallfree.shards import stamps
-from stallfree.shards.arrow_check import BatchChecks
+from stallfree.shards.arrow_check import BatchChecks, row_span
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
     CorruptShardError,
@@ -716,6 +716,11 @@ class ArrowShardReader:
         reader = self._reader
         if reader is None:
             raise ValueError(f"the reader of {self.shard} is closed")
+        if self._starts is None:
+            first, rows = b, 1
+        else:
+            first = self._starts[b]
+            rows = (self._starts[b + 1] if b + 1 < len(self._starts) else self.rows) - first
         try:
             if self.local and reader.thread_safe:  # memory-mapped reads are
                 batch = reader.get_batch(b)
@@ -724,13 +729,10 @@ class ArrowShardReader:
                     batch = reader.get_batch(b)
         except (pa.ArrowException, OSError) as exc:
             raise CorruptShardError(
-                f"cannot read record batch {b}: {exc}", shard=self.shard, offset=reader.offset_of(b)
+                f"cannot read record batch {b}{row_span(first, rows)}: {exc}",
+                shard=self.shard,
+                offset=reader.offset_of(b),
             ) from None
-        if self._starts is None:
-            first, rows = b, 1
-        else:
-            first = self._starts[b]
-            rows = (self._starts[b + 1] if b + 1 < len(self._starts) else self.rows) - first
         return self._checks.check(
             batch, b, shard=self.shard, first_row=first, rows=rows, offset=reader.offset_of(b)
         )

@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stallfree.shards.errors import WriteError
+from stallfree.shards.arrow_check import BatchChecks, check_ipc_file
+from stallfree.shards.errors import CorruptShardError, WriteError
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
 from stallfree.shards.tar import check_key
 
@@ -67,6 +67,9 @@ class TableSource(Source):
         for fi, path in enumerate(self.paths):
             try:
                 rows = lister(fi, path, len(items))
+            except CorruptShardError as exc:  # a damaged table file (arrow_check)
+                self._skip_or_raise(self.on_error, path, _read_error(exc, path))
+                continue
             except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
                 self._skip_or_raise(
                     self.on_error, path, SourceReadError(f"{type(exc).__name__}: {exc}", path=path)
@@ -102,16 +105,29 @@ class TableSource(Source):
         return items
 
     def _list_arrow(self, fi: int, path: str, base: int) -> list[Item]:
-        items = []
+        """Every row of every sound record batch. A damaged batch is the error policy's (skip
+        loses that batch, not the file); so is a damaged stream message, after which the rest
+        of a stream cannot be found. Row numbers (keys of rows without one) count a skipped
+        batch's rows as it declares them, so other rows keep their keys."""
+        items: list[Item] = []
+        rows = 0
         with _open_ipc(path) as reader:
             for b in range(reader.num_record_batches):
-                batch = reader.get_batch(b)
+                try:
+                    batch = reader.get_batch(b)
+                except CorruptShardError as exc:
+                    rows += reader.declared_rows(b)
+                    self._skip_or_raise(self.on_error, path, _read_error(exc, path))
+                    continue
                 n = batch.num_rows
                 sizes = tuple(col.nbytes // max(n, 1) for col in batch.columns)
-                start = base + len(items)
+                start = base + rows
                 items.extend(
                     Item(f"{path}:batch {b} row {r}", sizes, (fi, b, r, start + r)) for r in range(n)
                 )
+                rows += n
+            if reader.damage is not None:
+                self._skip_or_raise(self.on_error, path, _read_error(reader.damage, path))
         return items
 
     # -- reading ---------------------------------------------------------------------------------
@@ -216,8 +232,10 @@ class TableSource(Source):
         try:
             reader = self._reader_of(fi)
             if self.kind == "parquet":
-                return reader.read_row_group(chunk)
-            return reader.get_batch(chunk)
+                return validated_table(reader.read_row_group(chunk), path, chunk)
+            return reader.get_batch(chunk)  # validated (once per open)
+        except CorruptShardError as exc:
+            raise _read_error(exc, path) from None
         except (OSError, ValueError) as exc:
             raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path) from exc
 
@@ -269,23 +287,37 @@ def row_sample(row: dict[str, Any], row_number: int, path: str) -> dict[str, Any
     return sample
 
 
+def _read_error(exc: CorruptShardError, path: str) -> SourceReadError:
+    """A damaged table file's error as the sources' error policy takes it (naming the file)."""
+    return SourceReadError(exc.reason, path=path, key=exc.key, offset=exc.offset)
+
+
+def validated_table(table: Any, path: str, group: int) -> Any:
+    """A Parquet row group as decoded, checked like an Arrow batch before rows are converted."""
+    import pyarrow as pa
+
+    try:
+        table.validate(full=True)
+    except (pa.ArrowException, ValueError, TypeError) as exc:
+        raise CorruptShardError(f"row group {group} is damaged: {exc}", shard=path) from None
+    return table
+
+
 class _open_ipc:
-    """Arrow IPC file (or stream) reader over a memory map, as a context manager."""
+    """The record batches of an Arrow IPC file (or stream) over a memory map, as a context
+    manager: ``get_batch(b)`` is validated (``arrow_check``) before anything converts its rows,
+    an IPC file's footer is checked before pyarrow trusts it, and a stream is walked message by
+    message so damage is named by batch and byte offset (``damage``: where the walk stopped)."""
 
     def __init__(self, path: str) -> None:
         self.path = path
 
-    def __enter__(self):
+    def __enter__(self) -> _IpcBatches:
         import pyarrow as pa
 
         self._mm = pa.memory_map(self.path, "r")
         try:
-            try:
-                return pa.ipc.open_file(self._mm)
-            except pa.ArrowInvalid:
-                self._mm.seek(0)
-                table = pa.ipc.open_stream(self._mm).read_all()
-                return _TableBatches(table)
+            return _IpcBatches(self._mm, self.path)
         except BaseException:  # __exit__ does not run when __enter__ raises
             self._mm.close()
             raise
@@ -294,15 +326,80 @@ class _open_ipc:
         self._mm.close()
 
 
-@dataclass
-class _TableBatches:
-    table: Any
-    batches: list = field(default_factory=list)
+class _IpcBatches:
+    """An Arrow IPC file's or stream's batches, validated on the way out."""
 
-    def __post_init__(self) -> None:
-        self.batches = self.table.to_batches()
-        self.schema = self.table.schema
-        self.num_record_batches = len(self.batches)
+    def __init__(self, mm: Any, path: str) -> None:
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
 
-    def get_batch(self, i: int):
-        return self.batches[i]
+        self.path = path
+        self.damage: CorruptShardError | None = None
+        self._offsets: list[int | None] = []
+        try:
+            blocks = check_ipc_file(lambda at, n: mm.read_at(n, at), mm.size(), path)
+            try:
+                reader = ipc.open_file(mm)
+            except pa.ArrowException:
+                if blocks is not None:  # it ends like an IPC file with a sound footer: damaged
+                    raise
+                mm.seek(0)
+                self._walk_stream(ipc.open_stream(mm), mm)
+            else:
+                self._file = reader
+                self.schema = reader.schema
+                self.num_record_batches = reader.num_record_batches
+                self._offsets = [
+                    None if blocks is None else blocks.offset_of(b) for b in range(self.num_record_batches)
+                ]
+                self._batches = None
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptShardError(f"not a readable Arrow IPC file or stream: {exc}", shard=path) from None
+        self._checks = BatchChecks(self.num_record_batches)
+
+    def _walk_stream(self, reader: Any, mm: Any) -> None:
+        import pyarrow as pa
+
+        self._file = None
+        self.schema = reader.schema
+        self._batches = []
+        start = mm.tell()
+        while True:
+            try:
+                batch = reader.read_next_batch()
+            except StopIteration:
+                break
+            except (pa.ArrowException, OSError) as exc:
+                self.damage = CorruptShardError(
+                    f"damaged Arrow IPC stream: the message of record batch {len(self._batches)} does not "
+                    f"parse, so no later batch can be found: {exc}",
+                    shard=self.path,
+                    offset=start,
+                )
+                break
+            self._batches.append(batch)
+            self._offsets.append(start)
+            start = mm.tell()
+        self.num_record_batches = len(self._batches)
+
+    def _raw(self, b: int) -> Any:
+        import pyarrow as pa
+
+        if self._batches is not None:
+            return self._batches[b]
+        try:
+            return self._file.get_batch(b)
+        except (pa.ArrowException, OSError) as exc:
+            raise CorruptShardError(
+                f"cannot read record batch {b}: {exc}", shard=self.path, offset=self._offsets[b]
+            ) from None
+
+    def get_batch(self, b: int) -> Any:
+        return self._checks.check(self._raw(b), b, shard=self.path, offset=self._offsets[b])
+
+    def declared_rows(self, b: int) -> int:
+        """What batch ``b`` says it holds (0 where even that cannot be read)."""
+        try:
+            return max(0, self._raw(b).num_rows)
+        except CorruptShardError:
+            return 0
