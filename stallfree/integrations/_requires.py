@@ -15,4 +15,6 @@ def require(package: str, *, needed_by: str, pip: str) -> ModuleType:
     except ModuleNotFoundError as exc:
         if exc.name != package:
             raise
-        raise ImportError(f"{needed_by} needs {package}, which is not installed: pip install '{pip}'") from None
+        raise ImportError(
+            f"{needed_by} needs {package}, which is not installed: pip install '{pip}'"
+        ) from None

@@ -93,7 +93,8 @@ class Accelerator(accelerate.Accelerator):
         if isinstance(dataloader, DataLoader):
             if num_batches:
                 logger.info(
-                    "skip_first_batches(%d) on a stallfree.DataLoader: not skipped, its state resumes it", num_batches
+                    "skip_first_batches(%d) on a stallfree.DataLoader: not skipped, its state resumes it",
+                    num_batches,
                 )
             return dataloader
         return super().skip_first_batches(dataloader, num_batches)

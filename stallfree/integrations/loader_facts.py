@@ -71,7 +71,9 @@ def position_after_restore(loader: DataLoader, state: Mapping[str, Any]) -> Epoc
     (``order.RankShare``, ``order.batches``)."""
     st = LoaderState.from_dict(state)
     if st.mode != "fast":
-        raise ValueError(f"loader state was saved in mode {st.mode!r}; the integrations resume mode 'fast' only")
+        raise ValueError(
+            f"loader state was saved in mode {st.mode!r}; the integrations resume mode 'fast' only"
+        )
     w, uneven = loader.world, options_of(loader).uneven
     batch_size = int(loader.batch_size or 1)
 

@@ -84,7 +84,9 @@ def path_in(directory: str | os.PathLike[str]) -> Path:
     return Path(directory) / STATE_FILE
 
 
-def write(directory: str | os.PathLike[str], states: Sequence[Mapping[str, Any]], *, step: int, world_size: int) -> Path:
+def write(
+    directory: str | os.PathLike[str], states: Sequence[Mapping[str, Any]], *, step: int, world_size: int
+) -> Path:
     """Write the loaders' states into ``directory`` (created if missing), atomically."""
     saved = SavedLoaders(tuple(dict(s) for s in states), int(step), int(world_size))
     data = json.dumps(saved.to_dict(), indent=1, sort_keys=True).encode()

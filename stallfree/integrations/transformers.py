@@ -73,7 +73,9 @@ class Trainer(transformers.Trainer):
         clash = sorted(set(options) & {*_FROM_ARGS, *_FIXED})
         if clash:
             told = ", ".join(
-                f"{k} (TrainingArguments.{_FROM_ARGS[k]})" if k in _FROM_ARGS else f"{k} (fixed by the Trainer)"
+                f"{k} (TrainingArguments.{_FROM_ARGS[k]})"
+                if k in _FROM_ARGS
+                else f"{k} (fixed by the Trainer)"
                 for k in clash
             )
             raise ValueError(f"loader_options may not set {told}")
@@ -202,7 +204,7 @@ class Trainer(transformers.Trainer):
             saved.world_size,
         )
         epoch, done = (where.epoch + 1, 0) if where.finished else (where.epoch, where.batches_done)
-        if self.args.max_steps <= 0:  # the run's length in epochs: count the steps left as this world has them
+        if self.args.max_steps <= 0:  # a length in epochs: count the steps left as this world has them
             accumulate = self.args.gradient_accumulation_steps
             left_now = -(-where.batches_left // accumulate) if not where.finished else 0
             later = max(0, num_train_epochs - where.epoch - 1) * num_update_steps_per_epoch

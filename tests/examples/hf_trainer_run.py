@@ -20,7 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load_example():
-    spec = importlib.util.spec_from_file_location("train_hf_trainer", ROOT / "examples" / "train_hf_trainer.py")
+    spec = importlib.util.spec_from_file_location(
+        "train_hf_trainer", ROOT / "examples" / "train_hf_trainer.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -49,7 +51,9 @@ def main() -> None:
     trainer = example.build_trainer(args)
     if plain:  # transformers' own Trainer, handed our loader the way users did it
         ours = trainer.get_train_dataloader()
-        trainer.__class__ = type("Plain", (transformers.Trainer,), {"get_train_dataloader": lambda self: ours})
+        trainer.__class__ = type(
+            "Plain", (transformers.Trainer,), {"get_train_dataloader": lambda self: ours}
+        )
     step_of = trainer.training_step
 
     def training_step(model, inputs, num_items_in_batch=None):

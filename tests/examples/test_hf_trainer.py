@@ -45,7 +45,9 @@ def _run(nproc: int, args: list[str], log_path: Path, *, expect_kill: bool) -> s
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             rc = proc.wait(timeout=400)
         finally:
@@ -86,7 +88,9 @@ def trainer_run(tmp_path: Path, *, plain: bool = False) -> collections.Counter:
         prefix = tmp_path / f"windows{i}"
         extra = ["--log-windows", str(prefix), *(["--kill-at", str(kill_at)] if kill_at else [])]
         _run(nproc, [*common, *extra], tmp_path / f"run{i}.log", expect_kill=kill_at is not None)
-        trained += [w for s in _steps(prefix, nproc) if kill_at is None or s["step"] <= kill_at for w in s["windows"]]
+        trained += [
+            w for s in _steps(prefix, nproc) if kill_at is None or s["step"] <= kill_at for w in s["windows"]
+        ]
     return collections.Counter(trained)
 
 
