@@ -336,8 +336,8 @@ class _IpcBatches:
         self.path = path
         self.damage: CorruptShardError | None = None
         self._offsets: list[int | None] = []
+        blocks = check_ipc_file(lambda at, n: mm.read_at(n, at), mm.size(), path)
         try:
-            blocks = check_ipc_file(lambda at, n: mm.read_at(n, at), mm.size(), path)
             try:
                 reader = ipc.open_file(mm)
             except pa.ArrowException:
@@ -353,8 +353,10 @@ class _IpcBatches:
                     None if blocks is None else blocks.offset_of(b) for b in range(self.num_record_batches)
                 ]
                 self._batches = None
-        except (pa.ArrowException, OSError) as exc:
-            raise CorruptShardError(f"not a readable Arrow IPC file or stream: {exc}", shard=path) from None
+        except pa.ArrowException as exc:
+            if blocks is not None:
+                raise CorruptShardError(f"damaged Arrow IPC file: {exc}", shard=path) from None
+            raise  # not Arrow at all: pyarrow's own error, as the listing words it
         self._checks = BatchChecks(self.num_record_batches)
 
     def _walk_stream(self, reader: Any, mm: Any) -> None:
