@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -363,7 +364,7 @@ class OffsetShardReader:
         label = f"{self.shard} sample {row}"
         try:
             fields = self.layout.decode(data, label)
-        except (ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:  # struct.error too
+        except (ValueError, struct.error, IndexError, KeyError, TypeError, OverflowError) as exc:
             raise CorruptShardError(f"sample {row}: {exc}", shard=self.shard, offset=offset) from None
         number = self.layout.first + row
         key = fields.pop("__key__", None)
