@@ -48,6 +48,7 @@ from stallfree.cache.redis_ops import (
     server_status,
 )
 from stallfree.cache.signing import OVERHEAD, EntrySigner
+from stallfree.extras import require
 
 log = logging.getLogger(__name__)
 
@@ -120,10 +121,7 @@ class ClusterCache(BaseCache):
         max_entry_bytes: int = MAX_ENTRY_BYTES,
     ) -> None:
         super().__init__()
-        try:
-            import redis  # noqa: F401  (a missing client library is a setup error, not a cache miss)
-        except ImportError as exc:
-            raise ImportError("ClusterCache needs the redis client: pip install 'stallfree[redis]'") from exc
+        require("redis", "redis", "ClusterCache")  # a missing client library: a setup error, not a miss
         if isinstance(servers, str):
             servers = [servers]
         if not servers:

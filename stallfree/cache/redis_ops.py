@@ -11,8 +11,11 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
+from stallfree.extras import require
+
 USED_KEY = b"sf/__used__"
 FULL_KEY = b"sf/__full__"
+
 
 class ClusterCacheError(RuntimeError):
     """Raised only by ``ClusterCache.check()``: which servers cannot be used, and why."""
@@ -58,7 +61,7 @@ def is_oom(exc: BaseException) -> bool:
 
 def connect(kwargs: dict[str, Any]) -> Any:
     """A client that never retries: a dead server costs one timeout, then the caller decides."""
-    import redis
+    redis = require("redis", "redis", "connecting to a cache server")
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
@@ -110,7 +113,7 @@ def server_status(
 
     Raises ``ClusterCacheError`` with the reason when the server cannot be reached or refuses us.
     """
-    import redis
+    redis = require("redis", "redis", "server_status (stallfree cache stats)")
 
     _, kwargs = parse_server(url)
     if password is not None:
