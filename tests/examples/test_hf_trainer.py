@@ -29,7 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run(nproc: int, args: list[str], log_path: Path, *, expect_kill: bool) -> str:
+def run_torchrun(nproc: int, script: str, args: list[str], log_path: Path, *, expect_kill: bool) -> str:
+    """``torchrun`` ``script`` (a path from the repository root) on ``nproc`` local processes;
+    its output, after checking it ended as expected (rank 0 SIGKILLed itself, or success)."""
     cmd = [
         str(TORCHRUN),
         "--nnodes",
@@ -40,7 +42,7 @@ def _run(nproc: int, args: list[str], log_path: Path, *, expect_kill: bool) -> s
         "127.0.0.1",
         "--master-port",
         str(_free_port()),
-        str(ROOT / "tests" / "examples" / "hf_trainer_run.py"),
+        str(ROOT / script),
         *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -62,7 +64,8 @@ def _run(nproc: int, args: list[str], log_path: Path, *, expect_kill: bool) -> s
     return text
 
 
-def _steps(prefix: Path, ranks: int) -> list[dict]:
+def steps_of(prefix: Path, ranks: int) -> list[dict]:
+    """The JSON lines every rank's training steps appended to ``PREFIX.RANK``."""
     out = []
     for rank in range(ranks):
         path = Path(f"{prefix}.{rank}")
@@ -87,9 +90,15 @@ def trainer_run(tmp_path: Path, *, plain: bool = False) -> collections.Counter:
     for i, (nproc, kill_at) in enumerate([(2, 3), (2, 9), (1, None)]):
         prefix = tmp_path / f"windows{i}"
         extra = ["--log-windows", str(prefix), *(["--kill-at", str(kill_at)] if kill_at else [])]
-        _run(nproc, [*common, *extra], tmp_path / f"run{i}.log", expect_kill=kill_at is not None)
+        script = "tests/examples/hf_trainer_run.py"
+        run_torchrun(
+            nproc, script, [*common, *extra], tmp_path / f"run{i}.log", expect_kill=kill_at is not None
+        )
         trained += [
-            w for s in _steps(prefix, nproc) if kill_at is None or s["step"] <= kill_at for w in s["windows"]
+            w
+            for s in steps_of(prefix, nproc)
+            if kill_at is None or s["step"] <= kill_at
+            for w in s["windows"]
         ]
     return collections.Counter(trained)
 
