@@ -18,12 +18,15 @@ import fsspec
 
 from stallfree.shards import formats, manifest_rows, manifest_sidecar
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
+from stallfree.shards.jsonfile import JSONFileError, parse_json
 from stallfree.shards.remote import read_file, url_to_fs
 from stallfree.shards.shard_info import ShardInfo
 from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
 
 MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
+MAX_COUNT = (1 << 63) - 1  # a shard's samples and bytes are int64 wherever they are used
+MAX_MANIFEST_BYTES = 1 << 31  # a manifest of ~10 million shards; past it, not a manifest
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +152,7 @@ class Manifest:
             entries = obj.get("shards")
             if not isinstance(entries, list):
                 raise ManifestError(f"{where}: 'shards' must be a list")
-            shards = [ShardInfo.from_json(s, where) for s in entries]
+            shards = [_bounded(ShardInfo.from_json(s, where), where) for s in entries]
         classes = obj.get("classes")
         if classes is not None and not (
             isinstance(classes, list) and all(isinstance(c, str) for c in classes)
@@ -194,10 +197,13 @@ class Manifest:
 
     @classmethod
     def loads(cls, text: str | bytes, where: str = "manifest") -> Manifest:
+        """The manifest in ``text`` (the bytes of file ``where``); ``ManifestError`` naming the
+        file for anything else, JSON nested too deep to parse (a ``RecursionError`` before) and
+        bytes that are not UTF-8 included (``jsonfile.parse_json``)."""
         try:
-            obj = json.loads(text)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ManifestError(f"{where}: not valid JSON: {exc}") from None
+            obj = parse_json(text, where, max_bytes=MAX_MANIFEST_BYTES)
+        except JSONFileError as exc:
+            raise ManifestError(f"{where}: {exc.reason}", offset=exc.offset) from None
         return cls.from_json(obj, where)
 
     @classmethod
@@ -294,6 +300,15 @@ def _read_sidecar(fs: fsspec.AbstractFileSystem, path: str, text: bytes) -> mani
         log.debug("%s has no sidecar: parsing its JSON", path)
         return None
     return manifest_sidecar.decode(data, side, text)
+
+
+def _bounded(info: ShardInfo, where: str) -> ShardInfo:
+    """A shard entry whose counts fit the 64-bit integers they are used as (a fuzzed
+    ``"samples": 2**70`` was an ``OverflowError`` naming nothing)."""
+    for name, value in (("samples", info.samples), ("bytes", info.bytes)):
+        if value > MAX_COUNT:
+            raise ManifestError(f"{where}: shard {info.path}: {name} {value} is not a plausible count")
+    return info
 
 
 def _check_transform(transform: Any, where: str) -> None:

@@ -84,3 +84,86 @@ def test_extra_keys_survive(tmp_path):
     m = Manifest.load(str(tmp_path))
     assert m.extra == {"source": "imagefolder"}
     assert m.to_json()["source"] == "imagefolder"
+
+
+def test_deeply_nested_json_is_a_manifest_error_naming_the_file(tmp_path):
+    """100,000 nested arrays made ``json.loads`` raise RecursionError (issue 36 item 13)."""
+    from stallfree.shards.open import open_dataset
+
+    path = tmp_path / "manifest.json"
+    deep = "[" * 100_000 + "]" * 100_000
+    path.write_text('{"version": 1, "format": "tar", "fields": [], "shards": [], "skipped": ' + deep + "}")
+    with pytest.raises(ManifestError, match="nested too deeply") as err:
+        Manifest.load(str(tmp_path))
+    assert str(path) in str(err.value)
+    with pytest.raises(ManifestError) as err:
+        open_dataset(str(tmp_path))
+    assert str(path) in str(err.value)
+
+
+_WRONG_VALUES = (None, -1, "x", [], {}, 1.5, True, 2**70, "../../../etc/passwd", [[[]]], {"a": None}, "")
+
+
+def _paths(obj, prefix=()):
+    """Every place in a JSON value (keys of objects, indices of arrays), depth first."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, (*prefix, i))
+
+
+def _fuzzed_manifest(text: str, case: int) -> bytes:
+    """Case ``case`` of 300: a truncation, flipped bytes, or a value of another type."""
+    import random
+
+    rng = random.Random(f"manifest:{case}")
+    data = bytearray(text.encode())
+    kind = case % 3
+    if kind == 0:
+        return bytes(data[: rng.randrange(len(data))])
+    if kind == 1:
+        for _ in range(rng.randint(1, 3)):
+            data[rng.randrange(len(data))] = rng.randrange(256)
+        return bytes(data)
+    obj = json.loads(text)
+    places = [p for p in _paths(obj) if p]
+    place = rng.choice(places)
+    parent = obj
+    for part in place[:-1]:
+        parent = parent[part]
+    parent[place[-1]] = rng.choice(_WRONG_VALUES)
+    return json.dumps(obj).encode()
+
+
+def test_fuzzed_manifests_give_typed_errors_naming_the_file(tar_dataset, samples):
+    """300 seeded cases through ``open_dataset`` and every sample: each outcome is the right
+    samples, or a ShardError whose message names the manifest or the shard file it is about
+    (11 of 300 named no file, and ``"samples": 2**70`` was an OverflowError)."""
+    from stallfree.shards.errors import ShardError
+    from stallfree.shards.open import open_dataset
+
+    from .conftest import tar_field
+
+    path = tar_dataset / "manifest.json"
+    text = path.read_text()
+    untyped, nameless = [], []
+    for case in range(300):
+        path.write_bytes(_fuzzed_manifest(text, case))
+        try:
+            ds = open_dataset(str(tar_dataset))
+            for i in range(len(ds)):
+                got = ds[i]
+                want = samples[i]
+                assert got["__key__"] == want["__key__"] and got["jpg"] == tar_field(want["jpg"]), case
+        except ShardError as exc:
+            message = str(exc)
+            # the manifest, or the shard file the error is about (one its entry names)
+            if str(path) not in message and not (exc.shard and str(exc.shard) in message):
+                nameless.append((case, message))
+        except Exception as exc:  # noqa: BLE001 - what the test is for
+            untyped.append((case, f"{type(exc).__name__}: {exc}"))
+    path.write_text(text)
+    assert (untyped, nameless) == ([], [])
