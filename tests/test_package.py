@@ -16,7 +16,7 @@ def test_cli_help_lists_commands():
         [sys.executable, "-m", "stallfree", "--help"], capture_output=True, text=True, check=True
     ).stdout
     assert "usage: stallfree" in out
-    assert "demo" in out
+    assert "demo" in out and "doctor" in out
 
 
 def test_shard_error_names_shard_key_and_offset():
@@ -41,6 +41,22 @@ def test_public_api_names_resolve():
     assert stallfree.gpu_decode.ImageDecode is stallfree.ImageDecode
     assert stallfree.shards.open_dataset is stallfree.open_dataset
     assert stallfree.cache.TieredCache is stallfree.TieredCache
+
+
+def test_the_cli_parser_and_the_extras_table_import_no_heavy_library():
+    """`stallfree --help` and a refused command stay quick, and extras.py (which every layer may
+    import) pulls in none of the optional libraries it describes."""
+    code = (
+        "import sys\n"
+        "from stallfree.cli import build_parser\n"
+        "from stallfree.extras import EXTRAS\n"
+        "build_parser()\n"
+        "[e.installed() for e in EXTRAS.values()]\n"
+        "heavy = ('torch', 'numpy', 'pyarrow', 'redis', 'matplotlib', 'tokenizers', 'nvidia.dali', 's3fs')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_importing_the_package_does_not_import_torch():

@@ -26,8 +26,9 @@ from stallfree.cli._common import describe
 # but wrong, a run would fail: the command exits 1)
 OK, MISSING, WARN, PROBLEM = "ok", "missing", "warn", "problem"
 
-# the DALI distributions and the CUDA major version each is built for
+# the DALI and nvImageCodec distributions and the CUDA major version each is built for
 DALI_DISTRIBUTIONS = {"nvidia-dali-cuda120": 12, "nvidia-dali-cuda130": 13}
+NVIMGCODEC_DISTRIBUTIONS = {"nvidia-nvimgcodec-cu12": 12, "nvidia-nvimgcodec-cu13": 13}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,7 @@ def collect() -> list[Check]:
         _torch_check(),
         _jpeg_check(),
         _dali_check(),
+        _nvimgcodec_check(),
         _redis_server_check(),
     ]
     for extra in EXTRAS.values():
@@ -136,15 +138,16 @@ def _jpeg_check() -> Check:
     return Check("jpeg decoder", OK if decoder.name == "turbo" else WARN, str(decoder))
 
 
-def dali_cuda_major(installed: dict[str, str]) -> int | None:
-    """The CUDA major version the installed DALI is built for (None: no DALI distribution)."""
-    majors = {DALI_DISTRIBUTIONS[d] for d in installed}
+def cuda_major(installed: dict[str, str], distributions: dict[str, int]) -> int | None:
+    """The CUDA major version the installed builds are made for (None: none, or several)."""
+    majors = {distributions[d] for d in installed}
     return majors.pop() if len(majors) == 1 else None
 
 
-def _installed_dali() -> dict[str, str]:
+def _installed(distributions: dict[str, int]) -> dict[str, str]:
+    """Which of ``distributions`` are installed: name -> version."""
     found = {}
-    for dist in DALI_DISTRIBUTIONS:
+    for dist in distributions:
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -152,8 +155,16 @@ def _installed_dali() -> dict[str, str]:
     return found
 
 
+def _torch_cuda() -> str | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch.version.cuda
+
+
 def _dali_check() -> Check:
-    installed = _installed_dali()
+    installed = _installed(DALI_DISTRIBUTIONS)
     if not installed:
         return Check(
             "dali",
@@ -161,30 +172,44 @@ def _dali_check() -> Check:
             "not installed: GPU decode uses nvImageCodec if present, else the CPU decoder "
             "(pip install 'stallfree[dali]' for torch built for CUDA 12, 'stallfree[dali-cuda13]' for CUDA 13)",
         )
+    return _pair_check("dali", installed, DALI_DISTRIBUTIONS, {12: "dali", 13: "dali-cuda13"})
+
+
+def _nvimgcodec_check() -> Check:
+    installed = _installed(NVIMGCODEC_DISTRIBUTIONS)
+    if not installed:
+        return Check(
+            "nvimgcodec",
+            MISSING,
+            "not installed: ImageDecode(backend='nvimgcodec') unavailable (pip install "
+            "nvidia-nvimgcodec-cu13 nvidia-nvjpeg for torch built for CUDA 13)",
+        )
+    return _pair_check("nvimgcodec", installed, NVIMGCODEC_DISTRIBUTIONS, {})
+
+
+def _pair_check(
+    name: str, installed: dict[str, str], distributions: dict[str, int], extras: dict[int, str]
+) -> Check:
+    """Whether the installed build of a GPU library is made for the CUDA torch is built for: two
+    CUDA runtimes in one process is a setup nobody tests, and the GPU decode hands its buffers to
+    torch."""
     shown = ", ".join(f"{d} {v}" for d, v in installed.items())
     if len(installed) > 1:
-        return Check("dali", PROBLEM, f"{shown}: two builds share one module; uninstall one")
-    major = dali_cuda_major(installed)
-    try:
-        import torch
-
-        torch_cuda = torch.version.cuda
-    except ImportError:
-        torch_cuda = None
+        return Check(name, PROBLEM, f"{shown}: two builds of one module; uninstall all but one")
+    major = cuda_major(installed, distributions)
+    torch_cuda = _torch_cuda()
     if torch_cuda is None:
-        return Check(
-            "dali", WARN, f"{shown} (CUDA {major}), but torch is a CPU build: DALI's CPU operators only"
-        )
+        return Check(name, WARN, f"{shown} (CUDA {major}), but torch is a CPU build: no GPU decode")
     torch_major = int(torch_cuda.split(".")[0])
     if torch_major != major:
-        want = {12: "dali", 13: "dali-cuda13"}.get(torch_major)
-        fix = f"pip install 'stallfree[{want}]'" if want else "a DALI built for it"
+        want = extras.get(torch_major)
+        fix = f"pip install 'stallfree[{want}]'" if want else f"install its CUDA {torch_major} build"
         return Check(
-            "dali",
+            name,
             PROBLEM,
             f"{shown} is built for CUDA {major}, torch for CUDA {torch_cuda}: uninstall it and {fix}",
         )
-    return Check("dali", OK, f"{shown}, CUDA {major}, as torch (CUDA {torch_cuda})")
+    return Check(name, OK, f"{shown}, CUDA {major}, as torch (CUDA {torch_cuda})")
 
 
 def _redis_server_check() -> Check:

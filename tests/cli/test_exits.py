@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 import stallfree
-from stallfree.cli import EXIT_BROKEN_PIPE, main
-from stallfree.cli.doctor import DALI_DISTRIBUTIONS, dali_cuda_major
+from stallfree.cli import EXIT_BROKEN_PIPE, doctor, main
 from stallfree.extras import EXTRAS
 from stallfree.gpu_decode.jpeg_info import jpeg_decoder
 from stallfree.shards.writer import ShardWriter
@@ -90,8 +89,8 @@ def test_doctor_prints_one_line_per_check_and_every_extra(capsys):
     checks = parse_doctor(out)
     assert len(checks) == len(out.splitlines())
     names = list(checks)
-    assert names[:6] == ["stallfree", "python", "torch", "jpeg decoder", "dali", "redis-server"]
-    assert names[6:] == [f"[{name}]" for name in EXTRAS]
+    assert names[:7] == ["stallfree", "python", "torch", "jpeg decoder", "dali", "nvimgcodec", "redis-server"]
+    assert names[7:] == [f"[{name}]" for name in EXTRAS]
     assert checks["stallfree"] == ("ok", f"{stallfree.__version__} ({Path(stallfree.__file__).parents[1]})")
     assert checks["jpeg decoder"] == ("ok", str(jpeg_decoder()))  # the dev environment builds it
     assert checks["[plot]"][0] == "ok" and checks["[plot]"][1].startswith("matplotlib ")
@@ -126,8 +125,49 @@ def test_doctor_warns_when_the_c_jpeg_decoder_is_not_built():
     assert detail.endswith("install gcc and libjpeg62-turbo-dev, then reinstall stallfree)")
 
 
-def test_dali_cuda_major_comes_from_the_distribution_name():
-    assert DALI_DISTRIBUTIONS == {"nvidia-dali-cuda120": 12, "nvidia-dali-cuda130": 13}
-    assert dali_cuda_major({"nvidia-dali-cuda120": "2.4.0"}) == 12
-    assert dali_cuda_major({"nvidia-dali-cuda130": "2.4.0"}) == 13
-    assert dali_cuda_major({}) is None
+@pytest.mark.parametrize(
+    "installed, torch_cuda, status, detail",
+    [
+        (
+            {"nvidia-dali-cuda120": "2.4.0"},
+            "12.8",
+            "ok",
+            "nvidia-dali-cuda120 2.4.0, CUDA 12, as torch (CUDA 12.8)",
+        ),
+        (
+            {"nvidia-dali-cuda120": "2.4.0"},
+            "13.0",
+            "problem",
+            "nvidia-dali-cuda120 2.4.0 is built for CUDA 12, torch for CUDA 13.0: uninstall it and "
+            "pip install 'stallfree[dali-cuda13]'",
+        ),
+        (
+            {"nvidia-dali-cuda130": "2.4.0"},
+            "12.6",
+            "problem",
+            "nvidia-dali-cuda130 2.4.0 is built for CUDA 13, torch for CUDA 12.6: uninstall it and "
+            "pip install 'stallfree[dali]'",
+        ),
+        (
+            {"nvidia-dali-cuda130": "2.4.0"},
+            None,
+            "warn",
+            "nvidia-dali-cuda130 2.4.0 (CUDA 13), but torch is a CPU build: no GPU decode",
+        ),
+        (
+            {"nvidia-dali-cuda120": "2.3.0", "nvidia-dali-cuda130": "2.4.0"},
+            "13.0",
+            "problem",
+            "nvidia-dali-cuda120 2.3.0, nvidia-dali-cuda130 2.4.0: two builds of one module; uninstall all but one",
+        ),
+    ],
+)
+def test_doctor_checks_dali_s_cuda_against_torch_s(monkeypatch, installed, torch_cuda, status, detail):
+    monkeypatch.setattr(
+        doctor, "_installed", lambda dists: installed if dists is doctor.DALI_DISTRIBUTIONS else {}
+    )
+    monkeypatch.setattr(doctor, "_torch_cuda", lambda: torch_cuda)
+    check = doctor._dali_check()
+    assert (check.name, check.status, check.detail) == ("dali", status, detail)
+    monkeypatch.setattr(doctor, "collect", lambda: [check])
+    assert main(["doctor"]) == (1 if status == "problem" else 0)
