@@ -30,7 +30,7 @@ import torch.utils.data
 
 from stallfree.loader import contracts
 from stallfree.shards.daemon_pool import DaemonThreadPool
-from stallfree.shards.staging import Staging
+from stallfree.shards.staging import Staging, StagingDirError
 
 logger = logging.getLogger(__name__)
 
@@ -54,12 +54,18 @@ class ConcurrentShards:
         # daemon threads: a read stuck on a slow server must not hold the process at exit
         self._pool = DaemonThreadPool(max(1, threads), thread_name_prefix="stallfree-shard")
         self._staged = None
+        # a staging directory refused as unsafe: raised by each read, so that it reaches the
+        # user as the error it is (raised here, in a worker's set-up, it was "worker exited")
+        self._refused: StagingDirError | None = None
         if staging is not None:
             from stallfree.shards.staged_reads import StagedShards
 
             info = torch.utils.data.get_worker_info()  # a loader's workers share its windows
             share = (info.id, info.num_workers) if info is not None else None
-            self._staged = StagedShards(dataset, staging, self._pool, share=share)
+            try:
+                self._staged = StagedShards(dataset, staging, self._pool, share=share)
+            except StagingDirError as exc:
+                self._refused = exc
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._ds, name)
@@ -68,12 +74,16 @@ class ConcurrentShards:
         return len(self._ds)
 
     def __getitem__(self, index: int) -> Any:
+        if self._refused is not None:
+            raise self._refused
         if self._staged is not None:
             return self._staged.get_many([index])[0]
         return self._ds[index]
 
     def warm(self, shards: Sequence[int]) -> None:
         """Start opening (or staging) ``shards`` in the background; returns at once."""
+        if self._refused is not None:
+            return
         if self._staged is not None:
             self._staged.stage(shards)
         else:
@@ -81,6 +91,8 @@ class ConcurrentShards:
 
     def prefetch(self, shards: Sequence[int]) -> None:
         """Stage (or open) ``shards``, needed later, once nothing needed now is on its way."""
+        if self._refused is not None:
+            return
         if self._staged is not None:
             self._staged.prefetch(shards)
         else:
@@ -92,6 +104,8 @@ class ConcurrentShards:
     def get_many(self, indices: Sequence[int]) -> list[dict[str, Any]]:
         """Samples for ``indices`` in order: one read per shard, run concurrently (or from
         staged copies)."""
+        if self._refused is not None:
+            raise self._refused
         if self._staged is not None:
             return self._staged.get_many(indices)
         return self._ds.get_many(indices, executor=self._pool)
@@ -187,3 +201,5 @@ class LeadStaging:
         with self._lock:
             self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._staged is not None:
+            self._staged.close()  # its directories let go once what is landing has landed

@@ -105,6 +105,11 @@ class StagedShards:
         self._warned_full = False
         self._unstageable: set[int] = set()  # shards the local disk refused: read remotely
         self._landing: set[int] = set()  # shards land() was asked for, once each
+        # stagings running now: the area's directory descriptors and the sidecar pool are let go
+        # once close() was called and none is left (closed under a running one, a descriptor's
+        # number could be reused by another open, and that staging write into the wrong place)
+        self._busy = 0
+        self._closed = False
 
     def stage(self, shards: Sequence[int]) -> None:
         """Start staging (and opening) ``shards`` not open or on their way; returns at once."""
@@ -152,7 +157,7 @@ class StagedShards:
 
     def _submit(self, s: int, needed: bool) -> Future:
         """Under the lock: stage ``s`` on the pool."""
-        fut = self._pending[s] = self._executor.submit(self._prepare, s)
+        fut = self._pending[s] = self._executor.submit(self._guarded, self._prepare, s)
         if needed:
             self._needed.add(fut)
             fut.add_done_callback(self._needed_done)
@@ -297,7 +302,26 @@ class StagedShards:
         # already staged (a warm epoch): nothing to do, and no thread woken for it; one evicted
         # before it is read is fetched by its reader
         new = [s for s in new if not os.path.exists(self._staged_path(s))]
-        return [self._executor.submit(self._land, s) for s in new]
+        return [self._executor.submit(self._guarded, self._land, s) for s in new]
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        """``fn(*args)`` counted as running (see ``_busy``); refused once closed."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("StagedShards is closed")
+            self._busy += 1
+        try:
+            return fn(*args)
+        finally:
+            with self._lock:
+                self._busy -= 1
+                last = self._closed and self._busy == 0
+            if last:
+                self._release()
+
+    def _release(self) -> None:
+        self._sidecars.shutdown(wait=False, cancel_futures=True)
+        self.area.close()
 
     def _staged_path(self, s: int) -> str:
         return self.area.path_of(self._namespace, self.dataset.manifest.shards[s].path)
@@ -421,11 +445,13 @@ class StagedShards:
         with self._lock:
             opened, self._open = list(self._open.values()), OrderedDict()
             pending, self._pending = list(self._pending.values()), {}
+            idle, self._closed = self._busy == 0 and not self._closed, True
         for o in opened:
             o.close()
         for fut in pending:
             fut.add_done_callback(_close_result)
-        self._sidecars.shutdown(wait=False, cancel_futures=True)
+        if idle:  # else the last staging running lets them go
+            self._release()
 
 
 def _expected(info: Any) -> Expected:

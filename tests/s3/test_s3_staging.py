@@ -46,6 +46,11 @@ def _counts(s3):
     return collections.Counter(r.path.rsplit("/", 1)[-1] for r in s3.requests() if r.method == "GET")
 
 
+def _shard_gets(s3):
+    """GETs per shard object (the manifest a process opens aside)."""
+    return collections.Counter({k: n for k, n in _counts(s3).items() if k != "manifest.json"})
+
+
 def test_block_epochs_fetch_each_shard_once_then_nothing(s3, bucket, tmp_path):
     url = f"s3://{bucket}/ds"
     samples = _write(s3, url)
@@ -445,3 +450,187 @@ def test_the_lead_lands_the_first_window_alone_then_each_window_once(s3, bucket,
     assert collections.Counter(gets) == collections.Counter(names)
     assert set(gets[: len(first)]) == {f"shard-{s:06d}.tar" for s in first}  # before any other
     assert set(os.listdir(tmp_path / "stage" / ds.fingerprint)) >= names
+
+
+# -- issue 36: a private root, checked copies, a cap that holds ----------------------------------
+
+_LATER_RUN = textwrap.dedent("""
+    import hashlib, json, sys
+    from stallfree import DataLoader
+    from stallfree.shards.open import open_dataset
+    ds = open_dataset(sys.argv[1], **json.loads(sys.argv[2]))
+    kw = {} if sys.argv[3] == "-" else {"staging": sys.argv[3]}
+    dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=1,
+                    collate_fn=lambda b: [(s["__key__"], hashlib.sha256(s["bin"]).hexdigest()) for s in b], **kw)
+    try:
+        got = [item for batch in dl for item in batch]
+    except Exception as exc:
+        print("RAISED", type(exc).__name__, exc)
+        sys.exit(3)
+    print(json.dumps(got))
+""")
+
+
+def _later_run(s3, url, root, timeout=TIMEOUT):
+    """A later run of a loader over ``url`` in its own process (a hang fails the test): its
+    (key, sha256 of bin) pairs, or the error it raised, and its stderr."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LATER_RUN, url, json.dumps(s3.storage_options), str(root) if root else "-"],
+        capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    return done
+
+
+def _digests(samples):
+    import hashlib
+
+    return {k: hashlib.sha256(v).hexdigest() for k, v in samples.items()}
+
+
+def _write_uniform(s3, url, shards, per_shard, size):
+    """Shards of equal size (same-length keys and payloads): a copy of one passes for another's."""
+    samples = {}
+    with ShardWriter(url, format="tar", max_samples=per_shard, **s3.storage_options) as w:
+        for i in range(shards * per_shard):
+            samples[f"s{i:03d}"] = os.urandom(size)
+            w.write({"__key__": f"s{i:03d}", "bin": samples[f"s{i:03d}"]})
+    return samples
+
+
+def test_a_planted_default_root_is_refused_not_trained_on(s3, bucket, tmp_path):
+    """Another user (uid 65534) made ``stallfree-staging-<uid>`` first and put a same-size copy
+    of a shard there with 64 bytes changed: the loader refuses the directory, naming it, rather
+    than train on the planted sample."""
+    import tempfile
+
+    url = f"s3://{bucket}/ds"
+    samples = _write(s3, url, shards=2)
+    ds = open_dataset(url, **s3.storage_options)
+    root = Staging().resolved_root()
+    assert root.startswith(tempfile.gettempdir())  # this test's own temp directory (conftest)
+    ns = os.path.join(root, ds.fingerprint)
+    os.makedirs(ns)
+    data = bytearray(s3.filesystem().cat_file(f"{bucket}/ds/shard-000000.tar"))
+    data[1536 : 1536 + 64] = bytes(b ^ 0xFF for b in data[1536 : 1536 + 64])
+    with open(os.path.join(ns, "shard-000000.tar"), "wb") as f:
+        f.write(data)
+    for p in (root, ns, os.path.join(ns, "shard-000000.tar")):
+        os.chown(p, 65534, 65534)
+        os.chmod(p, 0o777 if os.path.isdir(p) else 0o644)
+    done = _later_run(s3, url, None)
+    assert done.returncode == 3, done.stdout[-2000:] + done.stderr[-3000:]
+    assert (
+        "StagingDirError" in done.stdout and f"staging directory {root} is owned by uid 65534" in done.stdout
+    )
+    assert sorted(os.listdir(ns)) == ["shard-000000.tar"]  # nothing of ours written into it
+    assert len(samples) == 2 * PER_SHARD
+
+
+def test_the_staging_area_is_private(s3, bucket, tmp_path):
+    url = f"s3://{bucket}/ds"
+    _write(s3, url, shards=2)
+    ds = open_dataset(url, **s3.storage_options)
+    root = tmp_path / "stage"
+    assert sorted(_staged_samples(ds, root)) == [f"s{i:03d}" for i in range(2 * PER_SHARD)]
+    ns = root / ds.fingerprint
+    assert os.stat(root).st_mode & 0o777 == 0o700 and os.stat(ns).st_mode & 0o777 == 0o700
+    files = [n for n in os.listdir(ns) if not n.endswith(".lock")]
+    assert "shard-000000.tar" in files and ".dataset.json" in files
+    assert {n: os.stat(ns / n).st_mode & 0o777 for n in files} == dict.fromkeys(files, 0o600)
+    assert json.loads((ns / ".dataset.json").read_text())["url"] == url
+
+
+def test_a_damaged_copy_from_an_earlier_run_is_fetched_again(s3, bucket, tmp_path):
+    """Copies kept from an earlier run: one with 64 bytes flipped, one replaced by a symlink to
+    another shard's copy (same size), one cut short. A later run (its own process) deletes and
+    fetches each again, says which, and reads every sample once with the right bytes."""
+    url = f"s3://{bucket}/ds"
+    samples = _write_uniform(s3, url, shards=4, per_shard=5, size=3000)
+    ds = open_dataset(url, **s3.storage_options)
+    assert len({info.bytes for info in ds.manifest.shards}) == 1
+    root = tmp_path / "stage"
+    with ThreadPoolExecutor(2) as pool:  # the earlier run
+        staged = StagedShards(ds, Staging(root=str(root)), pool)
+        assert len(staged.get_many(list(range(len(ds))))) == len(samples)
+        staged.close()
+    ns = root / ds.fingerprint
+    flipped, linked, cut = (ns / f"shard-00000{s}.tar" for s in (1, 2, 3))
+    with open(flipped, "r+b") as f:  # inside the first member's data
+        f.seek(1024)
+        flipped_bytes = bytes(b ^ 0xFF for b in f.read(64))
+        f.seek(1024)
+        f.write(flipped_bytes)
+    linked.unlink()
+    linked.symlink_to(ns / "shard-000000.tar")
+    os.truncate(cut, os.path.getsize(cut) - 700)
+    s3.reset()
+    done = _later_run(s3, url, root)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert sorted(k for k, _ in got) == sorted(samples)  # every sample exactly once
+    assert dict(got) == _digests(samples)  # with its own bytes
+    for path in (flipped, linked, cut):
+        assert f"staged copy {path} is damaged" in done.stderr
+    damaged = collections.Counter(p.name for p in (flipped, linked, cut))
+    assert _shard_gets(s3) == damaged  # those fetched again, nothing else
+    assert not linked.is_symlink()
+    assert _staged_samples(ds, root) == samples  # 20 rows: all of them, sound now
+    assert _shard_gets(s3) == damaged
+
+
+def _tree_bytes(root):
+    """Bytes of every file under ``root`` now (files vanish while it looks: they count 0)."""
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+class _Watcher:
+    """A thread that samples the size of a directory tree as often as it can; ``peak``."""
+
+    def __init__(self, root):
+        import threading
+
+        self.root, self.peak, self.samples = root, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, _tree_bytes(self.root))
+            self.samples += 1
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+        return self.peak
+
+
+@pytest.mark.parametrize("cap", [1 << 20, 4 << 20])
+def test_the_cap_holds_during_an_epoch_and_after(s3, bucket, tmp_path, cap):
+    """8 MB of shards through a 1 MB and a 4 MB cap: the staging directory never holds more
+    than the cap (pinned copies and files being written counted), nor after the loader is done,
+    and every sample arrives once with its bytes (shards that do not fit read remotely)."""
+    url = f"s3://{bucket}/ds"
+    samples = _write_uniform(s3, url, shards=16, per_shard=8, size=64 << 10)
+    ds = open_dataset(url, **s3.storage_options)
+    assert 7 << 20 < sum(info.bytes for info in ds.manifest.shards) < 9 << 20
+    root = tmp_path / "stage"
+    root.mkdir(mode=0o700)
+    watcher = _Watcher(str(root))
+    dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=0, window=4,
+                    collate_fn=lambda b: [(s["__key__"], s["bin"]) for s in b],
+                    staging=Staging(root=str(root), cap_bytes=cap))  # fmt: skip
+    got = [item for batch in dl for item in batch]
+    del dl
+    peak = watcher.stop()
+    assert sorted(k for k, _ in got) == sorted(samples) and all(v == samples[k] for k, v in got)
+    assert watcher.samples > 1
+    assert 0 < peak <= cap, f"peak {peak} over the cap {cap}"
+    assert _tree_bytes(root) <= cap
