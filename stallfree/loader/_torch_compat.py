@@ -156,6 +156,41 @@ def shared_storage_of_fd(fd: int, nbytes: int) -> torch.UntypedStorage:
     return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)
 
 
+SHM_DIR = "/dev/shm"
+
+
+def remove_leftover_segments(pids: list[int], shm_dir: str = SHM_DIR) -> list[str]:
+    """Unlink the shared-memory names that processes ``pids`` (exited) left behind; returns them.
+
+    Why private: torch names each segment it makes ``/torch_<pid>_<random>_<counter>`` and, under
+    the ``file_descriptor`` strategy, unlinks the name right after ``shm_open``, ``ftruncate``
+    and ``mmap``. A worker terminated inside that window (an iterator dropped mid-epoch ends its
+    workers at once, maybe while one grows a slot) leaves the name, and its memory, in
+    ``/dev/shm`` until reboot (measured: 2 in 50 drops with 4 MiB batches). Once the worker is
+    gone no process can still be using such a name: every segment travels by descriptor. Under
+    the ``file_system`` strategy names live on by design (torch's shm manager frees them), so
+    nothing is touched; a torch that names segments otherwise just matches nothing."""
+    import os
+
+    import torch.multiprocessing as tmp
+
+    if not pids or tmp.get_sharing_strategy() != "file_descriptor":
+        return []
+    prefixes = tuple(f"torch_{pid}_" for pid in pids)
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(prefixes)]
+    except OSError:  # no /dev/shm here (not Linux): nothing to sweep
+        return []
+    removed = []
+    for name in names:
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError:  # gone meanwhile, or not ours to remove
+            continue
+    return removed
+
+
 # -- DataLoader internals ----------------------------------------------------------------------
 def auto_collation(loader: tud.DataLoader) -> bool:
     """Whether torch batches samples for this loader (a batch sampler is set): torch's rule."""

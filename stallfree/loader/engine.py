@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from stallfree.loader import _torch_compat as compat
 from stallfree.loader import inline_first
 from stallfree.loader.fetch import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ
 from stallfree.loader.first_batch import FirstBatchGate
@@ -236,6 +237,12 @@ class Engine:
                 if p.is_alive():
                     p.kill()
                     p.join(timeout=0.1)
+            gone = [p.pid for p in started if p.exitcode is not None]
+            swept = compat.remove_leftover_segments(gone)  # names a worker ended mid-creation left
+            if swept:
+                logger.debug(
+                    "removed %d shared-memory name(s) left by stopped workers: %s", len(swept), swept
+                )
             for q in [*self.task_qs, self.result_q]:
                 q.cancel_join_thread()
                 q.close()
