@@ -1,0 +1,118 @@
+"""Our Accelerator in one process: ``prepare`` hands our loader back as it is, and ``save_state``
+/ ``load_state`` alone resume it exactly (JSON, nothing pickled). The multi-process kill and
+resume runs in tests/examples/test_accelerate.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import stallfree
+
+pytest.importorskip("accelerate")
+
+from stallfree.integrations.accelerate import Accelerator  # noqa: E402
+from stallfree.integrations.state_file import LoaderStateFileError, MissingLoaderStateError  # noqa: E402
+
+N = 40
+
+
+class Numbers(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def with_image(i: int) -> dict:
+    """A per-sample ``decode=``: the field the training loop needs exists only through it."""
+    return {"index": i, "image": torch.full((2,), float(i))}
+
+
+def make_loader() -> stallfree.DataLoader:
+    return stallfree.DataLoader(Numbers(), batch_size=4, shuffle=True, seed=7, decode=with_image)
+
+
+def indices(batches) -> list[int]:
+    return [i for b in batches for i in b["index"].tolist()]
+
+
+def test_prepare_returns_our_loader_as_it_is():
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    loader = make_loader()
+    model, optim, prepared = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
+    assert prepared is loader and accelerator.stallfree_loaders == (loader,)
+    batch = next(iter(prepared))
+    assert batch["image"].shape == (4, 2)  # decode= ran: stock accelerate rebuilds the loader without it
+    assert prepared.stats()["batches"] == 1
+    assert accelerator.prepare(loader) is loader and accelerator.stallfree_loaders == (loader,)  # once
+    assert accelerator.skip_first_batches(loader, 3) is loader  # load_state resumes it; no second skip
+
+
+def test_save_state_and_load_state_resume_mid_epoch_exactly(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(make_loader())
+    it = iter(loader)
+    before = indices(next(it) for _ in range(3))
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    indices(it)  # the rest of the killed run, never checkpointed
+
+    saved = json.loads((tmp_path / "ckpt" / "stallfree_loader_state.json").read_text())
+    assert [(s["epoch"], s["consumed"]) for s in saved["loaders"]] == [(0, 12)]
+    assert not list((tmp_path / "ckpt").glob("custom_checkpoint_*"))  # not pickled through accelerate
+
+    again = Accelerator(cpu=True)
+    resumed = again.prepare(make_loader())
+    again.load_state(str(tmp_path / "ckpt"))
+    resumed.set_epoch(0)  # what a training loop does at the top of the resumed epoch
+    after = indices(resumed)
+    assert sorted(before + after) == list(range(N))
+    resumed.set_epoch(1)
+    assert sorted(indices(resumed)) == list(range(N))
+
+
+def test_a_state_loaded_before_its_loader_is_prepared_waits_for_it(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    loader = accelerator.prepare(make_loader())
+    it = iter(loader)
+    before = indices([next(it)])
+    accelerator.save_state(str(tmp_path / "ckpt"))
+
+    again = Accelerator(cpu=True)
+    again.load_state(str(tmp_path / "ckpt"))
+    resumed = again.prepare(make_loader())
+    assert sorted(before + indices(resumed)) == list(range(N))
+
+
+def test_a_checkpoint_without_the_loader_state_is_refused_when_a_loader_needs_it(tmp_path):
+    Accelerator(cpu=True).save_state(str(tmp_path / "plain"))  # no loader of ours: no file, no error
+    Accelerator(cpu=True).load_state(str(tmp_path / "plain"))
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(make_loader())
+    with pytest.raises(MissingLoaderStateError) as info:
+        accelerator.load_state(str(tmp_path / "plain"))
+    assert info.value.path == str(tmp_path / "plain" / "stallfree_loader_state.json")
+
+
+def test_more_loaders_than_saved_states_is_an_error_naming_the_file(tmp_path):
+    one = Accelerator(cpu=True)
+    one.prepare(make_loader())
+    one.save_state(str(tmp_path / "ckpt"))
+    two = Accelerator(cpu=True)
+    two.prepare(make_loader(), make_loader())
+    with pytest.raises(LoaderStateFileError, match="1 loader states saved, 2 stallfree loaders prepared"):
+        two.load_state(str(tmp_path / "ckpt"))
+
+
+def test_split_batches_is_refused_for_our_loader():
+    from accelerate.utils import DataLoaderConfiguration
+
+    accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(split_batches=True))
+    with pytest.raises(ValueError, match="batch_size is per process"):
+        accelerator.prepare(make_loader())
+    plain = torch.utils.data.DataLoader(Numbers(), batch_size=4)
+    assert type(accelerator.prepare(plain)).__module__.startswith("accelerate")  # others: accelerate's own

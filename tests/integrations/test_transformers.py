@@ -1,0 +1,135 @@
+"""Our Trainer in one process: the train loader is ours, built from TrainingArguments; every
+checkpoint holds its state; a resume goes on exactly where the checkpoint stood. The kill and
+resume on two and one processes runs in tests/examples/test_hf_trainer.py."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import stallfree
+
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+
+from stallfree.integrations.state_file import MissingLoaderStateError  # noqa: E402
+from stallfree.integrations.transformers import Trainer  # noqa: E402
+
+WINDOWS, SEQ = 24, 8
+
+
+@pytest.fixture
+def tokens(tmp_path):
+    path = tmp_path / "tokens.bin"
+    np.arange(WINDOWS * SEQ + 1, dtype=np.uint16).tofile(path)
+    return path
+
+
+def tiny_model() -> transformers.LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=WINDOWS * SEQ + 8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+class Recording(Trainer):
+    """Records the window ids of every training step (a window's first token // SEQ)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.windows: list[int] = []
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        self.windows += (inputs["input_ids"][:, 0] // SEQ).tolist()
+        return super().training_step(model, inputs, num_items_in_batch)
+
+
+class StopAt(transformers.TrainerCallback):
+    """Ends training right after the checkpoint of ``step``, as a preempted job would."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def make_trainer(tokens, out, *, stop_at=None, **args) -> Recording:
+    dataset = stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16", labels="inputs")
+    training = transformers.TrainingArguments(
+        output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=2, save_strategy="steps",
+        save_steps=2, report_to="none", use_cpu=True, seed=3, dataloader_num_workers=0, **args,
+    )  # fmt: skip
+    callbacks = [StopAt(stop_at)] if stop_at else []
+    return Recording(model=tiny_model(), args=training, train_dataset=dataset, callbacks=callbacks)
+
+
+def test_the_train_loader_is_ours_built_from_the_training_arguments(tokens, tmp_path):
+    trainer = make_trainer(tokens, tmp_path / "out", dataloader_drop_last=True, data_seed=11)
+    loader = trainer.get_train_dataloader()
+    assert isinstance(loader, stallfree.DataLoader) and loader is trainer.train_loader
+    assert (loader.mode, loader.batch_size, loader.drop_last, loader.seed) == ("fast", 4, True, 11)
+    assert trainer.get_train_dataloader() is loader  # built once
+    assert trainer.get_resumed_dataloader(loader, 3) is loader  # its state resumes it: no batch skipping
+
+
+@pytest.mark.slow
+def test_a_stopped_run_resumes_from_its_checkpoint_with_every_window_once_per_epoch(tokens, tmp_path):
+    out = tmp_path / "out"
+    first = make_trainer(tokens, out, stop_at=8)  # 6 steps an epoch: stops 2 steps into the second
+    first.train()
+    assert first.state.global_step == 8
+    saved = json.loads((out / "checkpoint-8" / "stallfree_loader_state.json").read_text())
+    assert (saved["step"], saved["loaders"][0]["epoch"], saved["loaders"][0]["consumed"]) == (8, 1, 8)
+    second = make_trainer(tokens, out)
+    second.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    assert second.state.global_step == 12
+    trained = collections.Counter(first.windows + second.windows)
+    assert trained == collections.Counter({w: 2 for w in range(WINDOWS)})
+
+    # ignore_data_skip: Trainer's meaning, the resumed epoch starts over (same order)
+    third = make_trainer(tokens, out, ignore_data_skip=True)
+    third.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    assert sorted(third.windows) == list(range(WINDOWS))
+    assert third.windows == first.windows[6 * 4 :] + second.windows
+
+
+def test_a_checkpoint_without_the_loader_state_is_refused(tokens, tmp_path):
+    out = tmp_path / "out"
+    make_trainer(tokens, out, stop_at=2).train()
+    (out / "checkpoint-2" / "stallfree_loader_state.json").unlink()
+    with pytest.raises(MissingLoaderStateError, match="saved without stallfree.integrations"):
+        make_trainer(tokens, out).train(resume_from_checkpoint=str(out / "checkpoint-2"))
+
+
+def test_options_trainer_arguments_decide_are_refused_with_the_argument_to_use(tokens, tmp_path):
+    with pytest.raises(ValueError, match=r"batch_size \(TrainingArguments.per_device_train_batch_size\)"):
+        Trainer(
+            model=tiny_model(),
+            args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+            train_dataset=stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16"),
+            loader_options={"batch_size": 8, "decode": None},
+        )
+
+
+def test_samplers_of_trainer_and_iterable_datasets_are_refused(tokens, tmp_path):
+    trainer = make_trainer(tokens, tmp_path / "a", train_sampling_strategy="group_by_length")
+    with pytest.raises(ValueError, match="'random' \\(our seeded shuffle\\) or 'sequential'"):
+        trainer.get_train_dataloader()
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            return iter(())
+
+    trainer = make_trainer(tokens, tmp_path / "b")
+    trainer.train_dataset = Stream()
+    with pytest.raises(TypeError, match="needs a map-style train_dataset"):
+        trainer.get_train_dataloader()
