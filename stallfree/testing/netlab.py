@@ -486,6 +486,116 @@ async def _serve_relay(listen: tuple[str, int], to: tuple[str, int], delay_s: fl
         await server.serve_forever()
 
 
+class TrickleRelay:
+    """A TCP relay on loopback whose answers trickle: each response to a request whose request
+    line contains ``match`` gets its status line and headers at once, then its body one byte
+    every ``interval_s`` (each gap far under any read timeout); other requests pass as they are. A server that answers but never finishes, for tests of
+    read deadlines (issue 36). Runs its own event loop on a daemon thread; a context manager.
+    ``url`` is where clients connect (``http://127.0.0.1:PORT``), ``to`` where it forwards;
+    ``trickling`` is set once a body has started to trickle."""
+
+    def __init__(
+        self, to: tuple[str, int], interval_s: float, *, match: bytes = b"", host: str = "127.0.0.1"
+    ) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        self.to, self.interval_s, self.match, self.host = to, interval_s, match, host
+        self.port = 0
+        self.trickling = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop: asyncio.Event | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> TrickleRelay:
+        ready = threading.Event()
+        failed: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                asyncio.run(self._serve(ready))
+            except BaseException as exc:  # noqa: BLE001 - reported to start()
+                failed.append(exc)
+                ready.set()
+
+        self._thread = threading.Thread(target=run, name="stallfree-trickle-relay", daemon=True)
+        self._thread.start()
+        ready.wait(30)
+        if failed or not self.port:
+            raise RuntimeError(f"the trickle relay did not start: {failed[0] if failed else 'no port'}")
+        return self
+
+    async def _serve(self, ready: threading.Event) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        server = await asyncio.start_server(self._handle, self.host, 0)
+        self.port = server.sockets[0].getsockname()[1]
+        ready.set()
+        async with server:
+            await self._stop.wait()
+
+    async def _handle(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection(*self.to)
+        except OSError:
+            client_w.close()
+            return
+        state = {"trickle": False, "headers": True}  # of the response now coming back
+
+        async def requests() -> None:
+            while data := await client_r.read(1 << 16):
+                line = data.split(b"\r\n", 1)[0]
+                if line.split(b" ", 1)[0] in (b"GET", b"HEAD", b"PUT", b"POST", b"DELETE"):
+                    state["trickle"], state["headers"] = self.match in line, True
+                server_w.write(data)
+                await server_w.drain()
+
+        async def responses() -> None:
+            while data := await server_r.read(1 << 16):
+                if state["trickle"] and state["headers"]:
+                    cut = data.find(b"\r\n\r\n")
+                    head, data = (data, b"") if cut < 0 else (data[: cut + 4], data[cut + 4 :])
+                    client_w.write(head)
+                    state["headers"] = cut < 0
+                if not state["trickle"]:
+                    client_w.write(data)
+                    await client_w.drain()
+                    continue
+                for i in range(len(data)):
+                    self.trickling.set()
+                    await asyncio.sleep(self.interval_s)
+                    client_w.write(data[i : i + 1])
+                    await client_w.drain()
+
+        tasks = [asyncio.ensure_future(requests()), asyncio.ensure_future(responses())]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for w in (client_w, server_w):
+                w.close()
+
+    def close(self) -> None:
+        if self._loop is not None and self._stop is not None and not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):
+                self._loop.call_soon_threadsafe(self._stop.set)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> TrickleRelay:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def _address(text: str) -> tuple[str, int]:
     host, _, port = text.rpartition(":")
     return host, int(port)
