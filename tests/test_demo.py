@@ -4,7 +4,9 @@ import re
 
 import pytest
 
+import stallfree
 from stallfree.cli import main
+from stallfree.gpu_decode.jpeg_info import jpeg_decoder
 
 
 @pytest.mark.slow
@@ -26,6 +28,9 @@ def test_demo_shards_loads_and_prints_bench_table(tmp_path, capsys):
     )
     out = capsys.readouterr().out
     assert rc == 0
+    lines = out.splitlines()  # the header: what the timings depend on
+    assert lines[0] == f"stallfree {stallfree.__version__}" and lines[1].startswith("torch ")
+    assert lines[2] == f"jpeg decoder: {jpeg_decoder()}"
     assert (tmp_path / "shards" / "manifest.json").is_file()
     assert (
         len(list((tmp_path / "shards").glob("*.idx"))) == len(list((tmp_path / "shards").glob("*.tar"))) > 0

@@ -171,3 +171,11 @@ def test_doctor_checks_dali_s_cuda_against_torch_s(monkeypatch, installed, torch
     assert (check.name, check.status, check.detail) == ("dali", status, detail)
     monkeypatch.setattr(doctor, "collect", lambda: [check])
     assert main(["doctor"]) == (1 if status == "problem" else 0)
+
+
+def test_bench_prints_the_jpeg_decoder_above_its_table(capsys):
+    argv = "bench synthetic:16:32x32 --nproc 1 --steps 2 --warmup 1 --batch-size 4 --workers 0 --step-ms 1"
+    assert main([*argv.split(), "--loader", "stallfree", "--device", "cpu", "--no-per-rank"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"jpeg decoder: {jpeg_decoder()}"
+    assert any(line.split()[:2] == ["stallfree", "job"] for line in lines[1:])
