@@ -1,0 +1,170 @@
+"""A staged copy is checked before a process first uses it (issue 36 item 2), its digest taken
+once per node, and the cap counts files while they are written (item 8). Area-level cases; the
+loader-level ones are in ``tests/s3/test_s3_staging.py``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import threading
+
+import pytest
+
+from stallfree.shards import digests, staging
+from stallfree.shards.staging import Expected, StagingArea, StagingFullError
+
+DATA = bytes(range(256)) * 40
+
+
+def _expected(data=DATA):
+    h = digests.fast_hasher()
+    h.update(data)
+    return Expected(len(data), "xxh3-128", h.hexdigest())
+
+
+class _Fills:
+    """A fill that writes ``data`` and counts its calls (what a fetch is here)."""
+
+    def __init__(self, data=DATA):
+        self.data, self.calls = data, 0
+
+    def __call__(self, f):
+        self.calls += 1
+        f.write(self.data)
+
+
+@pytest.fixture
+def hashes(monkeypatch):
+    """How many times the area took a digest of a staged file."""
+    count = [0]
+    real = digests.update_from_fd
+
+    def counting(*args):
+        count[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(staging.digests, "update_from_fd", counting)
+    monkeypatch.setattr(staging, "_CHECKED", {})  # this process has checked nothing yet
+    return count
+
+
+def _stage(area, fill, expect=None):
+    return area.stage("fp", "shard.tar", fill, size=len(fill.data), expect=expect or _expected(fill.data))
+
+
+def test_a_copy_fetched_here_is_not_hashed_again_and_the_node_hashes_once(tmp_path, hashes, monkeypatch):
+    area, fill = StagingArea(str(tmp_path)), _Fills()
+    _stage(area, fill).close()  # fetched: the fill checked it (StagedShards._fetch_shard)
+    _stage(area, fill).close()
+    assert (fill.calls, hashes[0]) == (1, 0)
+    monkeypatch.setattr(staging, "_CHECKED", {})  # another process of the node: the mark says
+    _stage(area, fill).close()
+    assert (fill.calls, hashes[0]) == (1, 0)
+    path = area.path_of("fp", "shard.tar")
+    os.removexattr(path, staging._MARK)  # a copy staged before marks (or without xattrs)
+    monkeypatch.setattr(staging, "_CHECKED", {})
+    _stage(area, fill).close()
+    _stage(area, fill).close()
+    assert (fill.calls, hashes[0]) == (1, 1)  # hashed once, then marked
+
+
+@pytest.mark.parametrize("damage", ["flipped", "flipped-unmarked", "symlink", "truncated", "not-ours"])
+def test_a_damaged_copy_is_deleted_and_fetched_again(tmp_path, hashes, monkeypatch, caplog, damage):
+    area, fill = StagingArea(str(tmp_path)), _Fills()
+    _stage(area, fill).close()
+    path = area.path_of("fp", "shard.tar")
+    other = area.stage("fp", "other.tar", produce=lambda: bytes(len(DATA)))  # same size
+    other.close()
+    if damage.startswith("flipped"):
+        if damage == "flipped-unmarked":
+            os.removexattr(path, staging._MARK)
+        with open(path, "r+b") as f:
+            f.seek(100)
+            f.write(bytes(64))
+    elif damage == "symlink":
+        os.unlink(path)
+        os.symlink(other.path, path)
+    elif damage == "truncated":
+        os.truncate(path, 1000)
+    else:
+        os.chown(path, 65534, 65534)
+    monkeypatch.setattr(staging, "_CHECKED", {})  # a later process
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.staging"):
+        with _stage(area, fill) as staged:
+            assert open(staged.path, "rb").read() == DATA
+    assert fill.calls == 2
+    assert f"staged copy {path} is damaged" in caplog.text
+    assert not os.path.islink(path) and open(other.path, "rb").read() == bytes(len(DATA))
+
+
+def test_a_sidecar_written_to_after_it_was_staged_is_fetched_again(tmp_path, caplog):
+    area = StagingArea(str(tmp_path))
+    calls = []
+
+    def produce():
+        calls.append(1)
+        return b"sums" * 10
+
+    area.stage("fp", "a.sums", produce=produce).close()
+    with open(area.path_of("fp", "a.sums"), "r+b") as f:
+        f.write(b"SUMS")
+    with area.stage("fp", "a.sums", produce=produce) as staged:
+        assert open(staged.path, "rb").read() == b"sums" * 10
+    assert len(calls) == 2 and "written to after it was staged" in caplog.text
+
+
+def test_a_file_being_written_counts_against_the_cap(tmp_path):
+    """The partial file is sized to its full length when its room is reserved: a second fetch
+    that would pass the cap meanwhile is refused, though the first has written nothing yet."""
+    area = StagingArea(str(tmp_path), cap_bytes=1500)
+    started, go = threading.Event(), threading.Event()
+    errors = []
+
+    def slow_fill(f):
+        started.set()
+        go.wait(60)
+        f.write(b"a" * 1000)
+
+    def first():
+        try:
+            area.stage("fp", "a", slow_fill, size=1000).close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(60)
+    assert area.staged_bytes() == 1000  # counted before a byte of it is written
+    with pytest.raises(
+        StagingFullError, match=r"no room to stage .*fp/b \(1000 bytes\) under the cap of 1500"
+    ):
+        area.stage("fp", "b", produce=lambda: b"b" * 1000)
+    go.set()
+    t.join(60)
+    assert not errors and area.staged_bytes() == 1000
+    with area.stage("fp", "b", produce=lambda: b"b" * 1000):  # "a" is not in use: evicted for it
+        assert area.staged_bytes() == 1000
+
+
+def test_a_file_larger_than_the_cap_is_refused_and_nothing_is_left(tmp_path):
+    area = StagingArea(str(tmp_path), cap_bytes=100)
+    with pytest.raises(StagingFullError, match="larger than the cap"):
+        area.stage("fp", "big", produce=lambda: b"x" * 101)
+    assert area.staged_bytes() == 0
+    err = pickle.loads(pickle.dumps(StagingFullError("/p", 5, 4, "larger than the cap")))
+    assert (err.path, err.size, err.cap, err.reason) == ("/p", 5, 4, "larger than the cap")
+
+
+def test_a_failed_fill_gives_its_room_back(tmp_path):
+    area = StagingArea(str(tmp_path), cap_bytes=1000)
+
+    def failing(f):
+        f.write(b"half")
+        raise OSError("the store went away")
+
+    with pytest.raises(OSError, match="the store went away"):
+        area.stage("fp", "a", failing, size=800)
+    assert area.staged_bytes() == 0
+    with area.stage("fp", "b", produce=lambda: b"b" * 900):  # the 800 reserved were given back
+        pass
