@@ -33,7 +33,7 @@ import fsspec
 
 from stallfree.shards import formats
 from stallfree.shards.atomic import check_writable, remove_stale_temps
-from stallfree.shards.errors import DatasetExistsError, SampleDecodeError
+from stallfree.shards.errors import DatasetExistsError, SampleDecodeError, WriteError
 from stallfree.shards.formats import Format
 from stallfree.shards.manifest import (
     FORMAT_VERSION,
@@ -336,6 +336,7 @@ def shard_dataset(
     t0 = time.perf_counter()
     fs, root = fsspec.core.url_to_fs(dst, **storage_options)
     root = root.rstrip("/") or root
+    check_destination(source, fs, root, dst, overwrite=overwrite)
     manifest_path = posixpath.join(root, MANIFEST_NAME)
     if fs.exists(manifest_path) and not overwrite:
         raise DatasetExistsError(f"{dst} already holds a dataset ({MANIFEST_NAME})")
@@ -424,6 +425,68 @@ def shard_dataset(
         _remove_written(fs, spec, results, root, in_use)
         raise
     return ShardSummary(manifest, written, time.perf_counter() - t0, skipped)
+
+
+def source_locations(source: Source) -> list[tuple[fsspec.AbstractFileSystem, str]]:
+    """Where ``source`` reads from, as (filesystem, path) pairs: its directory (``root``), its
+    files (``paths``) or its URL (``url``: a dataset read through ``open_dataset``). Empty for a
+    source held in memory (a ``datasets.Dataset``)."""
+    found: list[str] = []
+    for attr in ("root", "url"):
+        value = getattr(source, attr, None)
+        if isinstance(value, (str, os.PathLike)):
+            found.append(os.fspath(value))
+    paths = getattr(source, "paths", None)
+    if isinstance(paths, (list, tuple)):
+        found += [os.fspath(p) for p in paths if isinstance(p, (str, os.PathLike))]
+    out = []
+    for where in found:
+        try:
+            fs, path = fsspec.core.url_to_fs(where)
+        except (ImportError, ValueError):  # a store this process cannot name: nothing to compare
+            continue
+        if posixpath.basename(path) == MANIFEST_NAME:  # a dataset given by its manifest: its directory
+            path = posixpath.dirname(path)
+        out.append((fs, _canonical(fs, path)))
+    return out
+
+
+def _canonical(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """``path`` comparable with others of its store: a local one absolute with symbolic links
+    resolved (``./ds`` and a link to it are one directory), any other without a trailing '/'."""
+    if "file" in _protocols(fs) or "local" in _protocols(fs):
+        return os.path.realpath(path)
+    return path.rstrip("/") or path
+
+
+def _within(inner: str, outer: str) -> bool:
+    """``inner`` is ``outer`` or lies under it."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
+def check_destination(
+    source: Source, fs: fsspec.AbstractFileSystem, root: str, dst: str, *, overwrite: bool
+) -> None:
+    """Refuse, before anything is written, a destination that is the source or lies inside it
+    (the shards would land among the files being read, and the next run would read them back
+    as samples), and with ``overwrite`` a destination that holds the source (replacing it
+    deletes what is being read). ``shard DS DS --overwrite`` once replaced a dataset by five
+    file-samples of itself and deleted its shards."""
+    target = _canonical(fs, root)
+    for src_fs, where in source_locations(source):
+        if not set(_protocols(fs)) & set(_protocols(src_fs)):
+            continue  # another store: nothing shared
+        if _within(target, where):
+            same = "is" if target == where else "lies inside"
+            raise WriteError(
+                f"the destination {dst} {same} the source {where}: the shards would be written "
+                "into the data being read (write them to a directory outside it)",
+            )
+        if overwrite and _within(where, target):
+            raise WriteError(
+                f"the source {where} lies inside the destination {dst}: replacing that dataset "
+                "(overwrite) would delete data being read (write the shards elsewhere)"
+            )
 
 
 def _provenance(source: Source, shuffle_seed: int | None) -> dict[str, Any]:

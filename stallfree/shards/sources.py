@@ -10,7 +10,9 @@ object; each kind lives in its own module, and every name is re-exported here:
   ``HFDatasetSource`` (``datasets.Dataset`` objects), ``spool_iterable`` (``IterableDataset``)
 - ``source_mds``: ``MDSSource``; ``source_litdata``: ``LitDataSource``
 - ``source_tar``: ``TarSource``
-- ``source_dataset``: ``DatasetSource``, a URL read as ``open_dataset`` reads it (imported lazily)
+- ``source_dataset``: ``DatasetSource``, a URL, or a stallfree dataset directory (a
+  ``manifest.json``, or tars with ``.idx`` files), read as ``open_dataset`` reads it, sample by
+  sample (imported lazily)
 
 Every source lists its items first, cheaply (paths and sizes, no contents), so the sharder can
 plan shard boundaries deterministically before any byte is read; contents are read lazily, in
@@ -51,6 +53,11 @@ from stallfree.shards.source_tables import KEY_COLUMNS, TABLE_SUFFIXES, TableSou
 from stallfree.shards.source_tar import TarSource
 
 SOURCE_KINDS = ("imagefolder", "files", "jsonl", "parquet", "arrow", "hf", "mds", "litdata", "tar")
+# A stallfree dataset (read through open_dataset): detected, or asked for by this name from Python.
+DATASET_KIND = "dataset"
+MANIFEST_FILE = "manifest.json"  # (manifest.MANIFEST_NAME: not imported, sources stay light)
+# A stallfree (or WebDataset) dataset without a manifest: its shards and their sidecars.
+_DATASET_SUFFIXES = {".tar", ".idx", ".sums"}
 # Kinds that are one directory with a layout of its own (not a set of files to list).
 _DIRECTORY_KINDS = {"imagefolder": ImageFolderSource, "files": GroupedFilesSource, "mds": MDSSource,
                     "litdata": LitDataSource}  # fmt: skip
@@ -80,6 +87,8 @@ def _kind_of_suffixes(suffixes: set[str]) -> str | None:
 
 def detect_kind(paths: Sequence[str]) -> str:
     """Guess the source kind from file suffixes or a directory's layout."""
+    if len(paths) == 1 and Path(paths[0]).name == MANIFEST_FILE and Path(paths[0]).is_file():
+        return DATASET_KIND
     if len(paths) > 1 or Path(paths[0]).is_file():
         suffixes = {Path(p).suffix.lower() for p in paths}
         kind = _kind_of_suffixes(suffixes)
@@ -109,8 +118,14 @@ def detect_kind(paths: Sequence[str]) -> str:
 
 
 def _layout_kind(root: Path, names: set[str]) -> str | None:
-    """The kind a directory's own files declare: a ``datasets`` ``save_to_disk`` directory
-    (``hf``; a DatasetDict is refused with its splits), or an ``index.json`` of MDS or LitData."""
+    """The kind a directory's own files declare: a stallfree dataset (``dataset``: a
+    ``manifest.json``, or tars with an ``.idx`` beside them, read sample by sample through
+    ``open_dataset``: taken as a folder of files, its shards became five "samples", and
+    ``--overwrite`` onto itself replaced it with those), a ``datasets`` ``save_to_disk``
+    directory (``hf``; a DatasetDict is refused with its splits), or an ``index.json`` of MDS or
+    LitData."""
+    if MANIFEST_FILE in names or _is_indexed_tars(names):
+        return DATASET_KIND
     if is_save_to_disk_dir(names) or DATASET_DICT_FILE in names:
         return "hf"
     if "index.json" in names:
@@ -125,6 +140,14 @@ def _layout_kind(root: Path, names: set[str]) -> str | None:
     return None
 
 
+def _is_indexed_tars(names: set[str]) -> bool:
+    """Tar shards with their ``.idx`` (and maybe ``.sums``) beside them, and nothing else."""
+    suffixes = {Path(n).suffix.lower() for n in names}
+    if not names or not suffixes <= _DATASET_SUFFIXES or ".tar" not in suffixes:
+        return False
+    return any(Path(n).suffix.lower() == ".idx" and Path(n).stem + ".tar" in names for n in names)
+
+
 def open_source(
     src: str | Path | Sequence[str | Path] | Any,
     kind: str | None = None,
@@ -134,9 +157,10 @@ def open_source(
     storage_options: dict[str, Any] | None = None,
 ) -> Source:
     """A ``Source`` for a path (file, directory or glob), a list of paths, a URL, or a
-    ``datasets`` ``Dataset`` / ``IterableDataset``; ``kind`` is one of ``SOURCE_KINDS`` or
-    ``None`` to detect it. A URL (``s3://...``) is read through ``open_dataset`` with
-    ``storage_options`` (``source_dataset.DatasetSource``). ``media_root``: for a ``datasets``
+    ``datasets`` ``Dataset`` / ``IterableDataset``; ``kind`` is one of ``SOURCE_KINDS``,
+    ``DATASET_KIND`` or ``None`` to detect it. A URL (``s3://...``) is read through
+    ``open_dataset`` with ``storage_options`` (``source_dataset.DatasetSource``), and so is a
+    stallfree dataset directory (``DATASET_KIND``), sample by sample. ``media_root``: for a ``datasets``
     object, the directory its path-only ``Image()`` / ``Audio()`` cells are relative to."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -159,6 +183,12 @@ def open_source(
     if not paths:
         raise SourceError("no source paths given")
     kind = kind or detect_kind(paths)
+    if kind == DATASET_KIND:
+        if len(paths) != 1:
+            raise SourceError(f"a dataset source is one directory or manifest.json, got {paths[:3]}")
+        from stallfree.shards.source_dataset import DatasetSource
+
+        return DatasetSource(paths[0], on_error=on_error, **(storage_options or {}))
     if kind not in SOURCE_KINDS:
         raise SourceError(f"unknown source kind {kind!r}; choose one of {', '.join(SOURCE_KINDS)}")
     if kind in _DIRECTORY_KINDS:

@@ -1,0 +1,105 @@
+"""``stallfree shard`` of a stallfree dataset re-shards it sample by sample (issue 36 item 6).
+
+It used to take a dataset directory for a folder of files: five "samples", each a whole .tar,
+.idx, .sums or the manifest, rc 0; ``shard DS DS --overwrite`` then replaced the dataset with
+those and deleted its shards. A destination that is the source, or lies inside it (or, with
+``--overwrite``, holds it) is refused before anything is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stallfree.cli import main
+from stallfree.shards.errors import WriteError
+from stallfree.shards.open import open_dataset
+from stallfree.shards.parallel import shard_dataset
+from stallfree.shards.sources import open_source
+from stallfree.shards.writer import ShardWriter
+
+from .conftest import make_samples
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes)."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def rows(url: Path) -> list[dict]:
+    return [dict(s) for s in open_dataset(str(url))]
+
+
+def same_rows(a: list[dict], b: list[dict]) -> bool:
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b, strict=True):
+        if x.keys() != y.keys():
+            return False
+        for k in x:
+            if isinstance(x[k], np.ndarray) or isinstance(y[k], np.ndarray):
+                if not np.array_equal(x[k], y[k]) or x[k].dtype != y[k].dtype:
+                    return False
+            elif x[k] != y[k]:
+                return False
+    return True
+
+
+def shard_cli(*args: str | Path) -> int:
+    return main(["shard", *map(str, args), "--no-progress"])
+
+
+@pytest.mark.parametrize("fmt", ["tar", "arrow"])
+def test_a_dataset_is_resharded_sample_by_sample(tmp_path, fmt):
+    src = tmp_path / "ds"
+    with ShardWriter(str(src), format=fmt, max_samples=5, classes=[f"c{i}" for i in range(5)]) as w:
+        for s in make_samples(13):
+            if fmt == "arrow":
+                s["emb"] = np.arange(s["cls"], dtype=np.float32)
+            w.write(s)
+    assert open_source(str(src)).kind == "dataset"
+    assert open_source(str(src / "manifest.json")).kind == "dataset"
+    assert shard_cli(src, tmp_path / "ds2", "--format", fmt, "--max-samples", "4") == 0
+    before, after = rows(src), rows(tmp_path / "ds2")
+    assert [r["__key__"] for r in after] == [f"sample{i:05d}" for i in range(13)]
+    assert same_rows(before, after)
+    ds2 = open_dataset(str(tmp_path / "ds2"))
+    assert len(ds2.manifest.shards) == 4 and ds2.manifest.classes == [f"c{i}" for i in range(5)]
+
+
+def test_tars_with_their_idx_are_a_dataset_not_files(tmp_path, tar_dataset):
+    """Without a manifest: tars with an .idx beside each (a WebDataset with DALI indexes)."""
+    (tar_dataset / "manifest.json").unlink()
+    assert open_source(str(tar_dataset)).kind == "dataset"
+    assert shard_cli(tar_dataset, tmp_path / "out", "--max-samples", "10") == 0
+    assert same_rows(rows(tar_dataset), rows(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("dst", [".", "sub", "sub/deeper"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_destination_in_the_source_is_refused_and_the_source_kept(tar_dataset, dst, overwrite, capsys):
+    before = snapshot(tar_dataset)
+    flags = ["--overwrite"] if overwrite else []
+    assert shard_cli(tar_dataset, tar_dataset / dst, *flags) != 0
+    err = capsys.readouterr().err
+    assert f"the source {tar_dataset}" in err and "would be written into the data being read" in err
+    assert snapshot(tar_dataset) == before  # nothing written, nothing removed
+
+
+def test_the_library_refuses_it_too(tmp_path):
+    """``shard_dataset`` callers get the same checks: a folder source and a destination inside
+    it; with overwrite, a destination that holds the source (through a symbolic link too)."""
+    images = tmp_path / "data" / "raw"
+    images.mkdir(parents=True)
+    for i in range(3):
+        (images / f"{i}.txt").write_text(f"text {i}")
+    with pytest.raises(WriteError, match="lies inside the source"):
+        shard_dataset(str(images), str(images / "shards"))
+    (tmp_path / "link").symlink_to(tmp_path / "data", target_is_directory=True)
+    with pytest.raises(WriteError, match="lies inside the destination"):
+        shard_dataset(str(images), str(tmp_path / "link"), overwrite=True)
+    assert sorted(p.name for p in (tmp_path / "data").rglob("*")) == ["0.txt", "1.txt", "2.txt", "raw"]
+    summary = shard_dataset(str(images), str(tmp_path / "data"))  # beside it, not replacing: fine
+    assert summary.manifest.samples == 3
