@@ -99,6 +99,7 @@ if [ ! -f /usr/include/jpeglib.h ] || ! command -v gcc >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libjpeg62-turbo-dev >/dev/null
 fi
 venv_for .venv requirements-dev.txt
+bash scripts/formats_env.sh || echo "setup: no .venv-formats (MDS/LitData writers): their test skips" >&2
 if [ "${1:-}" = "--all-torch" ]; then  # the test suite also runs on the second torch version CI tests
   venv_for .venv-torch2.14 requirements-dev-torch2.14.txt
 fi
