@@ -99,6 +99,12 @@ if [ ! -f /usr/include/jpeglib.h ] || ! command -v gcc >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libjpeg62-turbo-dev >/dev/null
 fi
 venv_for .venv requirements-dev.txt
+# setup.py goes on without the C JPEG decoder when it cannot build it; say so here, not later
+.venv/bin/python -c 'import sys
+from stallfree.gpu_decode.jpeg_info import jpeg_decoder
+d = jpeg_decoder()
+if d.name != "turbo":
+    print(f"setup: WARNING: JPEGs will be decoded with {d.name}: {d.reason}", file=sys.stderr)'
 bash scripts/formats_env.sh || echo "setup: no .venv-formats (MDS/LitData writers): their test skips" >&2
 if [ "${1:-}" = "--all-torch" ]; then  # the test suite also runs on the second torch version CI tests
   venv_for .venv-torch2.14 requirements-dev-torch2.14.txt
