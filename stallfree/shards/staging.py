@@ -253,9 +253,9 @@ class StagingArea:
     """The files of one staging directory (see the module docstring). Thread-safe; processes
     coordinate through the file system only. ``close`` releases its directory descriptors."""
 
-    def __init__(self, root: str, cap_bytes: int | None = None) -> None:
+    def __init__(self, root: str, cap_bytes: int | None = None, create: bool = True) -> None:
         self.root = os.path.abspath(root)
-        self._root_fd = open_private_dir(self.root, create=True)
+        self._root_fd = open_private_dir(self.root, create=create)
         self._ns_fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_fds, self._ns_fds, [self._root_fd])
@@ -334,6 +334,30 @@ class StagingArea:
         if (produce is None) == (fill is None) or (fill is not None) != (size is not None):
             raise ValueError("stage: pass fill= with size=, or produce= alone")
         expect = expect or Expected(size=size)
+        try:
+            return self._stage(namespace, name, fill, size, expect, produce)
+        except FileNotFoundError:
+            # its directory removed meanwhile (``stallfree staging clear``, a namespace that had
+            # emptied): once more, in a fresh one
+            if not self._removed(namespace):
+                raise
+            return self._stage(namespace, name, fill, size, expect, produce)
+
+    def _removed(self, namespace: str) -> bool:
+        """True if the directory this area holds open for ``namespace`` was removed."""
+        with self._lock:
+            fd = self._ns_fds.get(quote(namespace, safe=""))
+            return fd is not None and os.fstat(fd).st_nlink == 0
+
+    def _stage(
+        self,
+        namespace: str,
+        name: str,
+        fill: Callable[[BinaryIO], None] | None,
+        size: int | None,
+        expect: Expected,
+        produce: Callable[[], bytes] | None,
+    ) -> StagedFile:
         ns_fd = self.namespace_fd(namespace)
         fname = quote(name, safe="")
         path = os.path.join(self.root, quote(namespace, safe=""), fname)
@@ -498,13 +522,35 @@ class StagingArea:
             if room.total is not None and stat.S_ISREG(st.st_mode):
                 room.total -= st.st_size
 
-    def entries(self) -> list[StagedEntry]:
-        """Every file of the area (partial ones too; locks and notes aside); partial files whose
-        writers died are deleted on the way."""
-        out: list[StagedEntry] = []
+    def namespaces(self) -> list[str]:
+        """The namespace directories' names, as on disk (quoted)."""
         with os.scandir(self._root_fd) as top:
-            namespaces = [e.name for e in top if e.is_dir(follow_symlinks=False)]
-        for q in namespaces:
+            return sorted(e.name for e in top if e.is_dir(follow_symlinks=False))
+
+    def read_note(self, quoted_namespace: str) -> dict[str, object]:
+        """The namespace's note (``note``), or {} if it has none or it does not parse (a note
+        is at most 64 KiB of JSON: read as data, never trusted further)."""
+        try:
+            ns_fd = self._namespace_fd(quoted_namespace, create=False)
+            fd = os.open(NOTE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ns_fd)
+        except (OSError, StagingDirError):
+            return {}
+        try:
+            raw = os.read(fd, 64 << 10)
+        finally:
+            os.close(fd)
+        try:
+            note = json.loads(raw)
+        except ValueError:
+            return {}
+        return note if isinstance(note, dict) else {}
+
+    def entries(self, sweep: bool = True, only: str | None = None) -> list[StagedEntry]:
+        """Every file of the area (partial ones too; locks and notes aside), or of the
+        namespace ``only`` (as on disk); with ``sweep``, partial files whose writers died are
+        deleted on the way."""
+        out: list[StagedEntry] = []
+        for q in [only] if only is not None else self.namespaces():
             try:
                 ns_fd = self._namespace_fd(q, create=False)
             except (FileNotFoundError, StagingDirError):
@@ -515,7 +561,7 @@ class StagingArea:
                     if n.endswith(_LOCK) or n == NOTE_FILE or n.startswith(NOTE_FILE + _TMP):
                         continue
                     partial = _TMP in n
-                    if partial and _drop_if_orphaned(ns_fd, n):
+                    if partial and sweep and _drop_if_orphaned(ns_fd, n):
                         continue
                     try:
                         st = e.stat(follow_symlinks=False)
@@ -533,14 +579,13 @@ class StagingArea:
         with self._room() as room:
             self._make_room(room, 0)
 
-    def evict(self, namespace: str, name: str) -> bool:
-        """Delete one staged file unless a process pins it; True if deleted."""
+    def evict(self, quoted_namespace: str, fname: str) -> bool:
+        """Delete one staged file (names as on disk) unless a process pins it; True if deleted."""
         try:
-            ns_fd = self.namespace_fd(namespace, create=False)
+            ns_fd = self._namespace_fd(quoted_namespace, create=False)
         except FileNotFoundError:
             return False
         with self._room() as room:
-            fname = quote(name, safe="")
             try:
                 size = os.stat(fname, dir_fd=ns_fd, follow_symlinks=False).st_size
             except FileNotFoundError:
@@ -550,6 +595,30 @@ class StagingArea:
             if room.total is not None:
                 room.total -= size
             return True
+
+    def remove_namespace_if_empty(self, quoted_namespace: str) -> bool:
+        """Remove a namespace directory that holds no staged or partial file any more: its
+        note and the fetch locks nobody holds go first. True if removed."""
+        try:
+            ns_fd = self._namespace_fd(quoted_namespace, create=False)
+        except FileNotFoundError:
+            return False
+        with os.scandir(ns_fd) as it:
+            names = [e.name for e in it]
+        if any(not (n.endswith(_LOCK) or n == NOTE_FILE) for n in names):
+            return False
+        for n in names:
+            if n.endswith(_LOCK) and not _unlink_unheld_lock(ns_fd, n):
+                return False  # a fetch is on its way
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(NOTE_FILE, dir_fd=ns_fd)
+        try:
+            os.rmdir(quoted_namespace, dir_fd=self._root_fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT):
+                return False  # a file staged meanwhile
+            raise
+        return True
 
 
 _OK, _UNCHECKED, _ABSENT = "ok", "unchecked", "absent"
@@ -745,6 +814,26 @@ def _evict_at(ns_fd: int, fname: str) -> bool:
         return True
     except FileNotFoundError:
         return False
+    finally:
+        _HELD.close(fd)
+
+
+def _unlink_unheld_lock(ns_fd: int, name: str) -> bool:
+    """Delete a fetch lock file nobody holds; False if one does."""
+    try:
+        fd = _HELD.open(name, os.O_RDONLY, dir_fd=ns_fd)
+    except FileNotFoundError:
+        return True
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=ns_fd)
+        return True
     finally:
         _HELD.close(fd)
 
