@@ -110,8 +110,10 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _command_of(args: argparse.Namespace) -> str:
-    """``cache stats`` for a group's subcommand, else the subcommand's name."""
-    return " ".join(str(v) for v in (args.command, getattr(args, "cache_command", None)) if v)
+    """``cache stats`` for a group's subcommand (its parser's dest is ``<group>_command``), else the
+    subcommand's name."""
+    action = getattr(args, f"{args.command}_command", None)
+    return " ".join(str(v) for v in (args.command, action) if v)
 
 
 def _closed_pipe() -> int:
