@@ -17,17 +17,21 @@ is ``DirectRoute.copy_range``; checking the length, retrying and wording errors 
 (through ``file_copy.copy_part``), as for every remote read. Connections are kept per thread
 and per process (never used across a fork). Imports nothing of ours.
 
-A part has a deadline (``copy_range(..., deadline_at)``, set by ``remote.Timeouts``): the body is
-received one ``recv`` at a time (``_Response.readinto``: at most one read of the socket, so the
-time is checked between them), with the socket's timeout never past the deadline, so a server
-that trickles a byte every few seconds is cut off at the deadline (``DeadlineExceeded``), not
-held for ever by a read timeout it never trips.
+A part has a deadline (``copy_range(..., deadline_at)``, set by ``remote.Timeouts``): a read
+timeout bounds each ``recv``, and a server that trickles a byte every few seconds never trips
+it, in the headers or the body. So a request still running at its deadline has its socket shut
+down by this process's one watchdog thread (``_Watchdog``): the blocked read returns, the part is
+short or failed, and ``remote`` words it as a deadline passed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import heapq
 import http.client
+import itertools
 import os
+import socket
 import ssl
 import threading
 import time
@@ -63,29 +67,63 @@ REFUSED = (301, 307, 400, 403)  # statuses that send a read back to the filesyst
 
 
 class DeadlineExceeded(TimeoutError):
-    """A part was not received by its deadline (the server sends, but too slowly)."""
+    """A part's deadline passed before its request could be sent again."""
 
 
-class _Response(http.client.HTTPResponse):
-    """An ``HTTPResponse`` whose ``readinto`` returns after at most one read of the socket
-    (``http.client``'s fills the whole buffer first, however slowly the bytes come), so a
-    deadline is checked between reads. Chunked bodies and bodies of unknown length are read as
-    ``http.client`` reads them (S3 sends ``Content-Length``)."""
+class _Watchdog:
+    """Shuts down the socket of a request still running at its deadline (one daemon thread per
+    process, started at the first request that has a deadline). Why a socket shutdown: the
+    thread reading it is blocked in ``recv`` (http.client reads headers a line at a time and a
+    body to the end of its buffer), and only the socket's end makes it return. A request is
+    ``watch``-ed with its socket and deadline, and ``release``-d when it is done; the shutdown
+    happens under the lock ``release`` takes, so a released socket (kept alive for the next
+    request) is never shut down."""
 
-    def readinto(self, b: Any) -> int:
-        if self.chunked or self.length is None or self.fp is None:
-            return super().readinto(b)
-        view = memoryview(b)[: self.length]
-        if not len(view):
-            return 0
-        n = self.fp.readinto1(view)
-        if not n:
-            self.close()  # the body ended early: the caller sees fewer bytes than asked
-            return 0
-        self.length -= n
-        if not self.length:
-            self.close()  # all of it: the connection may carry the next request
-        return n
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._heap: list[tuple[float, int, socket.socket]] = []
+        self._live: set[int] = set()
+        self._tokens = itertools.count()
+        self._pid: int | None = None
+
+    def watch(self, sock: socket.socket | None, deadline_at: float) -> int | None:
+        if sock is None or deadline_at == float("inf"):
+            return None
+        with self._cond:
+            if self._pid != os.getpid():  # the thread does not survive a fork; nor do the parent's sockets
+                self._heap, self._live, self._pid = [], set(), os.getpid()
+                threading.Thread(target=self._run, name="stallfree-deadlines", daemon=True).start()
+            token = next(self._tokens)
+            heapq.heappush(self._heap, (deadline_at, token, sock))
+            self._live.add(token)
+            self._cond.notify()
+        return token
+
+    def release(self, token: int | None) -> None:
+        if token is not None:
+            with self._cond:
+                self._live.discard(token)
+
+    def _run(self) -> None:
+        with self._cond:
+            while True:
+                while self._heap and self._heap[0][1] not in self._live:
+                    heapq.heappop(self._heap)  # released: nothing to do
+                if not self._heap:
+                    self._cond.wait()
+                    continue
+                at, token, sock = self._heap[0]
+                left = at - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                heapq.heappop(self._heap)
+                self._live.discard(token)
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+
+
+_WATCHDOG = _Watchdog()
 
 
 class LocalWriteError(Exception):
@@ -153,30 +191,35 @@ class DirectRoute:
         endpoint = _Endpoint(parts.scheme, parts.hostname or "", port)
         target = parts.path + (f"?{parts.query}" if parts.query else "")
         headers = {"Range": f"bytes={start}-{end - 1}"}
-        resp = self._request(endpoint, target, headers, deadline_at)
+        watched: list[int | None] = []  # the watchdog's tokens of this request's sockets
         try:
-            return self._receive(resp, start, end, fd, endpoint, deadline_at)
-        except BaseException:
-            self._drop(endpoint)
-            raise
-
-    def _bound(self, conn: http.client.HTTPConnection, deadline_at: float) -> None:
-        """The socket's timeout: the read timeout, or what is left of the deadline if less."""
-        left = deadline_at - time.monotonic()
-        if left <= 0:
-            raise DeadlineExceeded("the part's deadline passed")
-        if conn.sock is not None:
-            conn.sock.settimeout(min(self.read_s, left))
+            resp = self._request(endpoint, target, headers, deadline_at, watched)
+            try:
+                return self._receive(resp, start, end, fd, endpoint)
+            except BaseException:
+                self._drop(endpoint)
+                raise
+        finally:
+            for token in watched:
+                _WATCHDOG.release(token)
 
     def _request(
-        self, endpoint: _Endpoint, target: str, headers: dict[str, str], deadline_at: float
+        self,
+        endpoint: _Endpoint,
+        target: str,
+        headers: dict[str, str],
+        deadline_at: float,
+        watched: list[int | None],
     ) -> http.client.HTTPResponse:
-        """Send the GET on this thread's connection to ``endpoint``; a kept-alive connection the
-        server closed meanwhile is replaced once, at once (not an attempt of the retry policy)."""
+        """Send the GET on this thread's connection to ``endpoint`` (its socket watched until
+        ``deadline_at``); a kept-alive connection the server closed meanwhile is replaced once,
+        at once (not an attempt of the retry policy)."""
         for fresh in (False, True):
+            if time.monotonic() >= deadline_at:
+                raise DeadlineExceeded("the part's deadline passed")
             conn, reused = self._connection(endpoint, fresh)
+            watched.append(_WATCHDOG.watch(conn.sock, deadline_at))
             try:
-                self._bound(conn, deadline_at)
                 conn.request("GET", target, headers=headers)
                 return conn.getresponse()
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
@@ -189,13 +232,7 @@ class DirectRoute:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _receive(
-        self,
-        resp: http.client.HTTPResponse,
-        start: int,
-        end: int,
-        fd: int,
-        endpoint: _Endpoint,
-        deadline_at: float = float("inf"),
+        self, resp: http.client.HTTPResponse, start: int, end: int, fd: int, endpoint: _Endpoint
     ) -> int:
         want = end - start
         if resp.status >= 300:
@@ -220,26 +257,16 @@ class DirectRoute:
             self._drop(endpoint)  # another range than asked, of the right length: not our bytes
             raise ConnectionError(f"asked for bytes {start}-{end - 1}, the answer says {where!r}")
         view = self._buffer()
-        conn = self._local.pool.get(endpoint)
-        got = 0  # written to the file
+        got = 0
         while got < want:
-            # fill the buffer a receive at a time (a deadline check between them), then one pwrite
-            size, filled = min(CHUNK, want - got), 0
-            while filled < size:
-                if deadline_at - time.monotonic() < self.read_s and conn is not None:
-                    self._bound(conn, deadline_at)  # raises once it has passed
-                n = resp.readinto(view[filled:size])
-                if not n:
-                    break
-                filled += n
-            if filled:
-                try:
-                    pwrite_all(fd, view[:filled], start + got)
-                except OSError as exc:
-                    raise LocalWriteError(f"writing bytes {start + got}.. of the copy: {exc}") from exc
-                got += filled
-            if filled < size:
+            n = resp.readinto(view[: min(CHUNK, want - got)])
+            if not n:
                 break
+            try:
+                pwrite_all(fd, view[:n], start + got)
+            except OSError as exc:
+                raise LocalWriteError(f"writing bytes {start + got}.. of the copy: {exc}") from exc
+            got += n
         if got < want:
             self._drop(endpoint)
         return got
@@ -266,7 +293,6 @@ class DirectRoute:
             )
         else:
             conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.connect_s)
-        conn.response_class = _Response
         conn.connect()
         if conn.sock is not None:
             conn.sock.settimeout(self.read_s)

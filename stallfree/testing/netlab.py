@@ -488,18 +488,26 @@ async def _serve_relay(listen: tuple[str, int], to: tuple[str, int], delay_s: fl
 
 class TrickleRelay:
     """A TCP relay on loopback whose answers trickle: each response to a request whose request
-    line contains ``match`` gets its status line and headers at once, then its body one byte
-    every ``interval_s`` (each gap far under any read timeout); other requests pass as they are. A server that answers but never finishes, for tests of
+    line contains ``match`` gets its status line and headers at once (all of it trickles with
+    ``headers=True``), then its body one byte every ``interval_s`` (each gap far under any read
+    timeout); other requests pass as they are. A server that answers but never finishes, for tests of
     read deadlines (issue 36). Runs its own event loop on a daemon thread; a context manager.
     ``url`` is where clients connect (``http://127.0.0.1:PORT``), ``to`` where it forwards;
     ``trickling`` is set once a body has started to trickle."""
 
     def __init__(
-        self, to: tuple[str, int], interval_s: float, *, match: bytes = b"", host: str = "127.0.0.1"
+        self,
+        to: tuple[str, int],
+        interval_s: float,
+        *,
+        match: bytes = b"",
+        headers: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be positive, got {interval_s}")
         self.to, self.interval_s, self.match, self.host = to, interval_s, match, host
+        self.headers = headers
         self.port = 0
         self.trickling = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -549,7 +557,7 @@ class TrickleRelay:
             while data := await client_r.read(1 << 16):
                 line = data.split(b"\r\n", 1)[0]
                 if line.split(b" ", 1)[0] in (b"GET", b"HEAD", b"PUT", b"POST", b"DELETE"):
-                    state["trickle"], state["headers"] = self.match in line, True
+                    state["trickle"], state["headers"] = self.match in line, not self.headers
                 server_w.write(data)
                 await server_w.drain()
 

@@ -26,7 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 TRICKLE_S = 0.2
 pytestmark = pytest.mark.skipif(moto_available() is not None, reason=str(moto_available()))
 
-SCENARIOS = ("presigned", "s3fs-parts", "s3-samples", "http-samples")  # errors, in one child
+# errors, in one child
+SCENARIOS = ("presigned", "presigned-headers", "s3fs-parts", "s3-samples", "http-samples")
 
 
 def _child(*args: str, timeout: float) -> subprocess.CompletedProcess:
@@ -66,6 +67,13 @@ def _assert_deadline_error(x: dict[str, Any], url: str, start: int, end: int) ->
 def test_presigned_part_ends_at_its_deadline(observed):
     """The first part (0..1000) is read on the calling thread: its error is the one raised."""
     x = observed["presigned"]
+    _assert_deadline_error(x, f"s3://bkt-err/obj.tar (endpoint {x['endpoint']})", 0, 1000)
+
+
+def test_presigned_part_whose_headers_trickle_ends_at_its_deadline(observed):
+    """Status line and headers a byte at a time too: http.client reads them a line at a time,
+    under no read timeout; the watchdog's shutdown of the socket ends it."""
+    x = observed["presigned-headers"]
     _assert_deadline_error(x, f"s3://bkt-err/obj.tar (endpoint {x['endpoint']})", 0, 1000)
 
 
@@ -164,10 +172,12 @@ def _s3_scenarios(endpoint: str, scenarios: list[str]) -> None:
     header = _first_header_check(s3.filesystem().cat_file("bkt-err/ds/shard-000000.idx"))
     with (
         tempfile.TemporaryDirectory() as tmp,
-        TrickleRelay(("127.0.0.1", s3.port), TRICKLE_S, match=b".tar") as relay,
+        TrickleRelay(("127.0.0.1", s3.port), TRICKLE_S, match=b".tar") as body_relay,
+        TrickleRelay(("127.0.0.1", s3.port), TRICKLE_S, match=b".tar?", headers=True) as head_relay,
     ):
-        options = {**s3.storage_options, "endpoint_url": relay.url, "stallfree_timeouts": short}
         for scenario in scenarios:
+            relay = head_relay if scenario == "presigned-headers" else body_relay
+            options = {**s3.storage_options, "endpoint_url": relay.url, "stallfree_timeouts": short}
             try:
                 if scenario == "s3-samples":
                     open_dataset("s3://bkt-err/ds", **options)[0]
@@ -176,7 +186,7 @@ def _s3_scenarios(endpoint: str, scenarios: list[str]) -> None:
                     with open(f"{tmp}/copy", "w+b") as f:
                         file_copy.copy_parts(
                             fs, path, len(data), f.fileno(), shard="obj.tar", part_bytes=1000,
-                            concurrency=4, direct=scenario == "presigned",
+                            concurrency=4, direct=scenario.startswith("presigned"),
                         )  # fmt: skip
                 _emit(scenario, type=None)
             except Exception as exc:  # noqa: BLE001 - the child reports every outcome
