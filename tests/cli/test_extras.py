@@ -5,6 +5,7 @@ in a subprocess (a meta-path finder that says it is not installed)."""
 from __future__ import annotations
 
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -154,3 +155,12 @@ def test_the_extras_table_is_pyproject_s():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     declared = {name: tuple(reqs) for name, reqs in declared.items() if name != "dev"}
     assert {name: extra.requirements for name, extra in EXTRAS.items()} == declared
+
+
+def test_the_readme_install_table_lists_every_extra_and_what_it_installs():
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `([\w-]+)` \| ([^|]+) \|", text, flags=re.MULTILINE)
+    assert [name for name, _ in rows] == list(EXTRAS)
+    for name, installs in rows:
+        dists = {r.split(">")[0].split("=")[0] for r in EXTRAS[name].requirements}
+        assert set(re.findall(r"`([\w-]+)`", installs)) == dists, name
