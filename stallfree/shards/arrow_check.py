@@ -36,6 +36,12 @@ _DICTIONARIES, _RECORD_BATCHES = 2, 3
 _BLOCK = np.dtype([("offset", "<i8"), ("meta", "<i4"), ("pad", "<i4"), ("body", "<i8")])
 
 
+class DamagedArrowError(CorruptShardError, ValueError):
+    """An Arrow table file is damaged (a footer, a record batch, a stream message). Also a
+    ``ValueError``, as pyarrow's ``ArrowInvalid`` is, so code that caught pyarrow's errors that
+    way (a label heuristic over every batch, say) still catches this one."""
+
+
 @dataclass(frozen=True)
 class FooterBlocks:
     """Where an IPC file's record batches lie: ``offsets[b]`` and ``ends[b]`` (int64 arrays) of
@@ -52,7 +58,7 @@ class FooterBlocks:
 
 
 def _footer_error(message: str, shard: str, offset: int | None) -> CorruptShardError:
-    return CorruptShardError(f"damaged Arrow IPC file footer: {message}", shard=shard, offset=offset)
+    return DamagedArrowError(f"damaged Arrow IPC file footer: {message}", shard=shard, offset=offset)
 
 
 def footer_span(size: int, tail: bytes, shard: str) -> tuple[int, int] | None:
@@ -76,7 +82,7 @@ def ipc_file_blocks(size: int, footer: bytes, start: int, head: bytes, shard: st
     of ``size`` bytes whose first bytes are ``head``): every read bounded by the footer's own
     length, every block inside ``[8, start)`` and none overlapping another."""
     if head[:6] != MAGIC:
-        raise CorruptShardError(
+        raise DamagedArrowError(
             "ends like an Arrow IPC file but does not start with ARROW1", shard=shard, offset=0
         )
     n = len(footer)
@@ -234,7 +240,7 @@ def validate_batch(
         except (pa.ArrowException, ValueError, TypeError) as exc:  # kinds vary by pyarrow version
             problem = str(exc)
     if problem is not None:
-        raise CorruptShardError(
+        raise DamagedArrowError(
             f"record batch {batch_no}{row_span(first_row, rows if rows is not None else batch.num_rows)} "
             f"is damaged: {problem}",
             shard=shard,
@@ -263,7 +269,7 @@ class BatchChecks:
             return batch
         known = self._bad.get(b)
         if known is not None:  # a fresh error each time: one raised twice grows its traceback
-            raise CorruptShardError(known.reason, shard=known.shard, offset=known.offset)
+            raise DamagedArrowError(known.reason, shard=known.shard, offset=known.offset)
         try:
             validate_batch(batch, batch_no=b, **where)
         except CorruptShardError as exc:
@@ -275,6 +281,7 @@ class BatchChecks:
 
 __all__ = [
     "BatchChecks",
+    "DamagedArrowError",
     "FooterBlocks",
     "TailCached",
     "check_ipc_file",

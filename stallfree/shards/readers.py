@@ -28,7 +28,7 @@ import fsspec
 import numpy as np
 
 from stallfree.shards import stamps
-from stallfree.shards.arrow_check import BatchChecks, row_span
+from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, row_span
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
     CorruptShardError,
@@ -424,7 +424,7 @@ class _IpcFile:
         self.num_record_batches = reader.num_record_batches
         self._blocks = blocks
         if blocks is not None and len(blocks) != self.num_record_batches:
-            raise CorruptShardError(
+            raise DamagedArrowError(
                 f"the footer lists {len(blocks)} record batches, pyarrow read {self.num_record_batches}",
                 shard=shard,
             )
@@ -496,7 +496,7 @@ class _IpcStream:
             except StopIteration:
                 break
             except (pa.ArrowException, OSError) as exc:
-                raise CorruptShardError(
+                raise DamagedArrowError(
                     f"damaged Arrow IPC stream: the message of record batch {len(self._rows)} does not "
                     f"parse: {exc}",
                     shard=shard,
@@ -695,13 +695,13 @@ class ArrowShardReader:
         try:
             rows = self._reader.batch_rows(b)
         except (pa.ArrowException, OSError) as exc:
-            raise CorruptShardError(
+            raise DamagedArrowError(
                 f"cannot read record batch {b} to count its rows: {exc}",
                 shard=self.shard,
                 offset=self._reader.offset_of(b),
             ) from None
         if rows < 0:
-            raise CorruptShardError(
+            raise DamagedArrowError(
                 f"record batch {b} says it holds {rows} rows",
                 shard=self.shard,
                 offset=self._reader.offset_of(b),
@@ -728,7 +728,7 @@ class ArrowShardReader:
                 with self._lock:  # a Python file (or a one-group cache) underneath: one at a time
                     batch = reader.get_batch(b)
         except (pa.ArrowException, OSError) as exc:
-            raise CorruptShardError(
+            raise DamagedArrowError(
                 f"cannot read record batch {b}{row_span(first, rows)}: {exc}",
                 shard=self.shard,
                 offset=reader.offset_of(b),

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stallfree.shards.arrow_check import BatchChecks, check_ipc_file
+from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_ipc_file
 from stallfree.shards.errors import CorruptShardError, WriteError
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
 from stallfree.shards.tar import check_key
@@ -299,7 +299,7 @@ def validated_table(table: Any, path: str, group: int) -> Any:
     try:
         table.validate(full=True)
     except (pa.ArrowException, ValueError, TypeError) as exc:
-        raise CorruptShardError(f"row group {group} is damaged: {exc}", shard=path) from None
+        raise DamagedArrowError(f"row group {group} is damaged: {exc}", shard=path) from None
     return table
 
 
@@ -355,7 +355,7 @@ class _IpcBatches:
                 self._batches = None
         except pa.ArrowException as exc:
             if blocks is not None:
-                raise CorruptShardError(f"damaged Arrow IPC file: {exc}", shard=path) from None
+                raise DamagedArrowError(f"damaged Arrow IPC file: {exc}", shard=path) from None
             raise  # not Arrow at all: pyarrow's own error, as the listing words it
         self._checks = BatchChecks(self.num_record_batches)
 
@@ -372,7 +372,7 @@ class _IpcBatches:
             except StopIteration:
                 break
             except (pa.ArrowException, OSError) as exc:
-                self.damage = CorruptShardError(
+                self.damage = DamagedArrowError(
                     f"damaged Arrow IPC stream: the message of record batch {len(self._batches)} does not "
                     f"parse, so no later batch can be found: {exc}",
                     shard=self.path,
@@ -392,7 +392,7 @@ class _IpcBatches:
         try:
             return self._file.get_batch(b)
         except (pa.ArrowException, OSError) as exc:
-            raise CorruptShardError(
+            raise DamagedArrowError(
                 f"cannot read record batch {b}: {exc}", shard=self.path, offset=self._offsets[b]
             ) from None
 

@@ -255,3 +255,90 @@ def test_loader_with_workers_skips_the_damaged_batch_and_delivers_the_rest(shard
     out = run_child(LOADER_CHILD, str(shard_dir))
     assert out["keys"] == [f"sample{i:05d}" for i in range(ROWS) if i != 5]
     assert out["failed"] == 1 and out["failed_keys"] == ["index 5"]
+
+
+REMOTE_CHILD = """
+import json, sys
+from stallfree.shards.errors import CorruptShardError
+from stallfree.shards.open import open_dataset
+ds = open_dataset(sys.argv[1])
+out = {"keys": [], "errors": []}
+for i in range(len(ds)):
+    try:
+        out["keys"].append(ds[i]["__key__"])
+    except CorruptShardError as exc:
+        out["errors"].append({"index": i, "shard": exc.shard, "offset": exc.offset, "message": str(exc)})
+print(json.dumps(out))
+"""
+
+
+def test_remote_damaged_batch_is_a_typed_error_too(shard_dir):
+    """The same damage read over HTTP (``remote.RangeFile``; the footer read once, then batch by
+    batch): batch 5 is a typed error naming shard, row and byte offset; the rest read."""
+    from stallfree.testing.httpserve import serve_directory
+
+    name = "shard-000000.arrow"
+    offset = _damage_batch(shard_dir / name, 5)
+    with serve_directory(shard_dir.parent) as server:
+        out = run_child(REMOTE_CHILD, f"{server.url}/{shard_dir.name}")
+    assert out["keys"] == [f"sample{i:05d}" for i in range(ROWS) if i != 5]
+    [error] = out["errors"]
+    assert (error["index"], error["shard"], error["offset"]) == (5, name, offset)
+    assert "record batch 5 (row 5) is damaged" in error["message"]
+
+
+SHARD_CHILD = """
+import json, sys
+from stallfree.cli import main
+rc = main(["shard", sys.argv[1], sys.argv[2], "--on-error", sys.argv[3], "--no-progress"])
+out = {"rc": rc}
+if rc == 0:
+    from stallfree.shards.open import open_dataset
+    ds = open_dataset(sys.argv[2])
+    out["keys"] = sorted(s["__key__"] for s in ds)
+    out["skipped"] = ds.manifest.skipped
+print(json.dumps(out))
+"""
+
+
+def _damage_hf_batch(path: Path, batch: int) -> int:
+    """Point a caption offset of stream batch ``batch`` (rows 4k..4k+3) past its data; returns
+    the batch's byte offset."""
+    data = bytearray(path.read_bytes())
+    _, spans = stream_spans(bytes(data))
+    lo, hi = spans[batch]
+    lengths = [len(f"row {r}") for r in range(batch * HF_BATCH, (batch + 1) * HF_BATCH)]
+    ends = np.cumsum([0, *lengths]).astype("<i4")
+    at = bytes(data).find(ends.tobytes(), lo, hi)
+    assert at > 0
+    data[at + 8 : at + 12] = (0x7FFFFFF0).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return lo
+
+
+@pytest.mark.parametrize("on_error", ["skip", "raise"])
+def test_shard_of_a_damaged_hf_arrow_skips_or_names_the_batch(tmp_path, on_error, capsys):
+    """``stallfree shard`` of a Hugging Face ``.arrow`` with one damaged batch: ``skip`` writes
+    every other row and lists the batch in the manifest; ``raise`` stops with an error naming
+    the file and the batch. Before: SIGABRT (``std::length_error``) or SIGSEGV."""
+    src = tmp_path / "data-00000-of-00001.arrow"
+    write_hf_stream(src)
+    offset = _damage_hf_batch(src, 1)
+    proc = subprocess.run(
+        [sys.executable, "-c", SHARD_CHILD, str(src), str(tmp_path / "out"), on_error],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]  # the child ran; its rc is in the output
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    if on_error == "raise":
+        assert out["rc"] != 0
+        assert f"{src}" in proc.stderr and "record batch 1" in proc.stderr
+        assert f"byte offset {offset}" in proc.stderr
+        assert not (tmp_path / "out" / "manifest.json").exists()
+        return
+    assert out["rc"] == 0
+    assert out["keys"] == [f"{r:09d}" for r in range(ROWS) if not 4 <= r < 8]
+    [skipped] = out["skipped"]
+    assert skipped["source"] == str(src) and "record batch 1" in skipped["error"]
