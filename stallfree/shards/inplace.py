@@ -499,7 +499,7 @@ class OffsetFormat:
     def scan(self, fs: fsspec.AbstractFileSystem, root: str, paths: list[str]) -> ScannedFiles:
         """The dataset ``root/index.json`` describes, as manifest rows: every file stamped with
         the store's version of it and its entry's hash (so the fingerprint follows both)."""
-        index = parse_index(fs, root, self.parse, self.what)
+        index = _INDEXES.get(fs, root, self.parse, self.what)  # (this process's readers then reuse it)
         shards, unversioned = [], []
         for s in index.shards:
             size, version = stamps.store_version(fs, s.file.path, s.rel)
