@@ -27,7 +27,7 @@ else
   bash scripts/setup.sh || exit 1
 fi
 TORCH_TESTS=(
-  tests/loader tests/mix tests/tokens tests/examples tests/test_imports.py tests/test_package.py
+  tests/loader tests/mix tests/tokens tests/examples tests/integrations tests/test_imports.py tests/test_package.py
   tests/gpu_decode/test_loader.py tests/cache/test_loader_integration.py tests/harness/test_units.py
 )
 jobs=$(( $(nproc) * 2 ))
