@@ -48,6 +48,14 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     (r"s3://bucket/", "./bucket/", "no network in CI: a local directory stands in for the bucket"),
     (r"http://127\.0\.0\.1:8000/", "{http}/", "the docs' loopback URL: a real server on a free port"),
     (r"/dev/shm/stallfree", "./node-cache", "the test's own directory, not the machine's /dev/shm"),
+    *[
+        (
+            rf"stallfree staging {action}",
+            f"stallfree staging {action} --root ./staging",
+            "the test's own staging directory, not the machine's (clear would free its copies)",
+        )
+        for action in ("list", "clear")
+    ],
     (r'device="cuda"', "{device}", "CPU-only CI: the same loader without the device copy"),
     (r"num_workers=8", "num_workers=2", "2-core CI machine"),
     (r"--workers 8", "--workers 2", "2-core CI machine"),
