@@ -47,8 +47,8 @@ def require_own_order(loader: Any, *, who: str) -> DataLoader:
     if loader.mode != "fast":
         raise ValueError(
             f"{who} needs the loader's own order (mode 'fast': it splits ranks and resumes by position), "
-            f"but this loader runs in mode {loader.mode!r}; pass a map-style dataset with shuffle=True or "
-            "seed=, and no sampler"
+            f"but this loader runs in mode {loader.mode!r}; give it a map-style dataset, no sampler, and seed= "
+            "(shuffled with shuffle=True, in index order with shuffle=False, as for evaluation)"
         )
     return loader
 

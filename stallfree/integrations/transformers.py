@@ -92,12 +92,16 @@ class Trainer(transformers.Trainer):
         return self._stallfree_loader
 
     def get_train_dataloader(self) -> DataLoader:
-        """Our loader over ``train_dataset`` (built once per batch size; kept across ``train()``
-        calls, so a second call goes on from where the first stopped)."""
+        """Our loader over ``train_dataset`` (built once per dataset and batch size; kept across
+        ``train()`` calls, so a second call goes on from where the first stopped)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         loader = self._stallfree_loader
-        if loader is None or loader.batch_size != self._train_batch_size:
+        if (
+            loader is None
+            or loader.batch_size != self._train_batch_size
+            or loader.dataset is not self.train_dataset
+        ):
             if loader is not None:
                 loader.close()
             loader = self._stallfree_loader = self._build_loader(self._train_batch_size)

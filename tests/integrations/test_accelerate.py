@@ -116,3 +116,25 @@ def test_split_batches_is_refused_for_our_loader():
         accelerator.prepare(make_loader())
     plain = torch.utils.data.DataLoader(Numbers(), batch_size=4)
     assert type(accelerator.prepare(plain)).__module__.startswith("accelerate")  # others: accelerate's own
+
+
+def test_on_a_gpu_a_loader_that_leaves_batches_on_the_cpu_is_refused_with_the_fix():
+    class OnGpu(Accelerator):
+        device = torch.device("cuda", 0)  # what accelerate reports on a GPU machine
+
+    accelerator = OnGpu(cpu=True)
+    with pytest.raises(
+        ValueError, match=r"build it with device=accelerator.device .* device_placement=False"
+    ):
+        accelerator.prepare(make_loader())
+    loader = make_loader()
+    assert accelerator.prepare(loader, device_placement=[False]) is loader  # the user moves batches
+
+
+def test_an_evaluation_loader_in_index_order_is_ours_too():
+    accelerator = Accelerator(cpu=True)
+    loader = stallfree.DataLoader(Numbers(), batch_size=4, shuffle=False, seed=0, decode=with_image)
+    assert accelerator.prepare(loader) is loader
+    assert indices(loader) == list(range(N))
+    with pytest.raises(ValueError, match="in index order with shuffle=False"):
+        accelerator.prepare(stallfree.DataLoader(Numbers(), batch_size=4, shuffle=False))
