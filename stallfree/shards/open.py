@@ -7,7 +7,9 @@ shard's reader (opened by its format, ``formats.py``: ``readers.py``) fetches th
 Without a manifest (a directory of tars, a glob, a brace pattern ``data-{000..009}.tar``) the
 index is built on the fly from the tar headers (or ``.idx`` files beside them), with a warning
 that says how to write one. Table files users already have open the same way: a Hugging Face
-``save_to_disk`` directory (Arrow *stream* files) or Parquet files (``data/train-*.parquet``).
+``save_to_disk`` directory (Arrow *stream* files) or Parquet files (``data/train-*.parquet``);
+so do MosaicML MDS and LitData directories (an ``index.json``), through the read-only formats of
+``inplace.py``. A ``DatasetDict`` directory names its splits.
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ _ITER_CHUNK = 64
 def open_dataset(
     url: str, *, verify_hashes: bool = False, verify_samples: bool = False, **storage_options: Any
 ) -> ShardedDataset:
-    """Open a dataset: a directory with ``manifest.json`` (or the manifest's URL), or tar shards
-    without one (directory, glob, brace pattern, single file). ``verify_hashes`` checks each
+    """Open a dataset: a directory with ``manifest.json`` (or the manifest's URL), or shards
+    without one (tars, Arrow / Parquet files: directory, glob, brace pattern, single file), or an
+    MDS / LitData directory read in place (or its ``index.json``). ``verify_hashes`` checks each
     shard's sha256 against the manifest when it is first used (reads the whole shard once);
     ``verify_samples`` checks every member read against the CRC32 recorded when it was written
     (``sums.py``; a ``ChecksumMismatchError`` names the sample), for tar datasets that have them."""
