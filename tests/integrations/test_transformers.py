@@ -82,22 +82,26 @@ def test_the_train_loader_is_ours_built_from_the_training_arguments(tokens, tmp_
 
 
 @pytest.mark.slow
-def test_a_stopped_run_resumes_from_its_checkpoint_with_every_window_once_per_epoch(tokens, tmp_path):
+@pytest.mark.parametrize("accumulate, stop_at, last_step", [(1, 8, 12), (2, 4, 6)])
+def test_a_stopped_run_resumes_from_its_checkpoint_with_every_window_once_per_epoch(
+    tokens, tmp_path, accumulate, stop_at, last_step
+):
     out = tmp_path / "out"
-    first = make_trainer(tokens, out, stop_at=8)  # 6 steps an epoch: stops 2 steps into the second
+    # 6 batches an epoch: stops 2 batches into the second
+    first = make_trainer(tokens, out, stop_at=stop_at, gradient_accumulation_steps=accumulate)
     first.train()
-    assert first.state.global_step == 8
-    saved = json.loads((out / "checkpoint-8" / "stallfree_loader_state.json").read_text())
-    assert (saved["step"], saved["loaders"][0]["epoch"], saved["loaders"][0]["consumed"]) == (8, 1, 8)
-    second = make_trainer(tokens, out)
-    second.train(resume_from_checkpoint=str(out / "checkpoint-8"))
-    assert second.state.global_step == 12
+    assert first.state.global_step == stop_at
+    saved = json.loads((out / f"checkpoint-{stop_at}" / "stallfree_loader_state.json").read_text())
+    assert (saved["step"], saved["loaders"][0]["epoch"], saved["loaders"][0]["consumed"]) == (stop_at, 1, 8)
+    second = make_trainer(tokens, out, gradient_accumulation_steps=accumulate)
+    second.train(resume_from_checkpoint=str(out / f"checkpoint-{stop_at}"))
+    assert second.state.global_step == last_step
     trained = collections.Counter(first.windows + second.windows)
     assert trained == collections.Counter({w: 2 for w in range(WINDOWS)})
 
     # ignore_data_skip: Trainer's meaning, the resumed epoch starts over (same order)
-    third = make_trainer(tokens, out, ignore_data_skip=True)
-    third.train(resume_from_checkpoint=str(out / "checkpoint-8"))
+    third = make_trainer(tokens, out, ignore_data_skip=True, gradient_accumulation_steps=accumulate)
+    third.train(resume_from_checkpoint=str(out / f"checkpoint-{stop_at}"))
     assert sorted(third.windows) == list(range(WINDOWS))
     assert third.windows == first.windows[6 * 4 :] + second.windows
 
