@@ -48,6 +48,7 @@ class _VersionAction(argparse.Action):
         from stallfree.cli.doctor import version_lines
 
         print("\n".join(version_lines()))
+        sys.stdout.flush()  # a closed pipe raises here, for main to end quietly
         parser.exit()
 
 
