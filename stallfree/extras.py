@@ -6,7 +6,7 @@ import their library through ``require``, so a missing one is an error that name
 install rather than a bare ``ModuleNotFoundError`` from deep inside: the CLI prints it as one line,
 and library callers can still catch it as the ``ImportError`` it is. ``EXTRAS`` is the one table
 of what each extra brings (``pyproject.toml``'s ``[project.optional-dependencies]``, kept equal by
-``tests/test_package.py``); ``stallfree doctor`` reports from it. Imports nothing of ours.
+``tests/cli/test_extras.py``); ``stallfree doctor`` reports from it. Imports nothing of ours.
 """
 
 from __future__ import annotations
