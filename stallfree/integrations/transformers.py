@@ -58,7 +58,14 @@ _FROM_ARGS = {
     "drop_last": "dataloader_drop_last",
     "in_order": "dataloader_in_order",
 }
-_FIXED = ("dataset", "shuffle", "sampler", "batch_sampler", "world")
+_FIXED = {
+    "dataset": "Trainer's train_dataset",
+    "collate_fn": "Trainer's data_collator",
+    "shuffle": "TrainingArguments.train_sampling_strategy",
+    "sampler": "the loader's own order",
+    "batch_sampler": "the loader's own order",
+    "world": "torch.distributed, as Trainer starts it",
+}
 _ORDERS = {"random": None, "sequential": "sequential"}  # train_sampling_strategy -> our order
 
 
@@ -73,9 +80,7 @@ class Trainer(transformers.Trainer):
         clash = sorted(set(options) & {*_FROM_ARGS, *_FIXED})
         if clash:
             told = ", ".join(
-                f"{k} (TrainingArguments.{_FROM_ARGS[k]})"
-                if k in _FROM_ARGS
-                else f"{k} (fixed by the Trainer)"
+                f"{k} (TrainingArguments.{_FROM_ARGS[k]})" if k in _FROM_ARGS else f"{k} ({_FIXED[k]})"
                 for k in clash
             )
             raise ValueError(f"loader_options may not set {told}")
@@ -116,7 +121,7 @@ class Trainer(transformers.Trainer):
         if strategy not in _ORDERS:
             raise ValueError(
                 f"train_sampling_strategy={strategy!r} is Trainer's own sampler; with stallfree's loader use "
-                f"'random' (our seeded shuffle) or 'sequential', or order= in loader_options"
+                f"'random' (our seeded shuffle, or the order= of loader_options) or 'sequential'"
             )
         if isinstance(self.train_dataset, torch.utils.data.IterableDataset):
             raise TypeError(

@@ -115,18 +115,21 @@ def test_a_checkpoint_without_the_loader_state_is_refused(tokens, tmp_path):
 
 
 def test_options_trainer_arguments_decide_are_refused_with_the_argument_to_use(tokens, tmp_path):
-    with pytest.raises(ValueError, match=r"batch_size \(TrainingArguments.per_device_train_batch_size\)"):
+    told = r"batch_size \(TrainingArguments.per_device_train_batch_size\), collate_fn \(Trainer's data_collator\)"
+    with pytest.raises(ValueError, match=told):
         Trainer(
             model=tiny_model(),
             args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
             train_dataset=stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16"),
-            loader_options={"batch_size": 8, "decode": None},
+            loader_options={"batch_size": 8, "decode": None, "collate_fn": None},
         )
 
 
 def test_samplers_of_trainer_and_iterable_datasets_are_refused(tokens, tmp_path):
     trainer = make_trainer(tokens, tmp_path / "a", train_sampling_strategy="group_by_length")
-    with pytest.raises(ValueError, match="'random' \\(our seeded shuffle\\) or 'sequential'"):
+    with pytest.raises(
+        ValueError, match="'random' \\(our seeded shuffle, or the order= of loader_options\\)"
+    ):
         trainer.get_train_dataloader()
 
     class Stream(torch.utils.data.IterableDataset):
