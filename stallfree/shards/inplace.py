@@ -304,19 +304,29 @@ class OffsetShardReader:
         found = record_mismatches(info, self.size)
         if found:
             raise found[0]
+        self._offsets: list[int] | None = None
+        if not self.file.compression:  # (a compressed file's table is read with its first sample:
+            self._table()  # opening it for ``key_of`` must not decompress it)
+
+    def _table(self) -> list[int]:
+        """The file's offsets: its table, read (and checked against the index) once."""
+        if self._offsets is not None:
+            return self._offsets
         try:
             if self.file.compression:
                 blob = self._blob()
-                self.offsets = parse_table(blob, self.path, len(blob), self.file.samples)
+                offsets = parse_table(blob, self.path, len(blob), self.file.samples)
             else:
                 head = self._read(0, min(self.size, 4 if self.local else _HEAD))
                 n = int.from_bytes(head[:4], "little") if len(head) >= 4 else 0
                 need = min(self.size, 4 * (n + 2))
                 if len(head) < need:
                     head += self._read(len(head), need)
-                self.offsets = parse_table(head, self.path, self.size, self.file.samples)
+                offsets = parse_table(head, self.path, self.size, self.file.samples)
         except SourceReadError as exc:
-            raise _typed(exc, shard) from None
+            raise _typed(exc, self.shard) from None
+        self._offsets = offsets
+        return offsets
 
     def _blob(self) -> bytes:
         """The decompressed file, from the process's LRU or decompressed (bounded) again."""
@@ -345,7 +355,7 @@ class OffsetShardReader:
         return remote.read_range(self.fs, self.path, start, end, shard=self.shard, key=key)
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return self.file.samples  # what the index promises (the table is checked against it)
 
     def key_of(self, row: int) -> str | None:
         """The global sample number, zero-padded, unless a column names the keys (then None:
@@ -357,7 +367,8 @@ class OffsetShardReader:
     def _span(self, row: int) -> tuple[int, int]:
         if not 0 <= row < len(self):
             raise IndexError(f"row {row} out of range for shard {self.shard} of {len(self)}")
-        return self.offsets[row], self.offsets[row + 1]
+        offsets = self._table()
+        return offsets[row], offsets[row + 1]
 
     def _sample(self, row: int, data: bytes, offset: int) -> dict[str, Any]:
         """Row's bytes -> the sample a tar shard of it would give."""
@@ -485,6 +496,11 @@ class OffsetFormat:
             report.bytes += reader.size
             if check.progress is not None:
                 check.progress(reader.size)
+            try:
+                reader._table()  # a file whose table (or compressed stream) is bad: one error
+            except ShardError as exc:
+                report.errors.append(exc)
+                return found
             for row in range(len(reader)):
                 try:
                     sample = reader.get(row)

@@ -243,3 +243,24 @@ def test_a_truncated_raw_shard_names_file_and_offset(rows, tmp_path):
     ) as info:
         ds[1]
     assert (info.value.shard, info.value.offset) == ("shard.00000.mds", end[1])
+
+
+def test_compressed_shards_decompress_once_when_read_not_for_keys(mds, monkeypatch):
+    from stallfree.shards import inplace, source_offsets
+
+    calls = []
+    real = source_offsets.DECOMPRESSORS["gz"]
+    monkeypatch.setitem(source_offsets.DECOMPRESSORS, "gz", lambda: calls.append(1) or real())
+    ds = open_dataset(str(mds))
+    assert [ds.key_of(i) for i in range(6, 12)] == [f"{i:09d}" for i in range(6, 12)]
+    assert calls == []  # shard 1 (gz) opened for its keys, not decompressed
+    assert [ds[i]["__key__"] for i in (9, 6, 11, 7)] == ["000000009", "000000006", "000000011", "000000007"]
+    assert len(calls) == 1  # then once for all its samples (the process's LRU keeps it)
+    inplace.DECOMPRESSED.drop(ds._readers[1]._token)  # evicted: decompressed again when read
+    assert ds[8]["__key__"] == "000000008" and len(calls) == 2
+
+
+def test_a_damaged_gz_shard_is_one_problem_in_verify(rows, tmp_path):
+    _damaged_gz(rows, tmp_path / "ds")
+    problems = open_dataset(str(tmp_path / "ds")).verify()
+    assert [(type(p).__name__, p.shard) for p in problems] == [("CorruptShardError", "shard.00001.mds.gz")]
