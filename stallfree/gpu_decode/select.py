@@ -45,6 +45,7 @@ from .header import (
     probe,
 )
 from .normalize import normalize
+from .sample_fields import DEFAULT_LABEL_FIELD, check_label_field, class_field_of, passthrough, read_label
 
 _DTYPES = {
     "float32": torch.float32,
@@ -57,14 +58,22 @@ _DTYPES = {
 
 
 class ImageDecode:
-    """Decode + augment a batch of raw samples into ``{"image", "label", "__key__"}``.
+    """Decode + augment a batch of raw samples into ``{"image", "label", "__key__", ...}``.
 
     ``image``: ``[N, 3, size, size]`` tensor (on the GPU for the DALI mixed backend): normalised
     ``(x - mean) / std`` for float dtypes; for ``dtype="uint8"`` the crop-resized pixels as they are,
     to normalise yourself (``stallfree.normalize(batch["image"])``, e.g. on the GPU in the training
-    step); ``label``: int64 ``[N]`` from ``label_field`` (-1 where a sample has none), on the
-    same device; ``__key__``: the sample keys. ``train`` picks random-resized-crop + flip (random
-    per ``seed`` passed by the loader and per sample key) or resize + centre crop.
+    step); ``label``: int64 ``[N]`` from the label field, on the same device; ``__key__``: the
+    sample keys; every other field of the samples under its own name, collated (a tensor of
+    numbers or same-shaped arrays, a list of ``bytes``/``str``, else a list; sample_fields.py).
+    ``train`` picks random-resized-crop + flip (random per ``seed`` passed by the loader and per
+    sample key) or resize + centre crop.
+
+    ``label_field``: the field holding each sample's integer class. None (the default): the
+    ``class_field`` of the dataset's manifest (``stallfree shard`` records it for Hugging Face
+    ``ClassLabel`` columns), learnt by ``for_dataset(ds)`` (or by the loader's ``bind_dataset``
+    call), else ``"cls"``; ``False``: no labels (no ``label`` in the batch). A sample without the
+    field is a decode error naming its key and its fields.
 
     ``transfer="uint8"`` with a float ``dtype``: the CPU backend's workers write uint8 pixels, a
     quarter of the bytes through shared memory and over PCIe, and the loader normalises them into
@@ -102,7 +111,7 @@ class ImageDecode:
         flip_p: float = 0.5,
         resize_size: int | None = None,
         image_field: str | None = None,
-        label_field: str = "cls",
+        label_field: str | None | bool = None,
         device: str | torch.device | int | None = None,
         num_threads: int | None = None,
         hw_decoder_load: float = 0.65,
@@ -117,6 +126,7 @@ class ImageDecode:
                 raise ValueError(f"{name} must be a positive int or None, got {limit!r}")
         if backend != "auto":
             registry.entry(backend)  # ValueError naming the registered backends
+        check_label_field(label_field)
         if dtype not in _DTYPES:
             raise ValueError(f"dtype must be 'float32', 'float16' or 'uint8', got {dtype!r}")
         if transfer is not None and _DTYPES.get(transfer) != torch.uint8:
@@ -129,6 +139,7 @@ class ImageDecode:
         self.mean, self.std = spec.mean, spec.std
         self.image_field = image_field
         self.label_field = label_field
+        self._class_field: str | None = None  # the bound dataset's manifest's, for label_field=None
         self.max_pixels = max_pixels
         self.max_scans = max_scans
         self.max_memory = max_memory
@@ -152,6 +163,27 @@ class ImageDecode:
         self._decoder: Backend = cls(spec, options)
         self.device = self._decoder.device
         self._stats = {"batches": 0, "images": 0, "failures": 0, "decode_s": 0.0}
+
+    def bind_dataset(self, dataset: Any) -> None:
+        """Learn what the dataset's manifest says about its fields (its ``class_field``, used
+        when ``label_field`` is None). The loader's hook; ``for_dataset`` is the same, chained."""
+        self._class_field = class_field_of(dataset)
+
+    def for_dataset(self, dataset: Any) -> ImageDecode:
+        """``self``, labelled as ``dataset``'s manifest says: ``DataLoader(ds,
+        decode=ImageDecode(...).for_dataset(ds))``."""
+        self.bind_dataset(dataset)
+        return self
+
+    @property
+    def resolved_label_field(self) -> str | None:
+        """The field labels are read from (None: no labels): ``label_field`` when named, else the
+        bound manifest's ``class_field``, else ``"cls"``."""
+        if self.label_field is False:
+            return None
+        if isinstance(self.label_field, str):
+            return self.label_field
+        return self._class_field or DEFAULT_LABEL_FIELD
 
     @property
     def needs_finish(self) -> bool:
@@ -197,16 +229,21 @@ class ImageDecode:
         shared slot); None, or a None result, uses the decoder's own reused buffers."""
         t0 = time.perf_counter()
         keys = [str(s.get("__key__", i)) for i, s in enumerate(samples)]
+        label_field = self.resolved_label_field
+        from_manifest = self.label_field is None and self._class_field is not None
         failures: list[tuple[int, str, BaseException]] = []
         datas: list[bytes] = []
         infos: list[ImageInfo] = []
         boxes: list[Box] = []
         labels: list[int] = []
         good: list[int] = []
+        consumed: set[str] = set() if label_field is None else {label_field}
         for i, (sample, key) in enumerate(zip(samples, keys, strict=True)):
             try:
-                labels.append(self._label(sample))
-                data = self._image_bytes(sample)
+                field, data = self._image_bytes(sample)
+                if label_field is not None:
+                    labels.append(read_label(sample, label_field, from_manifest=from_manifest))
+                consumed.add(field)
                 info = probe(data, self.max_pixels, max_scans=self.max_scans, max_memory=self.max_memory)
             except (BadImageError, KeyError, TypeError, ValueError) as exc:
                 failures.append((i, key, SampleDecodeError(str(exc).strip("'\""), key=key)))
@@ -227,13 +264,18 @@ class ImageDecode:
             images = torch.empty(
                 (0, 3, self.preset.size, self.preset.size), dtype=self._decoder.dtype, device=self.device
             )
-        label_t = torch.tensor(labels, dtype=torch.int64)
-        if self.device.type != "cpu":
-            label_t = label_t.to(self.device, non_blocking=True)
+        out: dict[str, Any] = {"image": images}
+        if label_field is not None:
+            label_t = torch.tensor(labels, dtype=torch.int64)
+            if self.device.type != "cpu":
+                label_t = label_t.to(self.device, non_blocking=True)
+            out["label"] = label_t
+        out["__key__"] = keys
+        out.update(passthrough(samples, consumed, tuple(out), self.device))
         self._stats["batches"] += 1
         self._stats["images"] += len(samples)
         self._stats["decode_s"] += time.perf_counter() - t0
-        return {"image": images, "label": label_t, "__key__": keys}
+        return out
 
     def stats(self) -> dict[str, Any]:
         s = dict(self._stats)
@@ -250,7 +292,8 @@ class ImageDecode:
     def _preset_name(self) -> str:
         return "train" if self.preset.train else "eval"
 
-    def _image_bytes(self, sample: dict) -> bytes:
+    def _image_bytes(self, sample: dict) -> tuple[str, bytes]:
+        """(the image field, its encoded bytes)."""
         field = self.image_field
         if field is None:
             field = next((f for f in IMAGE_FIELDS if f in sample), None)
@@ -260,25 +303,14 @@ class ImageDecode:
             raise KeyError(f"no {field!r} field in sample")
         value = sample[field]
         if isinstance(value, bytes):
-            return value
+            return field, value
         if isinstance(value, (bytearray, memoryview)):
-            return bytes(value)
+            return field, bytes(value)
         if isinstance(value, np.ndarray) and value.dtype == np.uint8 and value.ndim == 1:
-            return value.tobytes()
+            return field, value.tobytes()
         if isinstance(value, dict) and isinstance(value.get("bytes"), bytes):
-            return value["bytes"]  # a Hugging Face Image() cell {"bytes": ..., "path": ...}
+            return field, value["bytes"]  # a Hugging Face Image() cell {"bytes": ..., "path": ...}
         raise TypeError(f"field {field!r} holds {type(value).__name__}, expected encoded image bytes")
-
-    def _label(self, sample: dict) -> int:
-        value = sample.get(self.label_field)
-        if value is None:
-            return -1
-        try:
-            if isinstance(value, (bytes, bytearray)):
-                value = value.decode("ascii").strip()
-            return int(value)
-        except (ValueError, TypeError, UnicodeDecodeError):
-            raise ValueError(f"label field {self.label_field!r} is not an integer: {value!r:.40}") from None
 
 
 def _choose(backend: str, gpu_id: int | None, jpeg_library: str = "auto") -> tuple[str, str]:

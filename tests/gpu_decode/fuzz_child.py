@@ -78,7 +78,15 @@ def main() -> None:
     rng = np.random.default_rng(args["seed"])
     seeds = corpus(rng)
     decoders = {
-        lib: ImageDecode(train=True, size=24, backend="cpu", jpeg_library=lib, num_threads=1, dtype="uint8")
+        lib: ImageDecode(
+            train=True,
+            size=24,
+            backend="cpu",
+            jpeg_library=lib,
+            num_threads=1,
+            dtype="uint8",
+            label_field=False,
+        )
         for lib in ("turbo", "pil")
     }
     counts = {"probe_refused": 0, "decoded": 0, "decode_refused": 0}

@@ -46,6 +46,7 @@ def test_cpu_path_agrees_with_dali_cpu_under_dct_scaling(rgb_jpegs):
 def test_grey_and_cmyk_agree(odd_images):
     for name in ("gray", "cmyk"):
         s = [{"__key__": name, "jpg": odd_images[name]}]
-        dali = ImageDecode(train=False, size=224, backend="dali").decode_batch(s, seed=0)["image"]
-        cpu = ImageDecode(train=False, size=224, backend="cpu").decode_batch(s, seed=0)["image"]
+        unlabelled = {"train": False, "size": 224, "label_field": False}
+        dali = ImageDecode(backend="dali", **unlabelled).decode_batch(s, seed=0)["image"]
+        cpu = ImageDecode(backend="cpu", **unlabelled).decode_batch(s, seed=0)["image"]
         assert _pixels_mad(dali, cpu) < 2.0, name

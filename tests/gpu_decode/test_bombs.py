@@ -181,14 +181,22 @@ def test_every_cpu_path_refuses_by_header_and_names_the_sample(flat, library):
         {"__key__": "scans", "jpg": repeat_last_scan(flat, 70)},
         {"__key__": "memory", "jpg": heavy},
     ]
-    dec = ImageDecode(size=16, backend="cpu", jpeg_library=library, max_memory=probe(heavy).buffer_bytes - 1)
+    dec = ImageDecode(
+        size=16,
+        backend="cpu",
+        jpeg_library=library,
+        max_memory=probe(heavy).buffer_bytes - 1,
+        label_field=False,
+    )
     with pytest.raises(BatchDecodeError) as info:
         dec.decode_batch(samples, seed=0)
     causes = {key: str(exc) for _, key, exc in info.value.failures}
     assert sorted(causes) == ["memory", "scans"]
     assert "has 80 scans, over the limit of 64" in causes["scans"]
     assert "progressive jpeg of 640x480 needs" in causes["memory"]
-    relaxed = ImageDecode(size=16, backend="cpu", jpeg_library=library, max_scans=None, max_memory=None)
+    relaxed = ImageDecode(
+        size=16, backend="cpu", jpeg_library=library, max_scans=None, max_memory=None, label_field=False
+    )
     assert relaxed.decode_batch(samples, seed=0)["image"].shape == (3, 3, 16, 16)
 
 

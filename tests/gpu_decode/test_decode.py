@@ -91,15 +91,41 @@ def test_grey_cmyk_png_progressive_decode_to_rgb(backend, odd_images, rgb_jpegs)
         assert px.min() > -1 and px.max() < 256 and px.std() > 10  # a real picture, in range
 
 
-def test_label_field_forms_and_missing_label(backend, rgb_jpegs):
+def test_label_field_forms_and_a_missing_label_is_an_error(backend, rgb_jpegs):
     samples = [
         {"__key__": "a", "jpg": rgb_jpegs[0], "cls": b" 7\n"},
         {"__key__": "b", "jpg": rgb_jpegs[1], "cls": 3},
         {"__key__": "c", "jpg": bytearray(rgb_jpegs[2]), "cls": "5"},
-        {"__key__": "d", "jpg": memoryview(rgb_jpegs[3])},
+        {"__key__": "d", "jpg": memoryview(rgb_jpegs[3]), "cls": 4.0},
     ]
     out = _decoder(backend, train=False).decode_batch(samples, seed=0)
-    assert out["label"].tolist() == [7, 3, 5, -1]
+    assert out["label"].tolist() == [7, 3, 5, 4]
+    # it was label -1, found only when cross_entropy raised
+    samples[3] = {"__key__": "d", "jpg": rgb_jpegs[3], "label": 2, "txt": b"a caption"}
+    with pytest.raises(BatchDecodeError) as info:
+        _decoder(backend, train=False).decode_batch(samples, seed=0)
+    [(pos, key, cause)] = info.value.failures
+    assert (pos, key) == (3, "d") and isinstance(cause, SampleDecodeError) and cause.key == "d"
+    assert str(cause) == (
+        "no label field 'cls' (the default where no bound dataset's manifest names a class_field); "
+        "the sample's fields are ['jpg', 'label', 'txt']: pass label_field='label', or label_field=False "
+        "to decode without labels (sample 'd')"
+    )
+    with pytest.raises(
+        BatchDecodeError, match=r"no label field 'y' \(label_field\); the sample's fields are"
+    ):
+        _decoder(backend, train=False, label_field="y").decode_batch(samples, seed=0)
+
+
+@pytest.mark.parametrize("value", [b"x7", "3.5", 2.5, [1], {"a": 1}])
+def test_a_label_that_is_not_an_integer_is_an_error(backend, rgb_jpegs, value):
+    with pytest.raises(BatchDecodeError, match="label field 'cls' is not an integer"):
+        _decoder(backend).decode_batch([{"__key__": "k", "jpg": rgb_jpegs[0], "cls": value}], seed=0)
+
+
+def test_unlabelled_decoding_has_no_label(backend, rgb_jpegs):
+    out = _decoder(backend, label_field=False).decode_batch([{"__key__": "k", "jpg": rgb_jpegs[0]}], seed=0)
+    assert set(out) == {"image", "__key__"}
 
 
 @pytest.mark.parametrize("bad", ["garbage", "empty", "truncated_jpeg", "truncated_png", "corrupt_tables"])
@@ -135,7 +161,7 @@ def test_several_bad_samples_all_reported(backend, rgb_jpegs, bad_images):
 
 
 def test_explicit_image_field_and_wrong_type(backend, rgb_jpegs):
-    dec = _decoder(backend, train=False, image_field="photo")
+    dec = _decoder(backend, train=False, image_field="photo", label_field=False)
     out = dec.decode_batch([{"__key__": "x", "photo": rgb_jpegs[0]}], seed=0)
     assert out["image"].shape == (1, 3, 64, 64)
     with pytest.raises(BatchDecodeError, match="expected encoded image bytes"):

@@ -90,7 +90,7 @@ def oriented() -> dict[str, list[bytes]]:
 
 def _decode(kwargs: dict, images: list[bytes], train: bool, size: int = 64) -> torch.Tensor:
     samples = [{"__key__": "photo", "jpg": data} for data in images]  # one key: the same box for all
-    dec = ImageDecode(train=train, size=size, dtype="uint8", **{"device": "cpu", **kwargs})
+    dec = ImageDecode(train=train, size=size, dtype="uint8", label_field=False, **{"device": "cpu", **kwargs})
     return dec.decode_batch(samples, seed=3)["image"].cpu()
 
 
