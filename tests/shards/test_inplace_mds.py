@@ -264,3 +264,58 @@ def test_a_damaged_gz_shard_is_one_problem_in_verify(rows, tmp_path):
     _damaged_gz(rows, tmp_path / "ds")
     problems = open_dataset(str(tmp_path / "ds")).verify()
     assert [(type(p).__name__, p.shard) for p in problems] == [("CorruptShardError", "shard.00001.mds.gz")]
+
+
+def _as_bz2(root: Path, shard: int) -> Path:
+    """Shard ``shard`` of a gz fixture recompressed as bz2, its index entry saying so."""
+    import bz2
+
+    index = json.loads((root / "index.json").read_text())
+    entry = index["shards"][shard]
+    gz = root / entry["zip_data"]["basename"]
+    packed = bz2.compress(gzip.decompress(gz.read_bytes()))
+    gz.unlink()
+    name = entry["zip_data"]["basename"].replace(".gz", ".bz2")
+    (root / name).write_bytes(packed)
+    entry.update(compression="bz2", zip_data={"basename": name, "bytes": len(packed), "hashes": {}})
+    (root / "index.json").write_text(json.dumps(index))
+    return root / name
+
+
+def test_bz2_shards_read_and_a_damaged_one_is_typed(rows, sharded, tmp_path):
+    write_mds(tmp_path / "ds", COLUMNS, rows, per_shard=6, gz_shards=(1,))
+    path = _as_bz2(tmp_path / "ds", 1)
+    ds = open_dataset(str(tmp_path / "ds"))
+    assert [ds[i] for i in range(N)] == sharded
+    data = bytearray(path.read_bytes())
+    mid = len(data) // 2
+    data[mid : mid + 8] = bytes(b ^ 0xFF for b in data[mid : mid + 8])
+    path.write_bytes(bytes(data))
+    ds = open_dataset(str(tmp_path / "ds"))
+    with pytest.raises(CorruptShardError, match=r"bz2") as info:
+        ds[7]
+    assert info.value.shard == "shard.00001.mds.bz2"
+
+
+def test_a_codec_we_cannot_undo_is_named_when_opened(rows, tmp_path):
+    write_mds(tmp_path / "ds", COLUMNS, rows, per_shard=6, gz_shards=(1,))
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    index["shards"][1]["compression"] = "zstd:7"
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(
+        SourceError, match=r"shard 1: compression 'zstd:7' is not supported \(supported: gz, bz2\)"
+    ):
+        open_dataset(str(tmp_path / "ds"))
+
+
+def test_a_remote_mds_directory_shards_through_open_dataset(mds, sharded, tmp_path):
+    """``stallfree shard memory://...`` reads the MDS directory in place (no local copy first)."""
+    fs = fsspec.filesystem("memory")
+    for name in os.listdir(mds):
+        fs.pipe(f"/shard-mds/{name}", (mds / name).read_bytes())
+    try:
+        shard_dataset("memory://shard-mds", str(tmp_path / "out"), max_samples=5)
+    finally:
+        fs.rm("/shard-mds", recursive=True)
+    out = open_dataset(str(tmp_path / "out"))
+    assert [out[i] for i in range(len(out))] == sharded
