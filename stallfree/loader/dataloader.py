@@ -15,10 +15,18 @@ Three modes, chosen from the arguments (``loader.mode``):
 The mode, order, decode placement, index source and worker and main plans are decided by
 ``options.plan`` from a frozen ``LoaderOptions``, once; the index source (``sources.py``) keeps
 the resume state.
+
+Several ``iter()`` at once (``a = iter(dl); next(a); b = iter(dl)``) behave as torch's: each
+iterator is independent (its own epoch, its own workers), except that with
+``persistent_workers=True`` (and workers) the loader has one pool, which the newest iterator
+takes over: an older one still mid-epoch then raises ``IteratorSupersededError`` on its next
+``next()`` (torch silently resets its one iterator there). ``state_dict()`` describes the most
+recently created iterator.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import warnings
 import weakref
@@ -31,8 +39,9 @@ import torch
 import torch.utils.data as tud
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import allocator, contracts, shardio
+from stallfree.loader import allocator, contracts, fdlimit, shardio
 from stallfree.loader.engine import Engine
+from stallfree.loader.errors import IteratorSupersededError, StateMismatchError
 from stallfree.loader.iterator import LoaderIterator
 from stallfree.loader.options import LoaderOptions, plan
 from stallfree.loader.order import Batches
@@ -69,6 +78,18 @@ class DataLoader(tud.DataLoader[T_co]):
     ``staging`` (None: for block order over remote shards each worker stages whole shards in a
     node-local directory shared by the node's processes and reads samples from there; False:
     off; a directory or a ``stallfree.shards.staging.Staging(root=, cap_bytes=)``).
+
+    Iterators: each ``iter()`` gives an independent iterator over the next epoch (its own workers;
+    fast, sampler and iterable modes alike), as torch's. With ``persistent_workers=True`` and
+    workers there is one pool, and a new ``iter()`` takes it over: an older iterator that is still
+    mid-epoch then raises ``IteratorSupersededError`` on its next ``next()`` instead of stopping
+    silently (torch resets its one iterator there; its undelivered batches are lost too).
+    ``state_dict()`` is always the most recently created iterator's progress.
+
+    Resume: ``state_dict()`` records the dataset's identity (its length, and its fingerprint
+    where it has one); ``load_state_dict`` refuses a state from other data, or with a position
+    outside the epoch, with a ``StateMismatchError`` (a ValueError) unless
+    ``allow_other_dataset=True``; states saved before the identity was recorded still load.
     """
 
     def __init__(
@@ -174,11 +195,13 @@ class DataLoader(tud.DataLoader[T_co]):
         self._stats = LoaderStats()
         self._next_epoch = 0
         self._resume_from = 0  # positions (our order) or batches (sampler, iterable) to skip
-        self._active: weakref.ref | None = None  # the current iterator, which holds us (not the reverse)
+        # the live iterators, which hold us (not the reverse); the newest one's progress is _progress
+        self._live: weakref.WeakSet = weakref.WeakSet()
         self._engine: Engine | None = None
         self._lead: shardio.LeadStaging | None = None  # the main process staging a first window
         self._progress: EpochProgress | None = None
         self._restored_epoch: int | None = None  # load_state_dict's epoch until the next iter()/set_epoch
+        _LOADERS.add(self)
 
     # torch's DataLoader lets these be reassigned after construction (the others raise there);
     # the plan is made once, so reassigning one makes it again, keeping the seed and the index
@@ -251,17 +274,30 @@ class DataLoader(tud.DataLoader[T_co]):
         epoch, resume = self._next_epoch, self._resume_from
         if p is not None:
             epoch, resume = (p.epoch + 1, 0) if p.done else (p.epoch, source.resume_point(p))
+        fields = source.state_fields(resume)
+        if not fields["dataset_len"]:  # torch's sampler, a stream: the length is the identity still
+            fields["dataset_len"] = _length_of(self.dataset) or 0
         return LoaderState(
             seed=self.seed,
             epoch=epoch,
             mode=self._plan.mode,
             world_size=self.world.size,
             dataset=contracts.mixture_state(self.dataset),
-            **source.state_fields(resume),
+            fingerprint=contracts.fingerprint_of(self.dataset),
+            **fields,
         ).to_dict()
 
-    def load_state_dict(self, state: Mapping[str, Any], *, allow_reweight: bool = False) -> None:
+    def load_state_dict(
+        self, state: Mapping[str, Any], *, allow_reweight: bool = False, allow_other_dataset: bool = False
+    ) -> None:
         """Continue from ``state`` on the next ``iter()`` (any world size / worker count).
+
+        The state must be this dataset's: a state saved for another length or fingerprint is a
+        ``StateMismatchError`` (a ValueError), as is a position outside the epoch.
+        ``allow_other_dataset=True`` continues from the saved position on changed data on
+        purpose (samples were added or rewritten: the positions now hold other samples); the
+        position must still lie inside the epoch. States saved before the identity was recorded
+        load unchecked.
 
         A mixture refuses a state saved for other weights unless ``allow_reweight=True``: the
         explicit choice to go on from the saved position of the *new* order (its earlier positions
@@ -270,17 +306,36 @@ class DataLoader(tud.DataLoader[T_co]):
         mode = self._plan.mode
         if st.mode != mode:
             raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
-        reweighted = False
+        reweighted = allow_other_dataset
         if self._plan.ordered and isinstance(self.dataset, contracts.ResumableMixture):
             if st.dataset is None:
                 raise ValueError("state has no mixture description; it was saved by another dataset")
             self.dataset.check_state(st.dataset, allow_reweight=allow_reweight)
-            reweighted = allow_reweight
+            reweighted = reweighted or allow_reweight
+        elif not allow_other_dataset:
+            self._check_identity(st)
         self._resume_from = self._index_source().resume_from(st, reweighted=reweighted)
         self._plan = self._plan.with_seed(st.seed)
         self._next_epoch = st.epoch
         self._restored_epoch = st.epoch
         self._progress = None
+
+    def _check_identity(self, st: LoaderState) -> None:
+        """The state's dataset must be this one: same length (where both know it) and the same
+        fingerprint (where both have one)."""
+        hint = "pass allow_other_dataset=True to load_state_dict to continue on other data on purpose"
+        n = _length_of(self.dataset)
+        if st.dataset_len and n is not None and st.dataset_len != n:
+            raise StateMismatchError(
+                f"state is for a dataset of {st.dataset_len} samples, this one has {n} ({hint})"
+            )
+        mine = contracts.fingerprint_of(self.dataset)
+        if st.fingerprint is not None and mine is not None and st.fingerprint != mine:
+            raise StateMismatchError(
+                f"state is for a dataset with fingerprint {st.fingerprint!r}, this one's is {mine!r}: its "
+                "content changed, or it is another dataset (a manifest-less copy on another machine has "
+                f"other file stamps: write a manifest with `stallfree index` to give copies one identity); {hint}"
+            )
 
     def _mix_stats(self) -> dict[str, Any] | None:
         """Samples delivered per source this epoch (all ranks' positions consumed so far)."""
@@ -329,19 +384,25 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def close(self) -> None:
         """Stop any workers now (they also stop when the loader is garbage collected)."""
-        self._close_active()
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
-        if self._lead is not None:
-            self._lead.close()
-            self._lead = None
+        self._shut(graceful=True)
 
-    def _close_active(self) -> None:
-        it = self._active() if self._active is not None else None
-        if it is not None:
-            it.close()
-        self._active = None
+    def _shut(self, graceful: bool) -> None:
+        """End every live iterator, the persistent pool and the lead staging."""
+        for it in list(self._live):
+            it.close(graceful)
+        self._live = weakref.WeakSet()
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown(graceful)
+        lead, self._lead = self._lead, None
+        if lead is not None:
+            lead.close()
+
+    def _supersede_live(self) -> None:
+        """Persistent workers: the new iterator takes over the one pool; live ones end, and one
+        still mid-epoch says so on its next ``next()`` (never a silent stop)."""
+        for it in list(self._live):
+            it.supersede()
 
     # -- the pipeline: one plan, two index sources ---------------------------------------------------
     def _index_source(self) -> IndexSource:
@@ -352,7 +413,6 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _engine_for(self, base_seed: int) -> tuple[Engine, bool]:
         """The worker pool for the next iteration, and whether the iterator owns (and ends) it."""
-        self._close_active()
         if self.pin_memory and not torch.cuda.is_available():
             warnings.warn(  # torch's own warning, so scripts see the same thing
                 "'pin_memory' argument is set as true but no accelerator is found, "
@@ -360,6 +420,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 stacklevel=3,
             )
         if self.persistent_workers and self.num_workers > 0:
+            self._supersede_live()
             if self._engine is None or self._engine.closed:
                 self._engine = self._new_engine(base_seed)
             return self._engine, False
@@ -377,7 +438,12 @@ class DataLoader(tud.DataLoader[T_co]):
         if self._plan.ordered:
             self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
         allocator.keep_freed_memory()  # before the workers fork: they inherit it
-        engine, owns = self._engine_for(ep.base_seed)
+        try:
+            engine, owns = self._engine_for(ep.base_seed)
+        except OSError as exc:  # pipes, sockets and queues for the workers: none left (kept batches)
+            if fdlimit.is_emfile(exc):
+                raise fdlimit.too_many_open_files("starting the loader's workers") from exc
+            raise
         # before the other workers fork (Assembler): its downloads start ~25 ms sooner. What a
         # fork copies of its threads is safe: the staging flocks are closed in the child
         # (staging._Held), and the dataset, its client and the staging area are renewed per pid
@@ -405,7 +471,7 @@ class DataLoader(tud.DataLoader[T_co]):
             raise
         self._progress = ep.progress
         it = LoaderIterator(core, ep.progress, self._stats, ep.total, owner=self)
-        self._active = weakref.ref(it)
+        self._live.add(it)
         return it
 
     def _stage_first_window(self, batches: Any) -> None:
@@ -451,22 +517,62 @@ class DataLoader(tud.DataLoader[T_co]):
         self._next_epoch, self._resume_from = epoch + 1, 0
         progress = StreamIndices().progress(epoch, skip)
         self._progress = progress
+        if self.persistent_workers and self.num_workers > 0:  # torch resets its one iterator now
+            self._supersede_live()
         it = super().__iter__()
         if self.num_workers > 0 and not self.timeout and self._options.worker_timeout:
             compat.set_iterator_timeout(
                 it, self._options.worker_timeout
             )  # a hung worker is an error, never a hang
-        return _GenericIter(it, progress, self._stats, skip)
+        generic = _GenericIter(it, progress, self._stats, skip, total=_length_or_none(it))
+        self._live.add(generic)
+        return generic
 
-    def __del__(self) -> None:
+    def __del__(self, _log: logging.Logger = logger) -> None:
+        """Bounded, silent and safe at interpreter exit: module globals may be None by now (the
+        logger is bound as a default), so nothing here may reach one outside a ``try``, and
+        nothing is raised or printed (an atexit hook closes live loaders earlier, while modules
+        still work: ``_close_all_at_exit``)."""
         try:
-            self._close_active()
-            if self._engine is not None:
-                self._engine.shutdown()
-            if self._lead is not None:
-                self._lead.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown
-            logger.debug("error closing loader", exc_info=True)
+            self._shut(graceful=True)
+        except BaseException:  # noqa: BLE001 - a finaliser never raises
+            try:
+                _log.debug("error closing loader", exc_info=True)
+            except BaseException:  # noqa: BLE001, S110 - logging itself torn down at exit
+                pass
+
+
+_LOADERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _close_all_at_exit() -> None:
+    """Close every loader still alive (not closed, never collected) while modules still work: a
+    loader's lead staging and iterators closed later, from ``__del__`` during interpreter
+    teardown, would reach module globals already set to None. Registered after the engine's own
+    exit hook (engine.py is imported first), so it runs before it."""
+    for loader in list(_LOADERS):
+        try:
+            loader._shut(graceful=False)
+        except Exception:  # noqa: BLE001 - at exit: the next loader still gets closed
+            logger.debug("error closing a loader at exit", exc_info=True)
+
+
+atexit.register(_close_all_at_exit)
+
+
+def _length_of(dataset: Any) -> int | None:
+    """The dataset's length, or None where it has none (an IterableDataset, usually)."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
+def _length_or_none(it: Any) -> int | None:
+    try:
+        return len(it)
+    except TypeError:
+        return None
 
 
 class _GenericIter:
@@ -476,10 +582,16 @@ class _GenericIter:
     deterministic sampler or iterable dataset, but it reads them again (the fast path does not).
     """
 
-    def __init__(self, it: Any, progress: EpochProgress, stats: LoaderStats, skip: int) -> None:
+    def __init__(
+        self, it: Any, progress: EpochProgress, stats: LoaderStats, skip: int, total: int | None = None
+    ) -> None:
         self._it = it
         self._progress = progress
         self._stats = stats
+        self._total = total
+        self._delivered = 0
+        self._finished = False
+        self._superseded: str | None = None
         stats.iteration_started()
         for _ in range(skip):
             try:
@@ -497,16 +609,43 @@ class _GenericIter:
         return getattr(self._it, name)
 
     def __next__(self) -> Any:
+        if self._finished:
+            if self._superseded is not None:
+                message, self._superseded = self._superseded, None
+                raise IteratorSupersededError(message)
+            raise StopIteration
         t0 = self._stats.before_next(0)
         try:
             batch = next(self._it)
         except StopIteration:
+            self._finished = True
             self._progress.finish()
             self._stats.epochs += 1
             raise
         self._progress.on_batch(1)
+        self._delivered += 1
         self._stats.after_next(t0, _batch_len(batch))
         return batch
+
+    def supersede(self) -> None:
+        """A later ``iter()`` resets torch's one persistent iterator under this wrapper: stop, and
+        say so on the next ``next()`` (the rest of this epoch is not delivered)."""
+        if self._finished:
+            return
+        self._finished = True
+        received_all = self._progress.done or (self._total is not None and self._delivered >= self._total)
+        if not received_all:
+            total = f" of {self._total}" if self._total is not None else ""
+            self._superseded = (
+                f"this iterator was ended by a later iter() on the same DataLoader after {self._delivered}"
+                f"{total} batch(es) of epoch {self._progress.epoch}: with persistent_workers=True torch's "
+                "DataLoader resets its one iterator for the new one; finish or drop an iterator before "
+                "starting the next, or use persistent_workers=False for independent iterators"
+            )
+
+    def close(self, graceful: bool = True) -> None:
+        """Nothing of ours to stop: torch's iterator ends its workers when it is collected."""
+        self._finished = True
 
 
 def _batch_len(batch: Any) -> int:

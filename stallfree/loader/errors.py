@@ -15,6 +15,22 @@ class WorkerHungError(LoaderError):
     """A worker process made no progress on a sample for longer than the allowed time."""
 
 
+class IteratorSupersededError(LoaderError):
+    """A later ``iter()`` on a loader with persistent workers took over its one worker pool while
+    this iterator was mid-epoch (torch resets its one iterator there); the rest of this
+    iterator's epoch is not delivered."""
+
+
+class TooManyOpenFilesError(LoaderError):
+    """The process ran out of file descriptors (EMFILE): each batch kept alive holds one
+    shared-memory descriptor. The message says how to raise the limit or keep fewer."""
+
+
+class StateMismatchError(ValueError):
+    """A resume state refused: saved for another dataset (length or fingerprint), or a position
+    outside the epoch. A ValueError, as every bad state is."""
+
+
 class FailureBudgetExceeded(LoaderError):
     """More samples failed than ``max_failures`` allows; ``failed`` lists ``(index, key, reason)``."""
 

@@ -4,6 +4,11 @@ counts what the consumer received. The time ``__next__`` blocks is the data wait
 It owns its assembler but the assembler never refers back to it, so dropping the iterator (an
 early ``break``, ``next(iter(loader))``, an exception unwinding the loop) finalises it at once: the
 assembler thread stops and the epoch's workers exit, as with torch's DataLoader.
+
+Several iterators of one loader may be alive at once (each with its own workers, as torch's);
+only a loader with persistent workers has one pool, and a new iterator takes it over: the older
+one is then *superseded* and its next ``next()`` says so (``IteratorSupersededError``) rather than
+stopping as if its epoch had ended.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 import torch
 
 from stallfree.loader import _torch_compat as compat
+from stallfree.loader.errors import IteratorSupersededError
 from stallfree.loader.prefetch import Assembler, End, Failed, Ready, Skipped, record_stream
 from stallfree.loader.progress import EpochProgress
 from stallfree.loader.stats import LoaderStats
@@ -31,6 +37,8 @@ class LoaderIterator:
         self._stats = stats
         self._total = total
         self._finished = False
+        self._delivered = 0  # batches handed to the consumer
+        self._superseded: str | None = None  # why a later iter() ended this one (raised once)
         self.owner = owner  # the loader lives as long as any iterator of it
         self._finalizer = weakref.finalize(self, core.close, False)
         stats.iteration_started()
@@ -51,6 +59,9 @@ class LoaderIterator:
 
     def __next__(self) -> Any:
         if self._finished:
+            if self._superseded is not None:
+                message, self._superseded = self._superseded, None
+                raise IteratorSupersededError(message)
             raise StopIteration
         core = self._core
         while True:
@@ -65,6 +76,7 @@ class LoaderIterator:
                 self._progress.on_batch(item.positions, item.seq)
                 core.taken(_elapsed(t0), occupancy)
                 self._stats.after_next(t0, item.samples)
+                self._delivered += 1
                 return item.batch
             if isinstance(item, Skipped):
                 self._progress.on_batch(item.positions, item.seq)
@@ -83,6 +95,28 @@ class LoaderIterator:
                 self._progress.on_batch(item.positions, item.seq)
                 core.taken(0.0, occupancy)
             _raise(item.error)
+
+    @property
+    def finished(self) -> bool:
+        """Ended: its epoch is over, or it was closed (dropped, superseded, failed)."""
+        return self._finished
+
+    def supersede(self) -> None:
+        """A later ``iter()`` takes over this iterator's worker pool (persistent workers): stop now,
+        and make the consumer's next ``next()`` say so, unless everything was already received."""
+        if self._finished:
+            return
+        received_all = self._progress.done or (self._total is not None and self._delivered >= self._total)
+        if not received_all:
+            total = f" of {self._total}" if self._total is not None else ""
+            self._superseded = (
+                f"this iterator was ended by a later iter() on the same DataLoader after {self._delivered}"
+                f"{total} batch(es) of epoch {self._progress.epoch}: with persistent_workers=True the loader "
+                "has one worker pool and the new iterator took it over (torch's DataLoader resets its one "
+                "iterator there); finish or drop an iterator before starting the next, or use "
+                "persistent_workers=False for independent iterators"
+            )
+        self.close()
 
     def close(self, graceful: bool = True) -> None:
         """Stop now (the epoch's workers exit unless they are the loader's persistent ones)."""

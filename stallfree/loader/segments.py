@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from stallfree.loader import _torch_compat as compat
+from stallfree.loader import fdlimit
 
 _HEADER = struct.Struct("<qq")  # serial, bytes
 RECEIVE_TIMEOUT_S = 60.0  # the descriptor is written before its batch is queued: it is there already
@@ -90,7 +91,14 @@ class SegmentReceiver:
                     f"worker {self._worker}'s shared-memory segment {segment.serial} holds {size} "
                     f"bytes, the batch announced {segment.nbytes}"
                 )
-            return compat.shared_storage_of_fd(fd, segment.nbytes)
+            try:
+                return compat.shared_storage_of_fd(fd, segment.nbytes)
+            except RuntimeError as exc:  # torch's "could not duplicate ...": say why, if that is why
+                if fdlimit.out_of_descriptors():
+                    raise fdlimit.too_many_open_files(
+                        f"mapping worker {self._worker}'s batch segment"
+                    ) from exc
+                raise
         finally:
             os.close(fd)
 
@@ -106,11 +114,22 @@ class SegmentReceiver:
         fd = self._early.pop(segment.serial, None)
         while fd is None:
             try:
-                data, fds, _, _ = socket.recv_fds(self._sock, _HEADER.size, 1)
-            except (OSError, TimeoutError) as exc:
+                data, fds, flags, _ = socket.recv_fds(self._sock, _HEADER.size, 1)
+            except OSError as exc:
+                if fdlimit.is_emfile(exc):
+                    raise fdlimit.too_many_open_files(
+                        f"receiving worker {self._worker}'s batch segment"
+                    ) from exc
                 raise SegmentError(
                     f"worker {self._worker}'s shared-memory segment {segment.serial} did not arrive: {exc}"
                 ) from exc
+            except TimeoutError as exc:
+                raise SegmentError(
+                    f"worker {self._worker}'s shared-memory segment {segment.serial} did not arrive: {exc}"
+                ) from exc
+            if flags & getattr(socket, "MSG_CTRUNC", 0) and not fds:
+                # the kernel dropped the descriptor: no room for it in this process's table
+                raise fdlimit.too_many_open_files(f"receiving worker {self._worker}'s batch segment")
             if len(data) != _HEADER.size or len(fds) != 1:
                 for extra in fds:
                     os.close(extra)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import shm
+from stallfree.loader import fdlimit, shm
 from stallfree.loader.returns import SlotReturns
 
 
@@ -102,7 +102,12 @@ class Slots:
         return out
 
     def grow(self, slot: int, nbytes: int) -> torch.UntypedStorage:
-        storage = compat.new_shared_storage(max(nbytes, 1 << 16))
+        try:
+            storage = compat.new_shared_storage(max(nbytes, 1 << 16))
+        except RuntimeError as exc:  # torch's "unable to open shared memory object": say why, if that is why
+            if fdlimit.out_of_descriptors():
+                raise fdlimit.too_many_open_files("a worker made a shared-memory slot") from exc
+            raise
         self.storages[slot] = storage
         self.files.pop(slot, None)
         self.last_size = max(self.last_size, nbytes)

@@ -23,6 +23,7 @@ import torch
 
 from stallfree.loader import contracts
 from stallfree.loader import order as order_mod
+from stallfree.loader.errors import StateMismatchError
 from stallfree.loader.progress import EpochProgress
 from stallfree.loader.state import LoaderState
 from stallfree.loader.world import World
@@ -110,9 +111,16 @@ class OrderIndices:
         """Global positions to skip; the saved dataset length must match (unless a mixture was
         explicitly reweighted: its length may change with the weights), and so must the order's
         layout when the epoch is under way (its positions hold other samples under another)."""
-        if state.dataset_len != len(self.dataset) and not reweighted:
-            raise ValueError(
-                f"state is for a dataset of {state.dataset_len} samples, this one has {len(self.dataset)}"
+        n = len(self.dataset)
+        if state.dataset_len != n and not reweighted:
+            raise StateMismatchError(
+                f"state is for a dataset of {state.dataset_len} samples, this one has {n} (pass "
+                "allow_other_dataset=True to load_state_dict to continue on other data on purpose)"
+            )
+        if not 0 <= state.consumed <= n:
+            raise StateMismatchError(
+                f"state's position 'consumed' is {state.consumed}, outside this epoch's 0..{n} "
+                f"(a dataset of {n} samples)"
             )
         if state.consumed and state.order is not None and state.order != self.identity:
             raise ValueError(
@@ -141,7 +149,18 @@ class BatchResume:
         return {"consumed": 0, "dataset_len": 0, "batches": resume}
 
     def resume_from(self, state: LoaderState, *, reweighted: bool = False) -> int:
+        """Batches to skip: within the epoch's batches where their number is known."""
+        total = self.batches_per_epoch()
+        if state.batches < 0 or (total is not None and state.batches > total):
+            span = f"0..{total}" if total is not None else ">= 0"
+            raise StateMismatchError(
+                f"state's position 'batches' is {state.batches}, outside this epoch's {span} batches"
+            )
         return state.batches
+
+    def batches_per_epoch(self) -> int | None:
+        """Batches in a whole epoch (None: unknown, a stream)."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -163,6 +182,12 @@ class SamplerIndices(BatchResume):
     sampler: Any
     generator: Any
     auto_collation: bool
+
+    def batches_per_epoch(self) -> int | None:
+        try:
+            return len(self.index_sampler)
+        except TypeError:  # a sampler without a length
+            return None
 
     def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
         source: Any = iter(self.index_sampler)

@@ -164,3 +164,34 @@ def test_a_slot_released_from_another_thread_after_the_iterator_is_gone_does_not
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ALIVE False" in proc.stdout
     assert _gone(_pids(proc.stdout)) == []
+
+
+@pytest.mark.parametrize("order", ["block", "global"])
+def test_a_remote_loader_left_open_at_exit_prints_nothing(order, tmp_path):
+    """A script over remote shards that iterates partly and exits without closing the loader.
+
+    Before: every such script ended with ``Exception ignored in DataLoader.__del__ ...
+    'NoneType' object has no attribute 'debug'``: the loader was closed from ``__del__`` during
+    interpreter teardown, its lead staging failed on a module global already None, and the
+    handler logged through another. Now an exit hook closes it while modules still work."""
+    import stallfree
+    from stallfree.testing.httpserve import serve_directory
+
+    root = tmp_path / "ds"
+    with stallfree.ShardWriter(str(root), format="tar", max_samples=8) as w:
+        for i in range(64):
+            w.write({"__key__": f"s{i:04d}", "txt": b"x" * 2000, "cls": str(i % 4).encode()})
+    with serve_directory(root) as srv:
+        body = f"""
+        ds = stallfree.open_dataset({srv.url!r})
+        dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, order={order!r})
+        it = iter(dl)
+        batch = next(it)
+        batch = next(it)
+        report(it)
+        """
+        proc, _ = _run(body, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip() == "", proc.stderr[-3000:]
+    assert _gone(_pids(proc.stdout)) == []

@@ -118,7 +118,7 @@ def test_the_loader_refuses_bad_options_like_the_options_do():
     "kwargs, fields",
     [
         ({"shuffle": True, "seed": 1}, {"batches": 0, "dataset_len": 20}),  # fast: positions
-        ({}, {"consumed": 0, "dataset_len": 0}),  # sampler: batches
+        ({}, {"consumed": 0, "dataset_len": 20}),  # sampler: batches (the length: identity only)
     ],
 )
 def test_resume_state_comes_from_the_index_source(kwargs, fields):
