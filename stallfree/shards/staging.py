@@ -372,6 +372,8 @@ class StagingArea:
             if verdict == _UNCHECKED:
                 verdict = self._hash(pinned, expect)
             if verdict == _OK:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(fname + _LOCK, dir_fd=ns_fd)  # as a fill does: no lock files pile up
                 return pinned
             if pinned is not None:
                 pinned.close()
