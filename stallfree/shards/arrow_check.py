@@ -167,14 +167,16 @@ def check_ipc_file(read_at: Any, size: int, shard: str, *, head: bool = True) ->
 
 class TailCached(io.RawIOBase):
     """A read-only file over ``raw`` (a ``remote.RangeFile``) that reads its last ``TAIL_READ``
-    bytes in one request the first time a read reaches them, and answers every later read there
-    from memory: a remote IPC file's footer is read once, by ``check_ipc_file``, and pyarrow's
-    own reads of it (the length, then the footer) make no further requests."""
+    bytes in one request the first time a read reaches them (``check_ipc_file``'s), and answers
+    later reads of the footer and trailer from those bytes: pyarrow's own reads of them (the
+    length, then the footer) make no further requests. Everything before the footer (record
+    batches) is still read from storage when asked for, as before."""
 
     def __init__(self, raw: Any, size: int) -> None:
         super().__init__()
         self._raw, self.size = raw, size
         self._tail_start, self._tail = max(0, size - TAIL_READ), None
+        self._serve_from = size  # where the footer starts, once the tail is read
         self._pos = 0
 
     def readable(self) -> bool:
@@ -194,16 +196,27 @@ class TailCached(io.RawIOBase):
     def read(self, n: int = -1) -> bytes:
         start = min(self._pos, self.size)
         end = self.size if n is None or n < 0 else min(self.size, start + n)
-        if start >= self._tail_start:
-            if self._tail is None:
-                self._raw.seek(self._tail_start)
-                self._tail = self._raw.read(self.size - self._tail_start)
+        first = self._tail is None and start >= self._tail_start
+        if first:
+            self._raw.seek(self._tail_start)
+            self._tail = self._raw.read(self.size - self._tail_start)
+            self._serve_from = self._footer_start(self._tail)
+        if first or (self._tail is not None and start >= self._serve_from):
             data = self._tail[start - self._tail_start : end - self._tail_start]
         else:
             self._raw.seek(start)
             data = self._raw.read(end - start)
         self._pos = start + len(data)
         return data
+
+    def _footer_start(self, tail: bytes) -> int:
+        """Where the footer starts per ``tail`` (the trailer alone where it names no sane one)."""
+        trailer = max(0, self.size - _TAIL)
+        if len(tail) < _TAIL or tail[-6:] != MAGIC:
+            return trailer
+        (length,) = struct.unpack_from("<i", tail, len(tail) - _TAIL)
+        start = trailer - length
+        return start if 0 < length and start >= self._tail_start else trailer
 
     def readinto(self, buffer: Any) -> int:
         data = self.read(len(memoryview(buffer)))
