@@ -25,9 +25,8 @@ def parse_mds(
         columns = [c[0] for c in shard.columns]
         names.update(dict.fromkeys(columns))
         keyed = "__key__" in columns or "key" in columns
-        files.append(
-            IndexedFile(shard.file, entry, functools.partial(decode_mds_sample, shard.columns), keyed)
-        )
+        decode = functools.partial(decode_mds_sample, shard.columns)
+        files.append(IndexedFile(shard.file, entry, decode, keyed, shard.other))
     return files, sample_fields(list(names))
 
 

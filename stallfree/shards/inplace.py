@@ -30,7 +30,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import fsspec
@@ -76,6 +76,7 @@ class InPlaceShard:
     entry: str
     decode: Callable[[bytes, str], dict[str, Any]]
     keyed: bool = False  # a ``__key__`` / ``key`` column names the samples
+    other: ShardFile | None = None  # its other file (MDS: raw and compressed), not chosen here
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class IndexedFile:
     entry: str
     decode: Callable[[bytes, str], dict[str, Any]]
     keyed: bool
+    other: ShardFile | None = None
 
 
 @dataclass(frozen=True)
@@ -99,9 +101,16 @@ class ParsedIndex:
     fields: tuple[str, ...]
 
     def shard(self, rel: str) -> InPlaceShard | None:
+        """The shard whose file is ``rel``: the file chosen here, or the other one the index
+        names for it (a dataset opened where the other was the one present)."""
         by_rel = self.__dict__.get("_by_rel")
         if by_rel is None:
             by_rel = {s.rel: s for s in self.shards}
+            root = self.path[: -len(INDEX_NAME)]
+            for s in self.shards:
+                if s.other is not None:
+                    alias = relative(root.rstrip("/"), s.other.path) if root else s.other.path
+                    by_rel.setdefault(alias, replace(s, rel=alias, file=s.other, other=s.file))
             object.__setattr__(self, "_by_rel", by_rel)
         return by_rel.get(rel)
 
@@ -157,7 +166,9 @@ def parse_index(fs: fsspec.AbstractFileSystem, root: str, parse: Parse, what: st
         raise SourceError(f"{name}: not a {what} index ({type(exc).__name__}: {exc})") from None
     out, first = [], 0
     for f in shards:
-        out.append(InPlaceShard(relative(root, f.file.path), f.file, first, f.entry, f.decode, f.keyed))
+        out.append(
+            InPlaceShard(relative(root, f.file.path), f.file, first, f.entry, f.decode, f.keyed, f.other)
+        )
         first += f.file.samples
     rels = [s.rel for s in out]
     if len(set(rels)) != len(rels):

@@ -60,10 +60,13 @@ Column = tuple[str, str, "int | None"]  # (name, encoding, fixed size or None: v
 
 @dataclass(frozen=True)
 class MDSShard:
-    """One shard of an MDS index: its file and its columns, in the order a sample stores them."""
+    """One shard of an MDS index: its file and its columns, in the order a sample stores them;
+    ``other``: the shard's other file where the index names two (raw and compressed), the one
+    not chosen (a staged copy of a dataset read in place is whichever was chosen there)."""
 
     file: ShardFile
     columns: tuple[Column, ...]
+    other: ShardFile | None = None
 
 
 def is_mds_index(obj: Any) -> bool:
@@ -94,16 +97,21 @@ def mds_shards(
             raise SourceError(
                 f"{where}: format {shard.get('format')!r}; only 'mds' shards are read (not xsv/json)"
             )
-        file = _file_of(shard, root, where, exists, local)
-        shards.append(MDSShard(file, _columns_of(shard, where)))
+        raw, zipped = _files_of(shard, root, where, local)
+        if raw is not None and (zipped is None or exists(raw.path)):
+            file, other = raw, zipped  # the raw file when present (a cache may hold it decompressed)
+        elif zipped is not None:
+            file, other = zipped, raw
+        else:
+            raise SourceError(f"{where}: names no shard file (raw_data / zip_data)")
+        shards.append(MDSShard(file, _columns_of(shard, where), other))
     return shards
 
 
-def _file_of(
-    shard: dict[str, Any], root: str, where: str, exists: Callable[[str], bool], local: bool
-) -> ShardFile:
-    """The file to read: the raw file when present (a cache may hold it decompressed), else
-    the compressed one."""
+def _files_of(
+    shard: dict[str, Any], root: str, where: str, local: bool
+) -> tuple[ShardFile | None, ShardFile | None]:
+    """The shard's raw file and compressed file, each None where the index names none."""
     raw = shard.get("raw_data") or {}
     zipped = shard.get("zip_data") or {}
     if not isinstance(raw, dict) or not isinstance(zipped, dict):
@@ -111,9 +119,9 @@ def _file_of(
     samples = shard.get("samples")
     if not isinstance(samples, int) or isinstance(samples, bool) or samples < 0:
         raise SourceError(f"{where}: 'samples' must be a count, got {samples!r}")
-    raw_path = shard_path(root, raw.get("basename"), where, local=local) if raw.get("basename") else None
-    if raw_path is not None and (not zipped.get("basename") or exists(raw_path)):
-        return ShardFile(raw_path, samples)
+    raw_file = zip_file = None
+    if raw.get("basename"):
+        raw_file = ShardFile(shard_path(root, raw["basename"], where, local=local), samples)
     if zipped.get("basename"):
         compression = shard.get("compression")
         decompressor(compression, where)  # an unsupported codec fails here, before any work
@@ -121,8 +129,8 @@ def _file_of(
         if not isinstance(raw_bytes, int) or isinstance(raw_bytes, bool) or raw_bytes < 0:
             raw_bytes = None
         path = shard_path(root, zipped["basename"], where, local=local)
-        return ShardFile(path, samples, str(compression), raw_bytes)
-    raise SourceError(f"{where}: names no shard file (raw_data / zip_data)")
+        zip_file = ShardFile(path, samples, str(compression), raw_bytes)
+    return raw_file, zip_file
 
 
 def _columns_of(shard: dict[str, Any], where: str) -> tuple[Column, ...]:

@@ -319,3 +319,30 @@ def test_a_remote_mds_directory_shards_through_open_dataset(mds, sharded, tmp_pa
         fs.rm("/shard-mds", recursive=True)
     out = open_dataset(str(tmp_path / "out"))
     assert [out[i] for i in range(len(out))] == sharded
+
+
+def test_a_shard_with_raw_and_compressed_files_opens_by_either_name(rows, sharded, tmp_path):
+    """The index names both files of a compressed shard; the dataset reads the raw one where it is
+    present. A staged copy holds only the file chosen where the dataset was opened, and its index
+    may have been parsed before that file landed: the shard is found by either name."""
+    import shutil
+
+    from stallfree.shards.format_mds import MDS
+    from stallfree.shards.formats import ShardOpen
+
+    src = tmp_path / "src"
+    write_mds(src, COLUMNS, rows, per_shard=6, gz_shards=(1,))
+    (src / "shard.00001.mds").write_bytes(gzip.decompress((src / "shard.00001.mds.gz").read_bytes()))
+    ds = open_dataset(str(src))
+    assert [s.path for s in ds.manifest.shards][:2] == ["shard.00000.mds", "shard.00001.mds"]
+    assert [ds[i] for i in range(N)] == sharded
+    staged = tmp_path / "staged"
+    staged.mkdir()
+    for name in ("index.json", "shard.00000.mds"):
+        shutil.copy(src / name, staged / name)
+    fs = fsspec.filesystem("file")
+    first = MDS.open_reader(ShardOpen(fs, str(staged / "shard.00000.mds"), ds.manifest.shards[0]))
+    shutil.copy(src / "shard.00001.mds", staged / "shard.00001.mds")  # lands after the index was parsed
+    second = MDS.open_reader(ShardOpen(fs, str(staged / "shard.00001.mds"), ds.manifest.shards[1]))
+    assert second.file.compression is None
+    assert [first.get(0), second.get(2)] == [sharded[0], sharded[8]]
