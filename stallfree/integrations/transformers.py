@@ -201,10 +201,12 @@ class Trainer(transformers.Trainer):
                 path=str(state_file.path_in(resume_from_checkpoint)),
             )
         state = saved.loaders[0]
-        if self.args.ignore_data_skip:  # Trainer's meaning: the resumed epoch starts over
-            state = loader_facts.at_epoch_start(state)
         loader.load_state_dict(state)
         where = loader_facts.position_after_restore(loader, state)
+        if self.args.ignore_data_skip and not where.finished:  # Trainer's meaning: the epoch starts over
+            state = loader_facts.at_epoch_start(state)
+            loader.load_state_dict(state)
+            where = loader_facts.position_after_restore(loader, state)
         logger.info(
             "stallfree loader resumed at epoch %d, %d batches done, %d left on this rank (saved on %d processes)",
             where.epoch,

@@ -82,17 +82,22 @@ def test_the_train_loader_is_ours_built_from_the_training_arguments(tokens, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("accumulate, stop_at, last_step", [(1, 8, 12), (2, 4, 6)])
+@pytest.mark.parametrize(
+    "accumulate, stop_at, last_step, stood",
+    [
+        (2, 4, 6, (1, 8)),  # 6 batches an epoch, 2 a step: stops 2 batches into the second epoch
+        (1, 6, 12, (1, 0)),  # at the end of the first epoch: the second, at its start
+    ],
+)
 def test_a_stopped_run_resumes_from_its_checkpoint_with_every_window_once_per_epoch(
-    tokens, tmp_path, accumulate, stop_at, last_step
+    tokens, tmp_path, accumulate, stop_at, last_step, stood
 ):
     out = tmp_path / "out"
-    # 6 batches an epoch: stops 2 batches into the second
     first = make_trainer(tokens, out, stop_at=stop_at, gradient_accumulation_steps=accumulate)
     first.train()
     assert first.state.global_step == stop_at
     saved = json.loads((out / f"checkpoint-{stop_at}" / "stallfree_loader_state.json").read_text())
-    assert (saved["step"], saved["loaders"][0]["epoch"], saved["loaders"][0]["consumed"]) == (stop_at, 1, 8)
+    assert (saved["step"], saved["loaders"][0]["epoch"], saved["loaders"][0]["consumed"]) == (stop_at, *stood)
     second = make_trainer(tokens, out, gradient_accumulation_steps=accumulate)
     second.train(resume_from_checkpoint=str(out / f"checkpoint-{stop_at}"))
     assert second.state.global_step == last_step
