@@ -58,9 +58,11 @@ class ArrowFormat:
         return ArrowShardWriter(path, fs=fs, schema=schema)
 
     def source_schema(self, source: Any) -> Any:
-        """A table source's own Arrow schema (types kept), with ``__key__`` as a string column."""
+        """A table source's own Arrow schema (types kept), with ``__key__`` as a string column;
+        for a dataset read through ``open_dataset`` in the Arrow format, its first shard's (so
+        re-sharding keeps an ``int16`` column ``int16``, not one inferred again from values)."""
         getter = getattr(source, "schema", None)
-        schema = getter() if callable(getter) else None
+        schema = getter() if callable(getter) else _dataset_schema(source)
         if schema is None:
             return None
         import pyarrow as pa
@@ -112,6 +114,24 @@ class ArrowFormat:
         extra = {"class_field": columns.class_field} if columns is not None and columns.class_field else {}
         classes = columns.classes if columns is not None else None
         return ScannedFiles(shards, list(fields), None, classes=classes, extra=extra)
+
+
+def _dataset_schema(source: Any) -> Any:
+    """The schema rows of an Arrow-format ``ShardedDataset`` source come out with (media
+    columns of a Hugging Face table as the bytes its reader gives), or None for another source."""
+    dataset = getattr(source, "dataset", None)
+    manifest = getattr(dataset, "manifest", None)
+    if manifest is None or manifest.format != "arrow" or not manifest.shards:
+        return None
+    from stallfree.shards.hf import binary_schema
+
+    info = manifest.shards[0]
+    reader = ArrowShardReader(dataset.fs, dataset.shard_path(0), info.path, info)
+    try:
+        schema = reader.schema
+    finally:
+        reader.close()
+    return binary_schema(schema, columns_of_schema(schema))
 
 
 def schema_differences(a: Any, b: Any, name_a: str, name_b: str) -> list[str]:

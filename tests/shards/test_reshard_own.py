@@ -103,3 +103,16 @@ def test_the_library_refuses_it_too(tmp_path):
     assert sorted(p.name for p in (tmp_path / "data").rglob("*")) == ["0.txt", "1.txt", "2.txt", "raw"]
     summary = shard_dataset(str(images), str(tmp_path / "data"))  # beside it, not replacing: fine
     assert summary.manifest.samples == 3
+
+
+def test_an_arrow_dataset_keeps_its_column_types(tmp_path):
+    """Re-sharding Arrow to Arrow takes the first shard's schema, not one inferred again from
+    the values (an int16 column came back int64)."""
+    src = tmp_path / "typed"
+    with ShardWriter(str(src), format="arrow", max_samples=4) as w:
+        for i in range(6):
+            w.write({"__key__": f"k{i}", "n": np.int16(i), "v": np.arange(i, dtype=np.float32)})
+    assert shard_cli(src, tmp_path / "out", "--format", "arrow") == 0
+    types = open_dataset(str(tmp_path / "out")).manifest.field_types
+    assert types == open_dataset(str(src)).manifest.field_types == {"n": "int16", "v": "list<item: float>"}
+    assert same_rows(rows(src), rows(tmp_path / "out"))
