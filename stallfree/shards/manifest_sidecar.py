@@ -39,6 +39,7 @@ from typing import Any, NoReturn, overload
 import numpy as np
 
 from stallfree.shards.errors import ManifestError
+from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.shard_info import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -307,8 +308,8 @@ def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int],
         parts, "stamp_offsets", "stamps", where, at, nonempty=(flags & HAS_STAMP) != 0
     )
     try:
-        meta = json.loads(bytes(parts["meta"]))
-    except (ValueError, UnicodeDecodeError) as exc:
+        meta = parse_json(bytes(parts["meta"]), where)  # bounded depth: no RecursionError
+    except ValueError as exc:  # (JSONFileError is one)
         _damaged(where, f"section 'meta' is not JSON: {exc}", at["meta"])
     if not isinstance(meta, dict) or not isinstance(meta.get("manifest"), dict):
         _damaged(where, "section 'meta' is not an object with a 'manifest' object", at["meta"])

@@ -3,7 +3,6 @@ column types kept. Rows are listed per line / row group / record batch and read 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_ipc_file
 from stallfree.shards.errors import CorruptShardError, WriteError
+from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
 from stallfree.shards.tar import check_key
 
@@ -215,7 +215,7 @@ class TableSource(Source):
                     f = handles[fi] = open(path, "rb")  # noqa: SIM115 - closed by _read_jsonl_many
                 f.seek(offset)
                 line = f.read(length)
-            row = json.loads(line)
+            row = parse_json(line, path)  # (a JSONFileError, a ValueError, for any bad line)
         except OSError as exc:
             raise SourceReadError(f"{type(exc).__name__}: {exc}", path=path, offset=offset) from exc
         except ValueError as exc:

@@ -22,13 +22,13 @@ any process, through ``read_many`` (sources pickle as their paths and listing).
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from stallfree.shards.hf import DATASET_DICT_FILE, is_save_to_disk_dir
+from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.source_base import (
     Item,
     Source,
@@ -130,8 +130,8 @@ def _layout_kind(root: Path, names: set[str]) -> str | None:
         return "hf"
     if "index.json" in names:
         try:
-            index = json.loads((root / "index.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            index = parse_json((root / "index.json").read_bytes(), str(root / "index.json"))
+        except (OSError, ValueError):  # (parse_json's JSONFileError is a ValueError)
             return None  # not an MDS / LitData index: a file among others (--source mds says why)
         if is_mds_index(index):
             return "mds"

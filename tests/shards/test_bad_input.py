@@ -286,3 +286,24 @@ def test_idx_of_another_tar_is_an_index_mismatch(tmp_path, with_manifest):
         open_dataset(str(small))[0]
     assert (info.value.shard, info.value.key, info.value.offset) == (name, key, off - 512)
     assert "the tar ends at byte" in info.value.reason
+
+
+def test_deeply_nested_json_in_a_source_is_a_typed_error_naming_it(tmp_path):
+    """A JSONL row, or a directory's index.json, nested 100,000 deep made ``json.loads`` raise
+    RecursionError out of ``stallfree shard``; now the row is a SourceReadError naming the file
+    and line, and the index.json is simply not an MDS / LitData one."""
+    from stallfree.shards.sources import SourceReadError, detect_kind, open_source
+
+    deep = "[" * 100_000 + "]" * 100_000
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"__key__": "a", "x": 1}\n{"__key__": "b", "x": ' + deep + "}\n")
+    source = open_source(str(rows))
+    first, second = source.read_many(source.items())
+    assert first == {"__key__": "a", "x": 1}
+    assert isinstance(second, SourceReadError) and second.path == str(rows)
+    assert "line 2 is not valid JSON" in str(second) and "nested too deeply" in str(second)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "index.json").write_text(deep)
+    (odd / "a.txt").write_text("x")
+    assert detect_kind([str(odd)]) == "files"
