@@ -342,3 +342,35 @@ def test_shard_of_a_damaged_hf_arrow_skips_or_names_the_batch(tmp_path, on_error
     assert out["keys"] == [f"{r:09d}" for r in range(ROWS) if not 4 <= r < 8]
     [skipped] = out["skipped"]
     assert skipped["source"] == str(src) and "record batch 1" in skipped["error"]
+
+
+def test_a_footer_pointing_two_batches_at_one_message_is_refused(shard_dir):
+    """pyarrow would serve batch 6's row as row 7, silently: the footer check refuses blocks
+    that overlap, naming the footer's byte offset."""
+    from stallfree.shards.errors import CorruptShardError
+    from stallfree.shards.open import open_dataset
+
+    path = shard_dir / "shard-000000.arrow"
+    data = bytearray(path.read_bytes())
+    start, length = footer_span(len(data), bytes(data[-64:]), path.name)
+    blocks = ipc_file_blocks(
+        len(data), bytes(data[start : start + length]), start, bytes(data[:8]), path.name
+    )
+    entry = {}
+    for b in (6, 7):
+        offset, end = int(blocks.offsets[b]), int(blocks.ends[b])
+        meta = int.from_bytes(data[offset + 4 : offset + 8], "little") + 8
+        packed = offset.to_bytes(8, "little") + meta.to_bytes(4, "little") + bytes(4)
+        entry[b] = packed + (end - offset - meta).to_bytes(8, "little")
+        assert bytes(data).count(entry[b], start) == 1
+    at = bytes(data).index(entry[7], start)
+    data[at : at + 24] = entry[6]
+    path.write_bytes(bytes(data))
+    import pyarrow.ipc as ipc
+
+    plain = ipc.open_file(pa.BufferReader(bytes(data)))  # what pyarrow alone makes of it
+    assert plain.get_batch(7).column("__key__")[0].as_py() == "sample00006"
+    ds = open_dataset(str(shard_dir))
+    with pytest.raises(CorruptShardError, match="two blocks overlap") as err:
+        ds[7]
+    assert (err.value.shard, err.value.offset) == (path.name, start)
