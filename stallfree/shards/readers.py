@@ -9,7 +9,10 @@ into one request (``remote.read_ranges``), and Arrow/Parquet files are read thro
 ``remote.RangeFile``.
 
 A reader checks its shard cheaply when opened: size against the manifest, index entries inside
-the file, the first and last sample's member headers name the member the index says.
+the file, the first and last sample's member headers name the member the index says; an Arrow
+IPC file's footer blocks inside the file and apart. An Arrow record batch is validated before
+any of its rows is converted, once per open (``arrow_check``): a damaged one is an error, never
+a read outside its buffers.
 """
 
 from __future__ import annotations
