@@ -245,3 +245,14 @@ def test_uint8_output_normalises_to_the_float_output(backend, rgb_jpegs):
     f32 = _decoder(backend, size=40).decode_batch(samples, seed=5)["image"]
     assert u8.dtype == torch.uint8 and u8.shape == f32.shape
     assert torch.allclose(normalize(u8), f32, rtol=0, atol=1e-5)
+
+
+def test_other_fields_pass_through_on_every_backend(backend, rgb_jpegs):
+    samples = [
+        {"__key__": f"k{i}", "jpg": rgb_jpegs[i], "cls": i, "txt": f"caption {i}".encode(), "id": 100 + i}
+        for i in range(3)
+    ]
+    out = _decoder(backend, train=False).decode_batch(samples, seed=0)
+    assert list(out) == ["image", "label", "__key__", "txt", "id"]
+    assert out["txt"] == [b"caption 0", b"caption 1", b"caption 2"]
+    assert out["id"].dtype == torch.int64 and out["id"].tolist() == [100, 101, 102]
