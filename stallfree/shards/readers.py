@@ -40,7 +40,7 @@ from stallfree.shards.errors import (
 )
 from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
-from stallfree.shards.remote import RangeFile, read_file, read_ranges
+from stallfree.shards.remote import RangeFile, VersionPin, read_file, read_ranges
 from stallfree.shards.scan import file_size, record_mismatches, scan_tar, sha256_of
 from stallfree.shards.sums import remote_member_check
 from stallfree.shards.tar import BLOCK, parse_header, split_name
@@ -72,7 +72,7 @@ def _fetch_ranges(
     ranges: list[tuple[int, int]],
     shard: str,
     keys: list[str | None] | None = None,
-    pin: stamps.remote.VersionPin | None = None,
+    pin: VersionPin | None = None,
 ) -> list[bytes]:
     """Each range's bytes, exactly, through the one checked and retried remote read (of the
     version ``pin`` names, where given)."""
@@ -186,7 +186,7 @@ class TarShardReader:
     ) -> None:
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
         self.member_check = member_check
-        self.pin: stamps.remote.VersionPin | None = None  # what every remote read asks for
+        self.pin: VersionPin | None = None  # what every remote read asks for
         self.local = is_local(fs)
         # Local shards are read with pread, not through a memory map: a mapping leaves every page
         # a worker has read resident in it, so RSS/PSS grows to the data set size (measured: +380
