@@ -30,9 +30,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from stallfree.integrations._requires import require
+from stallfree.extras import require
 
-accelerate = require("accelerate", needed_by="stallfree.integrations.accelerate", pip="accelerate>=1")
+accelerate = require("accelerate", "hf", "stallfree.integrations.accelerate")
 
 from stallfree.integrations import loader_facts, state_file  # noqa: E402
 from stallfree.loader.dataloader import DataLoader  # noqa: E402

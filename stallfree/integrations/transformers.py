@@ -35,9 +35,9 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from stallfree.integrations._requires import require
+from stallfree.extras import require
 
-transformers = require("transformers", needed_by="stallfree.integrations.transformers", pip="transformers>=5")
+transformers = require("transformers", "hf", "stallfree.integrations.transformers")
 
 import torch  # noqa: E402  (after the check above, so a missing transformers is the error shown)
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
