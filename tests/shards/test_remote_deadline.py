@@ -123,6 +123,34 @@ def test_process_exits_after_a_staged_read_of_a_shard_rewritten_shorter(s3, tmp_
     assert "shard-000001.tar" in x["message"] and x["delivered_wrong"] == 0, x
 
 
+def test_daemon_pool_runs_what_is_submitted_and_cancels_what_has_not_started():
+    import threading
+
+    from stallfree.shards.daemon_pool import DaemonThreadPool
+
+    pool = DaemonThreadPool(2, thread_name_prefix="t-pool")
+    assert [f.result(timeout=10) for f in [pool.submit(pow, 2, k) for k in range(5)]] == [1, 2, 4, 8, 16]
+    with pytest.raises(ZeroDivisionError):
+        pool.submit(lambda: 1 / 0).result(timeout=10)
+    gate, started = threading.Event(), threading.Semaphore(0)
+
+    def hold() -> bool:
+        started.release()
+        return gate.wait(10)
+
+    running = [pool.submit(hold) for _ in range(2)]
+    assert started.acquire(timeout=10) and started.acquire(timeout=10)  # both threads busy
+    queued = pool.submit(pow, 3, 2)
+    names = {t.name for t in threading.enumerate() if t.name.startswith("t-pool_")}
+    assert len(names) == 2 and all(t.daemon for t in threading.enumerate() if t.name in names)
+    pool.shutdown(wait=False, cancel_futures=True)
+    assert queued.cancelled()
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        pool.submit(pow, 1, 1)
+    gate.set()
+    assert [f.result(timeout=10) for f in running] == [True, True]
+
+
 # -- the child ------------------------------------------------------------------------------------
 
 
