@@ -37,6 +37,7 @@ class TableSource(Source):
         self.kind = kind
         self.paths = [str(p) for p in paths]
         self.on_error = on_error
+        self.root: str | None = None  # the directory they were listed from, if one was given
         self._cache: tuple[tuple[int, int], list[dict[str, Any]]] | None = None
         self._open: tuple[int, int, Any, Any] | None = None  # (pid, file, context, reader)
 

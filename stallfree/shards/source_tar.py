@@ -43,6 +43,7 @@ class TarSource(Source):
         super().__init__()
         self.paths = [str(p) for p in paths]
         self.on_error = on_error
+        self.root: str | None = None  # the directory they were listed from, if one was given
 
     def _list(self) -> list[Item]:
         items: list[Item] = []

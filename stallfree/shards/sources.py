@@ -197,23 +197,33 @@ def open_source(
         return _DIRECTORY_KINDS[kind](paths[0], on_error=on_error)
     if kind == "hf":
         if len(paths) == 1 and Path(paths[0]).is_dir():
-            return open_hf_dir(paths[0], on_error=on_error)
+            return _listed_from(open_hf_dir(paths[0], on_error=on_error), paths[0])
         kinds = {TABLE_SUFFIXES.get(Path(p).suffix.lower()) for p in paths}
         if len(kinds) != 1 or not kinds <= {"arrow", "parquet"}:
             raise SourceError(
                 f"an hf source is a save_to_disk directory or .arrow / .parquet files, got {paths[:3]}"
             )
         return hf_table_source(paths, str(kinds.pop()), on_error=on_error, always=True)
+    directory = None
     if len(paths) == 1 and Path(paths[0]).is_dir():
-        paths = sorted(str(p) for p in Path(paths[0]).iterdir() if p.suffix.lower() in _FILE_SUFFIXES[kind])
+        directory = paths[0]
+        paths = sorted(str(p) for p in Path(directory).iterdir() if p.suffix.lower() in _FILE_SUFFIXES[kind])
         if not paths:
             raise SourceError(f"no {kind} files in {src}")
     missing = [p for p in paths if not Path(p).exists()]
     if missing:
         raise SourceError(f"source file {missing[0]} does not exist")
     if kind == TarSource.kind:
-        return TarSource(paths, on_error=on_error)
-    return hf_table_source(paths, kind, on_error=on_error)
+        return _listed_from(TarSource(paths, on_error=on_error), directory)
+    return _listed_from(hf_table_source(paths, kind, on_error=on_error), directory)
+
+
+def _listed_from(source: Source, directory: str | None) -> Source:
+    """``source`` with the directory its files were listed from as its ``root``: a destination
+    inside it would be listed as source files by the next run (``parallel.check_destination``)."""
+    if directory is not None:
+        source.root = directory
+    return source
 
 
 __all__ = [

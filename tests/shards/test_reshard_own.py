@@ -116,3 +116,16 @@ def test_an_arrow_dataset_keeps_its_column_types(tmp_path):
     types = open_dataset(str(tmp_path / "out")).manifest.field_types
     assert types == open_dataset(str(src)).manifest.field_types == {"n": "int16", "v": "list<item: float>"}
     assert same_rows(rows(src), rows(tmp_path / "out"))
+
+
+def test_files_listed_from_a_directory_have_it_as_their_source(tmp_path):
+    """``shard tables/ tables/out``: the next run would list the shards in ``out`` among the
+    source's files; a file beside the destination (``shard ./rows.jsonl ./out``) is fine."""
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "rows.jsonl").write_text('{"__key__": "a", "x": 1}\n{"__key__": "b", "x": 2}\n')
+    with pytest.raises(WriteError, match="lies inside the source"):
+        shard_dataset(str(tables), str(tables / "out"))
+    assert sorted(p.name for p in tables.iterdir()) == ["rows.jsonl"]
+    summary = shard_dataset(str(tables / "rows.jsonl"), str(tables / "out"))
+    assert summary.manifest.samples == 2
