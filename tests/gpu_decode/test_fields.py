@@ -230,3 +230,21 @@ def test_collate_values_edge_cases():
     assert collate_values([1, "a"]) == [1, "a"]
     text = collate_values([np.array(["a"]), np.array(["b"])])  # not numbers: the arrays as they are
     assert isinstance(text, list) and [a.tolist() for a in text] == [["a"], ["b"]]
+
+
+def test_the_manifest_is_found_through_a_subset_and_rebinding_resets_it(sources, tmp_path):
+    ds = _open(sources, "hf", "arrow", tmp_path)
+    dec = ImageDecode(train=False, size=16, backend="cpu", num_threads=1)
+    assert dec.resolved_label_field == "cls"
+    assert dec.for_dataset(torch.utils.data.Subset(ds, [0, 1])).resolved_label_field == "label"
+    assert dec.for_dataset(list(range(3))).resolved_label_field == "cls"  # no manifest: the default again
+    assert ImageDecode(backend="cpu", label_field="y").for_dataset(ds).resolved_label_field == "y"
+    assert ImageDecode(backend="cpu", label_field=False).for_dataset(ds).resolved_label_field is None
+
+
+@pytest.mark.parametrize("bad", [True, "", 3, b"cls"])
+def test_a_bad_label_field_is_refused_at_construction(bad):
+    with pytest.raises(
+        ValueError, match=r"label_field must be a field name, None .* or False \(no labels\), got"
+    ):
+        ImageDecode(backend="cpu", label_field=bad)
