@@ -598,6 +598,7 @@ class _GenericIter:
                 next(self._it)
             except StopIteration:
                 break
+            self._delivered += 1  # delivered before the resume: counted as torch's len() counts
 
     def __iter__(self) -> _GenericIter:
         return self
