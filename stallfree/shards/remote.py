@@ -204,9 +204,13 @@ def read_range(
         raise ValueError(f"bad range [{start}, {end}) for {path}")
     if start == end:
         return b""
-    deadline = _Deadline.start(fs, end - start)
+    deadline = _Deadline.enforced(fs, end - start)
     try:  # the common case first, without the retry loop's set-up (~1.5 µs a read)
-        first: Any = _get(fs, path, start, end, pin, deadline.left())
+        if pin is None and deadline is None:
+            # keywords: s3fs's cat_file takes ``version_id`` second
+            first: Any = fs.cat_file(path, start=start, end=end)
+        else:
+            first = _get(fs, path, start, end, pin, deadline.left() if deadline else 0.0)
     except Exception as exc:  # noqa: BLE001 - classified in the loop
         first = exc
     if type(first) is bytes and len(first) == end - start:
@@ -235,9 +239,9 @@ def read_ranges(
     names = list(keys) if keys is not None else [None] * len(ranges)
     if len(ranges) == 1:
         return [read_range(fs, path, *ranges[0], shard=shard, key=names[0], policy=policy, pin=pin)]
-    deadline = _Deadline.start(fs, sum(max(0, b - a) for a, b in ranges))
+    deadline = _Deadline.enforced(fs, sum(max(0, b - a) for a, b in ranges))
     try:
-        first: list[Any] = _get_many(fs, path, ranges, pin, deadline.left())
+        first: list[Any] = _get_many(fs, path, ranges, pin, deadline.left() if deadline else 0.0)
     except Exception as exc:  # one failure for all: each range then goes its own way
         first = [exc] * len(ranges)
     out = []
@@ -266,8 +270,7 @@ def read_ranges(
 
 
 class _Deadline:
-    """When a read must be done by (monotonic), and the ``Timeouts`` that set it; ``None`` for
-    filesystems that cannot be held to one (synchronous backends: only their own timeouts)."""
+    """When a read must be done by (monotonic), and the ``Timeouts`` that set it."""
 
     __slots__ = ("at", "nbytes", "timeouts")
 
@@ -278,6 +281,13 @@ class _Deadline:
     def start(fs: Any, nbytes: int) -> _Deadline:
         timeouts = timeouts_for(fs)
         return _Deadline(time.monotonic() + timeouts.deadline_s(nbytes), nbytes, timeouts)
+
+    @staticmethod
+    def enforced(fs: Any, nbytes: int) -> _Deadline | None:
+        """``start``, for a filesystem whose requests can be held to it (an async one: fsspec's
+        ``timeout=`` cancels them); None for a synchronous backend (its own timeouts only, and
+        its reads pay nothing for a deadline they could not keep)."""
+        return _Deadline.start(fs, nbytes) if getattr(fs, "async_impl", False) else None
 
     def left(self) -> float:
         """Seconds left (at least a millisecond: 0 means "no timeout" to fsspec)."""
