@@ -168,6 +168,9 @@ class Trainer(transformers.Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Trainer's checkpoint with the loader's state beside it, written first, so a checkpoint
+        holding ``trainer_state.json`` (what a resume reads) holds it too. The state is a global
+        position, the same on every rank: the process that saves Trainer's files writes it once."""
         loader = self._stallfree_loader
         if loader is not None and self.args.should_save:
             folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
