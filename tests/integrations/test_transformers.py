@@ -79,6 +79,10 @@ def test_the_train_loader_is_ours_built_from_the_training_arguments(tokens, tmp_
     assert (loader.mode, loader.batch_size, loader.drop_last, loader.seed) == ("fast", 4, True, 11)
     assert trainer.get_train_dataloader() is loader  # built once
     assert trainer.get_resumed_dataloader(loader, 3) is loader  # its state resumes it: no batch skipping
+    batch = next(iter(loader))
+    assert set(batch) == {"input_ids", "labels", "position_ids", "doc_ids"}
+    # what forward does not take is left out, as Trainer's collator wrapper does for its own loader
+    assert set(trainer._model_inputs(batch)) == {"input_ids", "labels", "position_ids"}
 
 
 @pytest.mark.slow
