@@ -4,9 +4,13 @@ naming it on S3 (If-Match on the ETag), the old bytes on a versioned bucket (rea
 and ``ChecksumMismatchError`` (the ``.sums`` CRCs) on an HTTP server that sends no version;
 never a sample with the new bytes. moto's S3 API and the HTTP server on loopback."""
 
+import contextlib
+import hashlib
 import pickle
 import random
 import shutil
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import fsspec
 import pytest
@@ -139,6 +143,82 @@ def test_http_without_a_version_checks_members_against_sums(tmp_path):
         outcomes, wrong = _read_all(ds, truth)
     assert wrong == 0
     assert outcomes == ["ChecksumMismatchError"] * (N // 2) + ["ok"] * (N // 2)
+
+
+class _EtagHandler(BaseHTTPRequestHandler):
+    """Serves ``server.files`` (path -> bytes) with ``Range``, a strong ``ETag`` per content and
+    ``If-Match`` honoured (412 when it differs): what nginx or an object store's HTTP endpoint
+    does, and the loopback server (``stallfree.testing.httpserve``) does not."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        data = self.server.files.get(self.path)
+        if data is None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        etag = f'"{hashlib.sha256(data).hexdigest()[:16]}"'
+        wanted = self.headers.get("If-Match")
+        if wanted is not None and wanted != etag:
+            self.server.refused += 1
+            self.send_response(412)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        start, end, status = 0, len(data), 200
+        if self.headers.get("Range"):
+            a, b = self.headers["Range"].removeprefix("bytes=").split("-")
+            start, end, status = int(a), min(len(data), int(b) + 1), 206
+        self.send_response(status)
+        self.send_header("ETag", etag)
+        self.send_header("Content-Length", str(end - start))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        if body:
+            self.wfile.write(data[start:end])
+
+
+@contextlib.contextmanager
+def _etag_server(root):
+    """The files under ``root``, served on loopback by ``_EtagHandler``."""
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _EtagHandler)
+    httpd.daemon_threads = True
+    httpd.files = {"/" + str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+    httpd.refused = 0
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield httpd, f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_http_with_an_etag_sends_if_match(tmp_path):
+    truth = _write(str(tmp_path / "ds"), seed=1)
+    _write(str(tmp_path / "other"), seed=2)
+    with _etag_server(tmp_path) as (httpd, url):
+        ds = open_dataset(f"{url}/ds")
+        assert ds[0]["bin"] == truth[0]["bin"]
+        pin = ds._reader(0).pin
+        assert pin is not None and pin.etag.startswith('"') and ds._reader(0).member_check is None
+        httpd.files["/ds/shard-000000.tar"] = (tmp_path / "other" / "shard-000000.tar").read_bytes()
+        outcomes, wrong = _read_all(ds, truth)
+        refused = httpd.refused
+    assert wrong == 0 and refused == N // 2
+    assert outcomes == ["ObjectChangedError"] * (N // 2) + ["ok"] * (N // 2)
 
 
 def test_what_a_read_is_pinned_to():
