@@ -20,8 +20,8 @@ Several ``iter()`` at once (``a = iter(dl); next(a); b = iter(dl)``) behave as t
 iterator is independent (its own epoch, its own workers), except that with
 ``persistent_workers=True`` (and workers) the loader has one pool, which the newest iterator
 takes over: an older one still mid-epoch then raises ``IteratorSupersededError`` on its next
-``next()`` (torch silently resets its one iterator there). ``state_dict()`` describes the most
-recently created iterator.
+``next()`` (torch silently resets its one iterator there); likewise a mixture read without
+workers (its one epoch setting). ``state_dict()`` describes the most recently created iterator.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from stallfree.loader import _torch_compat as compat
 from stallfree.loader import allocator, contracts, fdlimit, shardio
 from stallfree.loader.engine import Engine
 from stallfree.loader.errors import IteratorSupersededError, StateMismatchError
-from stallfree.loader.iterator import LoaderIterator
+from stallfree.loader.iterator import SHARED_EPOCH, SHARED_POOL, LoaderIterator, superseded_message
 from stallfree.loader.options import LoaderOptions, plan
 from stallfree.loader.order import Batches
 from stallfree.loader.plan import MainPlan, worker_cores
@@ -83,8 +83,9 @@ class DataLoader(tud.DataLoader[T_co]):
     fast, sampler and iterable modes alike), as torch's. With ``persistent_workers=True`` and
     workers there is one pool, and a new ``iter()`` takes it over: an older iterator that is still
     mid-epoch then raises ``IteratorSupersededError`` on its next ``next()`` instead of stopping
-    silently (torch resets its one iterator there; its undelivered batches are lost too).
-    ``state_dict()`` is always the most recently created iterator's progress.
+    silently (torch resets its one iterator there; its undelivered batches are lost too). So does
+    one over a dataset that orders itself (a mixture) with ``num_workers=0``: both would read
+    through its one epoch setting. ``state_dict()`` is always the newest iterator's progress.
 
     Resume: ``state_dict()`` records the dataset's identity (its length, and its fingerprint
     where it has one); ``load_state_dict`` refuses a state from other data, or with a position
@@ -398,11 +399,11 @@ class DataLoader(tud.DataLoader[T_co]):
         if lead is not None:
             lead.close()
 
-    def _supersede_live(self) -> None:
-        """Persistent workers: the new iterator takes over the one pool; live ones end, and one
-        still mid-epoch says so on its next ``next()`` (never a silent stop)."""
+    def _supersede_live(self, why: str) -> None:
+        """The new iterator cannot run beside the live ones (``why``): they end, and one still
+        mid-epoch says so on its next ``next()`` (never a silent stop)."""
         for it in list(self._live):
-            it.supersede()
+            it.supersede(why)
 
     # -- the pipeline: one plan, two index sources ---------------------------------------------------
     def _index_source(self) -> IndexSource:
@@ -420,7 +421,7 @@ class DataLoader(tud.DataLoader[T_co]):
                 stacklevel=3,
             )
         if self.persistent_workers and self.num_workers > 0:
-            self._supersede_live()
+            self._supersede_live(SHARED_POOL)
             if self._engine is None or self._engine.closed:
                 self._engine = self._new_engine(base_seed)
             return self._engine, False
@@ -436,6 +437,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._next_epoch, self._resume_from = epoch + 1, 0
         ep: EpochIndices = self._index_source().epoch(epoch, resume)
         if self._plan.ordered:
+            if self.num_workers == 0:  # read here, through the one epoch setting the live ones use too
+                self._supersede_live(SHARED_EPOCH)
             self.dataset.set_epoch(epoch)  # here too: the main process may read it (num_workers=0)
         allocator.keep_freed_memory()  # before the workers fork: they inherit it
         try:
@@ -518,7 +521,7 @@ class DataLoader(tud.DataLoader[T_co]):
         progress = StreamIndices().progress(epoch, skip)
         self._progress = progress
         if self.persistent_workers and self.num_workers > 0:  # torch resets its one iterator now
-            self._supersede_live()
+            self._supersede_live(SHARED_POOL)
         it = super().__iter__()
         if self.num_workers > 0 and not self.timeout and self._options.worker_timeout:
             compat.set_iterator_timeout(
@@ -628,21 +631,13 @@ class _GenericIter:
         self._stats.after_next(t0, _batch_len(batch))
         return batch
 
-    def supersede(self) -> None:
+    def supersede(self, why: str) -> None:
         """A later ``iter()`` resets torch's one persistent iterator under this wrapper: stop, and
         say so on the next ``next()`` (the rest of this epoch is not delivered)."""
         if self._finished:
             return
         self._finished = True
-        received_all = self._progress.done or (self._total is not None and self._delivered >= self._total)
-        if not received_all:
-            total = f" of {self._total}" if self._total is not None else ""
-            self._superseded = (
-                f"this iterator was ended by a later iter() on the same DataLoader after {self._delivered}"
-                f"{total} batch(es) of epoch {self._progress.epoch}: with persistent_workers=True torch's "
-                "DataLoader resets its one iterator for the new one; finish or drop an iterator before "
-                "starting the next, or use persistent_workers=False for independent iterators"
-            )
+        self._superseded = superseded_message(self._progress, self._delivered, self._total, why)
 
     def close(self, graceful: bool = True) -> None:
         """Nothing of ours to stop: torch's iterator ends its workers when it is collected."""

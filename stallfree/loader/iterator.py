@@ -101,21 +101,12 @@ class LoaderIterator:
         """Ended: its epoch is over, or it was closed (dropped, superseded, failed)."""
         return self._finished
 
-    def supersede(self) -> None:
-        """A later ``iter()`` takes over this iterator's worker pool (persistent workers): stop now,
-        and make the consumer's next ``next()`` say so, unless everything was already received."""
+    def supersede(self, why: str) -> None:
+        """A later ``iter()`` ends this iterator (``why``: see ``SHARED_POOL``): stop now, and make
+        the consumer's next ``next()`` say so, unless everything was already received."""
         if self._finished:
             return
-        received_all = self._progress.done or (self._total is not None and self._delivered >= self._total)
-        if not received_all:
-            total = f" of {self._total}" if self._total is not None else ""
-            self._superseded = (
-                f"this iterator was ended by a later iter() on the same DataLoader after {self._delivered}"
-                f"{total} batch(es) of epoch {self._progress.epoch}: with persistent_workers=True the loader "
-                "has one worker pool and the new iterator took it over (torch's DataLoader resets its one "
-                "iterator there); finish or drop an iterator before starting the next, or use "
-                "persistent_workers=False for independent iterators"
-            )
+        self._superseded = superseded_message(self._progress, self._delivered, self._total, why)
         self.close()
 
     def close(self, graceful: bool = True) -> None:
@@ -125,6 +116,31 @@ class LoaderIterator:
         self._finished = True
         self._finalizer.detach()
         self._core.close(graceful)
+
+
+# why a later iter() ends an older iterator of the same loader (IteratorSupersededError)
+SHARED_POOL = (
+    "with persistent_workers=True the loader has one worker pool and the new iterator took it over "
+    "(torch's DataLoader resets its one iterator there); finish or drop an iterator before starting "
+    "the next, or use persistent_workers=False for independent iterators"
+)
+SHARED_EPOCH = (
+    "with num_workers=0 the iterators of a dataset that orders itself (a mixture) read through its "
+    "one epoch setting, so two at once would read each other's epochs; finish or drop an iterator "
+    "before starting the next, or use num_workers >= 1 for independent iterators"
+)
+
+
+def superseded_message(progress: EpochProgress, delivered: int, total: int | None, why: str) -> str | None:
+    """What an iterator ended by a later ``iter()`` says on its next ``next()``; None when it had
+    received everything (then it just ends)."""
+    if progress.done or (total is not None and delivered >= total):
+        return None
+    of = f" of {total}" if total is not None else ""
+    return (
+        f"this iterator was ended by a later iter() on the same DataLoader after {delivered}{of} "
+        f"batch(es) of epoch {progress.epoch}: {why}"
+    )
 
 
 def _elapsed(t0: float) -> float:

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from stallfree import DataLoader
+from stallfree import DataLoader, mix
 from stallfree.loader.errors import IteratorSupersededError
 from tests.loader.helpers import Numbers
 
@@ -102,6 +102,47 @@ def test_with_persistent_workers_an_iterator_that_received_everything_just_ends(
         dl.close()
 
 
+def _mixture_loader(workers: int) -> DataLoader:
+    return DataLoader(
+        mix({"a": Numbers(30), "b": Numbers(10)}, {"a": 0.5, "b": 0.5}, seed=1),
+        batch_size=4,
+        num_workers=workers,
+    )
+
+
+def _keys(batch) -> list[tuple[str, int]]:
+    return list(zip(batch["__source__"], batch["i"].tolist(), strict=True))
+
+
+def test_a_mixture_with_workers_gives_each_iterator_its_own_epoch_in_order():
+    expected = []
+    ref = _mixture_loader(0)
+    for _ in range(2):
+        expected.append([k for b in ref for k in _keys(b)])
+    dl = _mixture_loader(2)
+    try:
+        a, b = iter(dl), iter(dl)
+        got_a, got_b = [], []
+        for x, y in zip(a, b, strict=True):  # interleaved: epoch 0 and epoch 1 side by side
+            got_a += _keys(x)
+            got_b += _keys(y)
+        assert (got_a, got_b) == (expected[0], expected[1])
+    finally:
+        dl.close()
+
+
+def test_a_mixture_without_workers_refuses_two_iterators_at_once():
+    """Without workers both iterators would read through the mixture's one epoch setting (before:
+    interleaved reads of epochs 0 and 1 gave epoch 0's iterator other samples)."""
+    dl = _mixture_loader(0)
+    a = iter(dl)
+    next(a)
+    b = iter(dl)
+    with pytest.raises(IteratorSupersededError, match="after 1 of 10 batch.* num_workers=0 .* orders itself"):
+        next(a)
+    assert len([k for x in b for k in _keys(x)]) == 40
+
+
 def test_state_dict_follows_the_most_recently_created_iterator():
     dl = _loader("fast", 0)
     a = iter(dl)
@@ -128,7 +169,7 @@ def test_close_ends_every_live_iterator():
 def test_two_live_iterators_exit_cleanly_in_a_subprocess():
     """Both pools are stopped when the script ends without closing anything (no hang)."""
     script = """
-    from stallfree import DataLoader
+    from stallfree import DataLoader, mix
     from tests.loader.helpers import Numbers
     dl = DataLoader(Numbers(100), batch_size=10, shuffle=True, num_workers=2)
     a = iter(dl); next(a); b = iter(dl); next(b)
