@@ -24,7 +24,11 @@ from stallfree.testing.s3serve import moto_available
 
 REPO = Path(__file__).resolve().parents[2]
 TRICKLE_S = 0.2
-pytestmark = pytest.mark.skipif(moto_available() is not None, reason=str(moto_available()))
+# child processes against moto and a trickling relay: ~30 s for the module
+pytestmark = [
+    pytest.mark.skipif(moto_available() is not None, reason=str(moto_available())),
+    pytest.mark.slow,
+]
 
 # errors, in one child
 SCENARIOS = ("presigned", "presigned-headers", "s3fs-parts", "s3-samples", "http-samples")
