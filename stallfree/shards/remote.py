@@ -345,6 +345,10 @@ async def _s3_pinned(fs: Any, path: str, ranges: Sequence[tuple[int, int]], pin:
         )
         try:
             return await resp["Body"].read()
+        except Exception as exc:
+            # s3fs retries a body read inside its cat_file, not here: a transport failure for our
+            # retries (its own class, e.g. ClientPayloadError, would read as retried by s3fs)
+            raise ConnectionError(f"the body of bytes {start}..{end} broke off: {exc!r}") from exc
         finally:
             resp["Body"].close()
 
