@@ -13,7 +13,8 @@ Modes (swapped in by replacing ``arrow_check.validate_batch``, what ``BatchCheck
   offsets (enough for our one-row-per-batch shards, not for many-row batches);
 - ``none``: no batch check (what crashed on damaged files).
 
-Three reads per mode and round: ``ds[i]`` in a shuffled order (each sample once: the first read
+The modes take turns going first within a round (order effects cancel). Three reads per mode
+and round: ``ds[i]`` in a shuffled order (each sample once: the first read
 of each batch, where the check runs), the same order again (the check's result cached), and a
 ``stallfree.DataLoader`` epoch (``num_workers=0``, ``batch_size=64``, list collate). Each round
 opens the dataset afresh per mode. Also: the time to open a shard of ``--samples`` batches with
@@ -116,8 +117,10 @@ def main() -> None:
         order = [int(i) for i in order]
         reads(root, order[:1000])  # page cache, imports
         got: dict[str, list[tuple[float, float, float]]] = {m: [] for m in MODES}
-        for _ in range(args.rounds):
-            for mode, fn in MODES.items():
+        names = list(MODES)
+        for r in range(args.rounds):
+            for mode in names[r % 3 :] + names[: r % 3]:  # each mode first, second and last in turn
+                fn = MODES[mode]
                 arrow_check.validate_batch = fn
                 try:
                     got[mode].append(reads(root, order))
