@@ -96,11 +96,6 @@ class LoaderIterator:
                 core.taken(0.0, occupancy)
             _raise(item.error)
 
-    @property
-    def finished(self) -> bool:
-        """Ended: its epoch is over, or it was closed (dropped, superseded, failed)."""
-        return self._finished
-
     def supersede(self, why: str) -> None:
         """A later ``iter()`` ends this iterator (``why``: see ``SHARED_POOL``): stop now, and make
         the consumer's next ``next()`` say so, unless everything was already received."""
