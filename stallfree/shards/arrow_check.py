@@ -10,10 +10,11 @@ which the loader's ``on_error="skip"`` can skip like any other bad sample.
 
 An IPC file's footer is also read here, before pyarrow opens the file (``ipc_file_blocks``): the
 blocks it lists must lie inside the file, after the magic and before the footer, and must not
-overlap. pyarrow 26 refuses blocks past the end itself, but it does not refuse two blocks naming
-one message (a flipped bit that points batch 7 at batch 6 would serve batch 6's row as row 7,
-silently), and older pyarrow (>= 14 is supported) checked less; the offsets also let errors name
-the byte offset of a damaged batch.
+overlap. pyarrow (14 and 26 alike) refuses blocks past the end itself, but not two blocks naming
+one message: a footer that points batch 7 at batch 6's message serves batch 6's row as row 7,
+silently (``tests/shards/test_arrow_fuzz.py``). The offsets also let errors name the byte offset
+of a damaged batch. Neither pyarrow 14 nor 26 crashed on a damaged footer in 600 fuzzed cases:
+the crashes were all in converting rows of unvalidated batches.
 """
 
 from __future__ import annotations
