@@ -75,7 +75,7 @@ class Accelerator(accelerate.Accelerator):
                 "stallfree.DataLoader already reads each process's own share (its batch_size is per process)"
             )
         placement = self.device_placement if device_placement is None else device_placement
-        if placement and self.device.type != "cpu" and loader_facts.options_of(loader).device is None:
+        if placement and self.device.type != "cpu" and loader.device is None:
             raise ValueError(
                 f"{_WHO}: this loader leaves batches on the CPU and accelerate does not move them; build it with "
                 "device=accelerator.device (a side-stream copy), or prepare it with device_placement=False "

@@ -15,7 +15,6 @@ from typing import Any
 
 from stallfree.loader import order
 from stallfree.loader.dataloader import DataLoader
-from stallfree.loader.options import LoaderOptions
 from stallfree.loader.state import LoaderState
 
 
@@ -32,11 +31,6 @@ class EpochPosition:
     def finished(self) -> bool:
         """The saved epoch was fully consumed: the next one starts at its beginning."""
         return self.batches_left == 0
-
-
-def options_of(loader: DataLoader) -> LoaderOptions:
-    """The loader's frozen options (``uneven``, ``device``): read here and nowhere else."""
-    return loader._options
 
 
 def require_own_order(loader: Any, *, who: str) -> DataLoader:
@@ -74,7 +68,7 @@ def position_after_restore(loader: DataLoader, state: Mapping[str, Any]) -> Epoc
         raise ValueError(
             f"loader state was saved in mode {st.mode!r}; the integrations resume mode 'fast' only"
         )
-    w, uneven = loader.world, options_of(loader).uneven
+    w, uneven = loader.world, loader.uneven
     batch_size = int(loader.batch_size or 1)
 
     def batches_from(start: int) -> int:

@@ -242,6 +242,16 @@ class DataLoader(tud.DataLoader[T_co]):
         return self._plan.fast
 
     @property
+    def uneven(self) -> str:
+        """How ranks equalise an uneven tail of the epoch: ``pad`` or ``drop``."""
+        return self._options.uneven
+
+    @property
+    def device(self) -> Any:
+        """Where batches are copied (``device=``), or None when they stay on the CPU."""
+        return self._options.device
+
+    @property
     def mode(self) -> str:
         """``fast`` (our order and rank split), ``sampler`` (a sampler through our workers) or ``iterable``."""
         return self._plan.mode

@@ -53,10 +53,10 @@ def too_many_open_files(where: str) -> TooManyOpenFilesError:
     if lim is None:
         now, raise_to = "", "ulimit -n 65536"
     else:
-        soft, hard = lim
-        shown_hard = "unlimited" if resource is not None and hard == resource.RLIM_INFINITY else str(hard)
-        now = f" (ulimit -n is {soft}, the hard limit {shown_hard})"
-        target = 65536 if hard == getattr(resource, "RLIM_INFINITY", -1) else min(max(hard, soft), 1 << 20)
+        soft, hard = lim  # read through ``resource``, so it is there
+        unlimited = hard == resource.RLIM_INFINITY
+        now = f" (ulimit -n is {soft}, the hard limit {'unlimited' if unlimited else hard})"
+        target = 65536 if unlimited else min(max(hard, soft), 1 << 20)
         raise_to = f"ulimit -n {target}"
     return TooManyOpenFilesError(
         f"too many open files{now} while {where}: every batch kept alive holds one shared-memory file "

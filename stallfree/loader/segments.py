@@ -127,7 +127,7 @@ class SegmentReceiver:
                 raise SegmentError(
                     f"worker {self._worker}'s shared-memory segment {segment.serial} did not arrive: {exc}"
                 ) from exc
-            if flags & getattr(socket, "MSG_CTRUNC", 0) and not fds:
+            if flags & socket.MSG_CTRUNC and not fds:
                 # the kernel dropped the descriptor: no room for it in this process's table
                 raise fdlimit.too_many_open_files(f"receiving worker {self._worker}'s batch segment")
             if len(data) != _HEADER.size or len(fds) != 1:
