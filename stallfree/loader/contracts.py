@@ -377,6 +377,20 @@ class DecodePlacement:
             return None
 
 
+@runtime_checkable
+class BindsDataset(Protocol):
+    """A decoder that reads what the dataset says of its fields (``ImageDecode`` takes its label
+    field from the manifest's ``class_field``), told once per plan."""
+
+    def bind_dataset(self, dataset: Any) -> None: ...
+
+
+def bind_decode(decode: Any, dataset: Any) -> None:
+    """Tell ``decode`` which dataset it decodes, when it asks to know (``BindsDataset``)."""
+    if isinstance(decode, BindsDataset):
+        decode.bind_dataset(dataset)
+
+
 def place_decode(decode: Any, num_workers: int) -> DecodePlacement:
     """Where ``decode=`` runs: a batch decoder in the workers when it says it can
     (``runs_in_workers``: a CPU decoder, picklable) and there are workers, else in the main

@@ -166,6 +166,7 @@ def plan(dataset: Any, options: LoaderOptions) -> LoaderPlan:
         and (bool(o.shuffle) or sharded or o.ours or ordered)
     )
     mode = "fast" if fast else ("iterable" if o.iterable else "sampler")
+    contracts.bind_decode(o.decode, dataset)  # before the plan pickles it into the workers
     placement = contracts.place_decode(o.decode, o.num_workers)
     if placement.batch and o.batch_size is None:
         raise ValueError("a decode_batch decoder needs batch_size set (it decodes whole batches)")

@@ -84,6 +84,8 @@ class Mixture:
                 raise TypeError(
                     f"decode[{n!r}] must have decode_batch or be callable, got {type(dec).__name__}"
                 )
+            if hasattr(dec, "bind_dataset"):  # e.g. ImageDecode: labels from this source's manifest
+                dec.bind_dataset(self.datasets[n])
             if hasattr(dec, "runs_in_workers") and not dec.runs_in_workers:
                 raise ValueError(
                     f"decode[{n!r}] cannot run in the loader's worker processes, where a mixture's "

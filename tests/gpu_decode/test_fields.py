@@ -153,10 +153,6 @@ def test_unlabelled_decoding_keeps_the_label_column_as_a_field(rows, sources, tm
     assert batch["label"].tolist() == [r["label"] for r in rows]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs the loader to call decode.bind_dataset(dataset) when it plans (loader/options.py plan)",
-)
 def test_the_loader_binds_the_dataset_without_for_dataset(rows, sources, tmp_path):
     ds = _open(sources, "hf", "arrow", tmp_path)
     dec = ImageDecode(train=False, size=16, backend="cpu", num_threads=1)
