@@ -128,18 +128,25 @@ class MemberSums:
             raise mismatch(self.shard, key, field, offset, got, self.values[j], len(data))
 
 
+_told_unchecked = False  # whether a shard read unchecked was logged (once per process)
+
+
 def remote_member_check(fs: fsspec.AbstractFileSystem, tar_path: str, shard: str) -> MemberSums | None:
     """The check of a remote tar's members against its ``.sums`` (read once, now), for reads
     that cannot be pinned to a version; None (logged) when the shard has no ``.sums`` (a tar
     written by another tool): its reads are then unchecked."""
+    global _told_unchecked
     try:
         data = remote.read_file(fs, sums_path_for(tar_path), shard=shard)
     except MissingShardError:
-        log.info(
-            "%s: the store reports no version to pin reads to and the shard has no %s: a rewrite "
-            "in place with the same size would not be noticed",
-            shard,
-            posixpath.basename(sums_path_for(tar_path)),
-        )
+        if not _told_unchecked:  # once per process: a dataset has thousands of shards
+            _told_unchecked = True
+            log.info(
+                "%s: the store reports no version to pin reads to and the shard has no %s: a "
+                "rewrite in place with the same size would not be noticed (said once; shards "
+                "written by `stallfree shard` have checksums)",
+                shard,
+                posixpath.basename(sums_path_for(tar_path)),
+            )
         return None
     return MemberSums(parse_sums(data, shard), shard)
