@@ -41,7 +41,7 @@ from stallfree.shards.errors import (
 from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
 from stallfree.shards.manifest import ShardInfo
 from stallfree.shards.remote import RangeFile, VersionPin, read_file, read_ranges
-from stallfree.shards.scan import file_size, record_mismatches, scan_tar, sha256_of
+from stallfree.shards.scan import record_mismatches, scan_tar, sha256_of
 from stallfree.shards.sums import remote_member_check
 from stallfree.shards.tar import BLOCK, parse_header, split_name
 from stallfree.shards.tar_walk import RangeReader, walk_tar
@@ -627,6 +627,7 @@ class ArrowShardReader:
 
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
         self.local = is_local(fs)
+        self.pin: VersionPin | None = None  # what every remote read asks for (as TarShardReader)
         self._lock = threading.Lock()
         self._reader: Any = None
         try:
@@ -634,10 +635,13 @@ class ArrowShardReader:
                 self._source = pa.memory_map(path, "r")
                 self.size = self._source.size()
             else:
-                self.size = file_size(fs, path, shard)
+                # pinned to the version found now: a file rewritten mid-run (same size or not) is
+                # ObjectChangedError, never batches decoded from a mix of old and new bytes
+                opened = stamps.open_version(fs, path, shard)
+                self.size, self.pin = opened.size, opened.pin
                 # exact ranged reads (random access to batches), checked like every remote read;
                 # the footer's bytes read once (the check, then pyarrow, read them)
-                raw = RangeFile(fs, path, self.size, shard=shard)
+                raw = RangeFile(fs, path, self.size, shard=shard, pin=self.pin)
                 self._source = pa.PythonFile(TailCached(raw, self.size), mode="r")
         except FileNotFoundError:
             raise MissingShardError("shard not found", shard=shard) from None
@@ -658,7 +662,7 @@ class ArrowShardReader:
             def walk_open():
                 import pyarrow as pa
 
-                f = RangeFile(fs, path, self.size, shard=shard, block_size=8 << 20)
+                f = RangeFile(fs, path, self.size, shard=shard, block_size=8 << 20, pin=self.pin)
                 return pa.PythonFile(f, mode="r")
 
         self._reader = open_batches(self._source, path, shard, self.local, self._fetch, walk_open)
@@ -689,7 +693,7 @@ class ArrowShardReader:
             )
 
     def _fetch(self, start: int, end: int) -> bytes:
-        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard)[0]
+        return _fetch_ranges(self.fs, self.path, [(start, end)], self.shard, pin=self.pin)[0]
 
     def _rows_of(self, b: int) -> int:
         """Batch ``b``'s row count, read to lay out rows when batches are not one row each."""

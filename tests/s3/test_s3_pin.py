@@ -113,6 +113,31 @@ def test_same_size_rewrite_under_an_unstaged_loader(s3, bucket, tmp_path):
     assert wrong == 0 and delivered < N
 
 
+def test_arrow_same_size_rewrite_mid_run_is_object_changed(s3, bucket, tmp_path):
+    """An Arrow shard's remote reads are pinned as a tar's are: record batches read after an
+    in-place rewrite of the same size are ObjectChangedError, never the new bytes."""
+    url = f"s3://{bucket}/ds"
+    samples = _samples(1)
+    with ShardWriter(url, format="arrow", max_samples=N // 2, **s3.storage_options) as w:
+        for s in samples:
+            w.write(s)
+    truth = samples
+    ds = open_dataset(url, **s3.storage_options)
+    assert [ds[i]["bin"] for i in (0, N // 2)] == [truth[0]["bin"], truth[N // 2]["bin"]]  # both open
+    assert ds._reader(0).pin is not None
+    with ShardWriter(str(tmp_path / "other"), format="arrow", max_samples=N // 2) as w:
+        for s in _samples(2):
+            w.write(s)
+    name = ds.manifest.shards[0].path
+    data = (tmp_path / "other" / name).read_bytes()
+    fs = s3.filesystem()
+    assert fs.size(f"{bucket}/ds/{name}") == len(data)
+    fs.pipe_file(f"{bucket}/ds/{name}", data)
+    outcomes, wrong = _read_all(ds, truth)
+    assert wrong == 0
+    assert outcomes == ["ObjectChangedError"] * (N // 2) + ["ok"] * (N // 2)
+
+
 def test_a_versioned_bucket_serves_the_version_opened(s3, bucket, tmp_path):
     s3.filesystem().call_s3(
         "put_bucket_versioning", Bucket=bucket, VersioningConfiguration={"Status": "Enabled"}
