@@ -26,6 +26,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from stallfree.shards import remote
+from stallfree.shards.arrow_check import check_ipc_file, validate_batch
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, join
@@ -118,23 +119,35 @@ def _open_batches(
         # the file format starts with its magic; Hugging Face writes the stream format. Chosen by
         # the magic, not by trying open_file first: a failed open_file left its read of the map
         # on pyarrow's IO threads, which kept the map alive past close (test_cut_short, flaky)
+        offsets: list[int | None] = []
         if source.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
+            # the footer's blocks inside the file and not overlapping, before pyarrow trusts them
+            blocks = check_ipc_file(lambda at, n: source.read_at(n, at), source.size(), name)
             source.seek(0)
             reader = ipc.open_file(source)
             batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
+            offsets = [None if blocks is None else blocks.offset_of(b) for b in range(len(batches))]
         else:
             source.seek(0)
             batches = list(ipc.open_stream(source))
+        # pyarrow trusts a batch's offsets: _piece slices the values by them (unchecked, a
+        # damaged file read outside its buffers, or asked for a negative length)
+        for b, batch in enumerate(batches):
+            validate_batch(batch, shard=name, batch_no=b, offset=offsets[b] if offsets else None)
     except FileNotFoundError:
         raise MissingShardError("token file not found", shard=name) from None
     except KeyError:
         raise ShardError(f"no column {field!r} (pass field= naming the token column)", shard=name) from None
-    except (pa.ArrowInvalid, OSError) as exc:
+    except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, ArrowNotImplementedError, ...
         raise CorruptShardError(f"not a readable Arrow/Parquet file: {exc}", shard=name) from None
+    except UnicodeDecodeError:  # pyarrow decodes a schema's names only when asked
+        raise CorruptShardError("the schema's column names are not UTF-8", shard=name) from None
     if batches and batches[0].schema.get_field_index(field) < 0:
-        raise ShardError(
-            f"no column {field!r}; the columns are {batches[0].schema.names} (pass field=)", shard=name
-        )
+        try:
+            names = batches[0].schema.names
+        except UnicodeDecodeError:  # pyarrow decodes names only when asked: a damaged schema
+            raise CorruptShardError("the schema's column names are not UTF-8", shard=name) from None
+        raise ShardError(f"no column {field!r}; the columns are {names} (pass field=)", shard=name)
     return [b.column(field) for b in batches], mapped, source if mapped is not None else None
 
 
