@@ -16,13 +16,14 @@ from stallfree.extras import EXTRAS, MissingExtra, missing_extra_of, require
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Runs ``stallfree ARGS`` with MODULE (and its submodules) not importable, as when not installed.
+# Runs ``stallfree ARGS`` with MODULE (comma-separated modules, and their submodules) not importable,
+# as when not installed.
 ABSENT = """
 import sys
 
 class Absent:
     def find_spec(self, name, path=None, target=None):
-        if name == {module!r} or name.startswith({module!r} + "."):
+        if any(name == m or name.startswith(m + ".") for m in {module!r}.split(",")):
             raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
         return None
 
@@ -95,6 +96,20 @@ def test_an_s3_url_without_s3fs_names_the_s3_extra(tmp_path: Path):
     # fsspec raises its own ImportError from s3fs's ModuleNotFoundError; the CLI finds the extra
     r = run_without("s3fs", "inspect", "s3://bucket/ds", cwd=tmp_path)
     assert_one_line_naming(r, "inspect", "s3fs", "s3")
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "index"])
+def test_an_s3_url_without_the_s3_extra_s_libraries_names_the_s3_extra(tmp_path: Path, command: str):
+    # without the extra, s3fs's own dependencies are absent too; our S3 session code imports
+    # aiobotocore before fsspec ever imports s3fs
+    url = "s3://bucket/ds/shard-000000.tar" if command == "index" else "s3://bucket/ds"
+    flags = ["--no-progress"] if command in ("index", "verify") else []
+    r = run_without("s3fs,aiobotocore,botocore", command, url, *flags, cwd=tmp_path)
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"stallfree {command}: error: "), r.stderr
+    assert "pip install 'stallfree[s3]'" in lines[0], lines[0]
 
 
 def test_require_returns_the_module_or_raises_missing_extra():
