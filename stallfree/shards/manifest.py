@@ -1,7 +1,8 @@
 """``manifest.json``: what a dataset holds (format, fields, shards with counts, sizes and hashes).
 
-JSON over fsspec, never pickle. Shard paths are relative to the manifest's directory (or absolute
-URLs), so a dataset directory can be copied or uploaded as a whole.
+JSON over fsspec, never pickle. Shard paths are relative to the manifest's directory, so a dataset
+directory can be copied or uploaded as a whole; one read from a file that is absolute, a URL or
+climbs out with ``..`` is refused (``manifest_paths.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import fsspec
 from stallfree.shards import formats, manifest_rows, manifest_sidecar
 from stallfree.shards.errors import ManifestError, MissingShardError, WriteError
 from stallfree.shards.jsonfile import JSONFileError, parse_json
+from stallfree.shards.manifest_paths import check_shard_path
 from stallfree.shards.remote import read_file, url_to_fs
 from stallfree.shards.shard_info import ShardInfo
 from stallfree.shards.sums import ALGORITHM as SUMS_ALGORITHM
@@ -152,7 +154,7 @@ class Manifest:
             entries = obj.get("shards")
             if not isinstance(entries, list):
                 raise ManifestError(f"{where}: 'shards' must be a list")
-            shards = [_bounded(ShardInfo.from_json(s, where), where) for s in entries]
+            shards = [_bounded(ShardInfo.from_json(s, where), where, j) for j, s in enumerate(entries)]
         classes = obj.get("classes")
         if classes is not None and not (
             isinstance(classes, list) and all(isinstance(c, str) for c in classes)
@@ -302,9 +304,11 @@ def _read_sidecar(fs: fsspec.AbstractFileSystem, path: str, text: bytes) -> mani
     return manifest_sidecar.decode(data, side, text)
 
 
-def _bounded(info: ShardInfo, where: str) -> ShardInfo:
+def _bounded(info: ShardInfo, where: str, entry: int) -> ShardInfo:
     """A shard entry whose counts fit the 64-bit integers they are used as (a fuzzed
-    ``"samples": 2**70`` was an ``OverflowError`` naming nothing)."""
+    ``"samples": 2**70`` was an ``OverflowError`` naming nothing) and whose path stays inside
+    the dataset directory (``manifest_paths.py``)."""
+    check_shard_path(info.path, where, entry)
     for name, value in (("samples", info.samples), ("bytes", info.bytes)):
         if value > MAX_COUNT:
             raise ManifestError(f"{where}: shard {info.path}: {name} {value} is not a plausible count")

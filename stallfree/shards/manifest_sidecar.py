@@ -40,6 +40,7 @@ import numpy as np
 
 from stallfree.shards.errors import ManifestError
 from stallfree.shards.jsonfile import parse_json
+from stallfree.shards.manifest_paths import check_path_blob
 from stallfree.shards.shard_info import ShardInfo
 
 log = logging.getLogger(__name__)
@@ -304,6 +305,7 @@ def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int],
         j = int(np.flatnonzero(flags & ~np.uint8(known))[0])
         _damaged(where, f"shard {j} has unknown flags {int(flags[j])}", at["flags"] + j)
     path_offsets = _check_blob(parts, "path_offsets", "paths", where, at, nonempty=None)
+    check_path_blob(parts["paths"], path_offsets, where)  # as the JSON's paths are: inside the dataset
     stamp_offsets = _check_blob(
         parts, "stamp_offsets", "stamps", where, at, nonempty=(flags & HAS_STAMP) != 0
     )

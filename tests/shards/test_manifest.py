@@ -166,3 +166,39 @@ def test_fuzzed_manifests_give_typed_errors_naming_the_file(request, fmt):
             untyped.append((case, f"{type(exc).__name__}: {exc}"))
     path.write_text(text)
     assert (untyped, nameless) == ([], [])
+
+
+# a manifest from elsewhere pointed reads at any file: join() keeps absolute paths and URLs, and
+# lets ".." climb out (a dataset whose one shard was ../secret/shard-000000.tar served its rows)
+_OUTSIDE = [
+    ("/etc/passwd", "is absolute"),
+    ("../secret/shard-000000.tar", "climbs out of the dataset directory"),
+    ("sub/../../secret.tar", "climbs out of the dataset directory"),
+    ("file:///etc/passwd", "is a URL"),
+    ("s3://another-bucket/shard.tar", "is a URL"),
+    ("sub\\..\\..\\x.tar", "holds a backslash"),
+]
+
+
+@pytest.mark.parametrize(("path", "problem"), _OUTSIDE)
+def test_a_shard_path_out_of_the_dataset_is_refused_naming_the_entry(tmp_path, path, problem):
+    from stallfree.shards.open import open_dataset
+
+    m = _manifest()
+    m.shards[1] = ShardInfo(path, 2, 8192, None)
+    text = m.dumps()
+    (tmp_path / "manifest.json").write_text(text)
+    for load in (lambda: Manifest.load(str(tmp_path)), lambda: open_dataset(str(tmp_path))):
+        with pytest.raises(ManifestError) as err:
+            load()
+        message = str(err.value)
+        assert f"shard 1 ({path!r}) {problem}" in message and str(tmp_path / "manifest.json") in message
+        assert err.value.shard == path
+
+
+def test_paths_inside_the_dataset_still_load(tmp_path):
+    m = _manifest()
+    m.shards[0] = ShardInfo("train/part..1/shard-000000.tar", 3, 10240, None)  # '..' inside a name
+    m.shards[1] = ShardInfo("./train/shard-000001.tar", 2, 8192, None)
+    m.save(str(tmp_path))
+    assert Manifest.load(str(tmp_path)) == m

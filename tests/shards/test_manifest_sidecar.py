@@ -29,12 +29,12 @@ def _xxh3(i: int) -> str:
 
 def varied_manifest(fast: bool = True) -> Manifest:
     """Every kind of row: hashes known or not (``fast``: xxh3-128 on some), stamps, non-ASCII
-    paths, an empty shard, a URL."""
+    paths, an empty shard, a nested path."""
     shards = [
         ShardInfo("shard-000000.tar", 5, 1000, _sha(0), xxh3_128=_xxh3(0) if fast else None),
         ShardInfo("données/échantillon-1.tar", 7, 2048, None),
         ShardInfo("empty.tar", 0, 10240, _sha(2)),
-        ShardInfo("s3://bucket/abs/shard.tar", 3, 999, None, stamp="etag:abc|idx:0123"),
+        ShardInfo("part/one/shard.tar", 3, 999, None, stamp="etag:abc|idx:0123"),
         ShardInfo("日本/シャード.tar", 11, 4096, _sha(4), stamp="v2|é", xxh3_128=_xxh3(4) if fast else None),
     ]
     return Manifest(
@@ -302,3 +302,19 @@ def test_the_meta_section_is_the_manifest_without_its_shards():
     assert meta["fingerprint"] == m.fingerprint
     assert meta["manifest"] == {k: v for k, v in m.to_json().items() if k != "shards"}
     assert HEADER.unpack_from(data, 0)[3:] == (5, len(text), hashlib.sha256(text).digest())
+
+
+@pytest.mark.parametrize(
+    ("path", "problem"),
+    [("/etc/passwd", "is absolute"), ("../x/shard.tar", "climbs out"), ("s3://b/shard.tar", "is a URL")],
+)
+def test_a_sidecar_path_out_of_the_dataset_is_refused_as_the_json_one_is(path, problem):
+    """The sidecar stands for the JSON's shard list (read in its place): a path that the JSON
+    would refuse is refused here, naming the entry, even under sound checksums."""
+    m = varied_manifest()
+    m.shards[3] = ShardInfo(path, 3, 999, None)
+    data, text = encoded(m)
+    with pytest.raises(ManifestError, match=f"/ds/manifest.shards.bin: shard 3 \\({path!r}\\) {problem}"):
+        sc.decode(data, "/ds/manifest.shards.bin", text)
+    good, text = encoded(varied_manifest())
+    assert sc.decode(good, "/ds/manifest.shards.bin", text) is not None
