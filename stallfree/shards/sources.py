@@ -176,6 +176,8 @@ def open_source(
         from stallfree.shards.source_dataset import DatasetSource
 
         return DatasetSource(src, on_error=on_error, **(storage_options or {}))
+    if isinstance(src, str) and src.startswith("file://"):
+        src = src[len("file://") :]  # a local path: Path("file:///x") would be "file:/x", missing
     if isinstance(src, (str, Path)):
         paths = _expand(str(src))
     else:

@@ -77,7 +77,7 @@ def test_tars_with_their_idx_are_a_dataset_not_files(tmp_path, tar_dataset):
     assert same_rows(rows(tar_dataset), rows(tmp_path / "out"))
 
 
-@pytest.mark.parametrize("dst", [".", "sub", "sub/deeper"])
+@pytest.mark.parametrize("dst", [".", "sub", "sub/deeper", "sub/..", "../tards"])
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_a_destination_in_the_source_is_refused_and_the_source_kept(tar_dataset, dst, overwrite, capsys):
     before = snapshot(tar_dataset)
@@ -129,3 +129,14 @@ def test_files_listed_from_a_directory_have_it_as_their_source(tmp_path):
     assert sorted(p.name for p in tables.iterdir()) == ["rows.jsonl"]
     summary = shard_dataset(str(tables / "rows.jsonl"), str(tables / "out"))
     assert summary.manifest.samples == 2
+
+
+def test_a_file_url_source_is_the_local_directory(tmp_path, tar_dataset, capsys):
+    """``file:///abs/ds`` names the local directory: it was taken as the path ``file:/abs/ds``
+    ("does not exist"); the destination checks see through it too."""
+    before = snapshot(tar_dataset)
+    assert shard_cli(f"file://{tar_dataset}", tar_dataset, "--overwrite") != 0
+    assert "would be written into the data being read" in capsys.readouterr().err
+    assert snapshot(tar_dataset) == before
+    assert shard_cli(f"file://{tar_dataset}", tmp_path / "out", "--max-samples", "10") == 0
+    assert same_rows(rows(tar_dataset), rows(tmp_path / "out"))
