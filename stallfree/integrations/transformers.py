@@ -87,6 +87,7 @@ class Trainer(transformers.Trainer):
         self._loader_options = options
         self._stallfree_loader: DataLoader | None = None
         self._dropped_logged = False
+        self._resuming_from: str | None = None  # the checkpoint train() resumes from, while it runs
         super().__init__(*args, **kwargs)
 
     # -- the loader ----------------------------------------------------------------------------
@@ -180,6 +181,68 @@ class Trainer(transformers.Trainer):
             )
         super()._save_checkpoint(model, trial)
 
+    def _inner_training_loop(
+        self,
+        batch_size: int | None = None,
+        args: Any = None,
+        resume_from_checkpoint: str | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: Any = None,
+    ) -> Any:
+        """Trainer's loop, with the checkpoint it resumes from known to ``set_initial_training_values``
+        (which Trainer calls before it reads the checkpoint)."""
+        self._resuming_from = resume_from_checkpoint
+        try:
+            return super()._inner_training_loop(
+                batch_size=batch_size,
+                args=args,
+                resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial,
+                ignore_keys_for_eval=ignore_keys_for_eval,
+            )
+        finally:
+            self._resuming_from = None
+
+    def set_initial_training_values(self, args: Any, dataloader: Any) -> tuple:
+        """Trainer's numbers, with enough epochs to reach ``max_steps`` from where a resumed loader
+        stands. Trainer counts ``ceil(max_steps / steps_per_epoch)`` epochs from step 0 of this
+        world; after a resume on another world (or per-device batch size) the steps already taken
+        covered more or fewer windows than this world's steps do, and that count could end the run
+        at the end of the resumed epoch, short of ``max_steps``. A surplus epoch is never started:
+        Trainer stops at ``max_steps``."""
+        values = super().set_initial_training_values(args, dataloader)
+        resume, loader = self._resuming_from, self._stallfree_loader
+        if args.max_steps <= 0 or resume is None or loader is None or dataloader is not loader:
+            return values
+        epochs, per_epoch = values[0], values[1]
+        saved, _, where = self._saved_position(loader, resume)
+        accumulate = args.gradient_accumulation_steps
+        if where.finished:
+            start, first = where.epoch + 1, per_epoch
+        else:
+            start, first = where.epoch, -(-where.batches_left // accumulate)
+        after_first = max(0, args.max_steps - saved.step - first)
+        needed = start + 1 + -(-after_first // per_epoch)
+        return (needed, *values[1:]) if needed > epochs else values
+
+    def _saved_position(
+        self, loader: DataLoader, checkpoint: str
+    ) -> tuple[state_file.SavedLoaders, dict[str, Any], loader_facts.EpochPosition]:
+        """The checkpoint's loader state as this run resumes it (moved to its epoch's start under
+        ``ignore_data_skip``, Trainer's meaning), and where it puts ``loader`` on this world."""
+        saved = state_file.read(checkpoint)
+        if len(saved.loaders) != 1:
+            raise state_file.LoaderStateFileError(
+                f"{len(saved.loaders)} loader states saved, the Trainer has one train loader",
+                path=str(state_file.path_in(checkpoint)),
+            )
+        state = saved.loaders[0]
+        where = loader_facts.position_after_restore(loader, state)
+        if self.args.ignore_data_skip and not where.finished:  # the epoch starts over
+            state = loader_facts.at_epoch_start(state)
+            where = loader_facts.position_after_restore(loader, state)
+        return saved, state, where
+
     def _init_training_state(
         self,
         max_steps: int,
@@ -196,20 +259,13 @@ class Trainer(transformers.Trainer):
         loader = self._stallfree_loader
         if resume_from_checkpoint is None or loader is None:
             return epochs, batches
-        saved = state_file.read(resume_from_checkpoint)
-        if saved.step != self.state.global_step or len(saved.loaders) != 1:
+        saved, state, where = self._saved_position(loader, resume_from_checkpoint)
+        if saved.step != self.state.global_step:
             raise state_file.LoaderStateFileError(
-                f"loader state of step {saved.step} with {len(saved.loaders)} loaders, in a checkpoint of "
-                f"step {self.state.global_step} with one",
+                f"loader state of step {saved.step} in a checkpoint of step {self.state.global_step}",
                 path=str(state_file.path_in(resume_from_checkpoint)),
             )
-        state = saved.loaders[0]
         loader.load_state_dict(state)
-        where = loader_facts.position_after_restore(loader, state)
-        if self.args.ignore_data_skip and not where.finished:  # Trainer's meaning: the epoch starts over
-            state = loader_facts.at_epoch_start(state)
-            loader.load_state_dict(state)
-            where = loader_facts.position_after_restore(loader, state)
         logger.info(
             "stallfree loader resumed at epoch %d, %d batches done, %d left on this rank (saved on %d processes)",
             where.epoch,

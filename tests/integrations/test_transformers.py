@@ -64,10 +64,11 @@ class StopAt(transformers.TrainerCallback):
 
 def make_trainer(tokens, out, *, stop_at=None, **args) -> Recording:
     dataset = stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16", labels="inputs")
-    training = transformers.TrainingArguments(
-        output_dir=str(out), per_device_train_batch_size=4, num_train_epochs=2, save_strategy="steps",
-        save_steps=2, report_to="none", use_cpu=True, seed=3, dataloader_num_workers=0, **args,
-    )  # fmt: skip
+    training = transformers.TrainingArguments(**{
+        "output_dir": str(out), "per_device_train_batch_size": 4, "num_train_epochs": 2,
+        "save_strategy": "steps", "save_steps": 2, "report_to": "none", "use_cpu": True, "seed": 3,
+        "dataloader_num_workers": 0, **args,
+    })  # fmt: skip
     callbacks = [StopAt(stop_at)] if stop_at else []
     return Recording(model=tiny_model(), args=training, train_dataset=dataset, callbacks=callbacks)
 
@@ -113,6 +114,25 @@ def test_a_stopped_run_resumes_from_its_checkpoint_with_every_window_once_per_ep
     third.train(resume_from_checkpoint=str(out / f"checkpoint-{stop_at}"))
     assert sorted(third.windows) == list(range(WINDOWS))
     assert third.windows == first.windows[6 * 4 :] + second.windows
+
+
+def test_max_steps_is_reached_when_the_resumed_run_takes_fewer_windows_a_step(tokens, tmp_path):
+    """A resume on fewer processes (here: a smaller per-device batch, which moves the same
+    arithmetic in one process) has more steps per epoch than the saved run; Trainer's epoch count
+    for max_steps, worked out from step 0 in the new world, then ended the run at the end of the
+    resumed epoch, a step short of max_steps."""
+    out = tmp_path / "out"
+    # 8 windows a step: 3 steps an epoch; stopped after step 2 (16 of 24 windows)
+    first = make_trainer(tokens, out, stop_at=2, max_steps=5, per_device_train_batch_size=8)
+    first.train()
+    assert first.state.global_step == 2
+    # 4 windows a step: 6 steps an epoch. Trainer counts ceil(5 / 6) = 1 epoch, but the resumed
+    # epoch has 2 steps left (3, 4), so step 5 is the first of the next epoch
+    second = make_trainer(tokens, out, max_steps=5)
+    second.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    assert second.state.global_step == 5
+    assert sorted(first.windows + second.windows[:8]) == list(range(WINDOWS))  # epoch 1, once each
+    assert len(second.windows) == 12 and len(set(second.windows[8:])) == 4  # step 5: 4 of epoch 2
 
 
 def test_a_checkpoint_without_the_loader_state_is_refused(tokens, tmp_path):
