@@ -56,7 +56,7 @@ for venv in "${venvs[@]}"; do
   else
     args=("${TORCH_TESTS[@]}")
   fi
-  run "$venv" -n "$jobs" -m "not serial" "${args[@]}"
+  run "$venv" -n "$jobs" --dist loadgroup -m "not serial" "${args[@]}"
   parallel_rc=$rc
   serial_args=("${args[@]}")
   if [ "$#" -eq 0 ]; then  # only the files that mark tests serial: collecting all of tests/ costs 5 s

@@ -243,6 +243,11 @@ def _drive(plan_path: str) -> None:
 
 BLOCKS = all_blocks()
 
+# One driver run serves every block's test: on one xdist worker (scripts/test.sh runs
+# --dist loadgroup), so no other worker sits blocked on the driver's lock (98 s of a worker in
+# the suite's longest pass), and started first, as the slow tests are (tests/conftest.py).
+pytestmark = [pytest.mark.xdist_group("readme-driver"), pytest.mark.slow]
+
 
 def _run_driver(base: Path) -> dict[str, dict]:
     root, results_path = base / "work", base / "results.jsonl"
