@@ -33,8 +33,19 @@ ADMIT, DROP, SIZES = "stallfree_admit_v1", "stallfree_drop_v1", "stallfree_sizes
 
 CODE = f"""#!lua name={LIBRARY}
 local function admit(keys, args)
+  -- every argument checked before the first write: a call that fails leaves nothing stored
+  -- that the used counter does not count
+  if #keys < 2 or #args ~= #keys - 1 then
+    return redis.error_reply('ERR stallfree_admit_v1: wants the used and full keys, then one value per entry key')
+  end
   local cap = tonumber(args[1])
+  if cap == nil or cap ~= cap or cap < 0 or cap == math.huge then
+    return redis.error_reply('ERR stallfree_admit_v1: capacity must be a number of bytes >= 0')
+  end
   local used = tonumber(redis.call('GET', keys[1]) or '0')
+  if used == nil or used ~= used then
+    return redis.error_reply('ERR stallfree_admit_v1: the used counter is not a number')
+  end
   local out = {{}}
   for i = 3, #keys do
     if redis.call('EXISTS', keys[i]) == 1 then
@@ -58,6 +69,10 @@ local function admit(keys, args)
 end
 
 local function drop(keys, args)
+  local counter = redis.call('GET', keys[1])
+  if counter and not string.match(counter, '^-?%d+$') then  -- DECRBY would fail after the DELs
+    return redis.error_reply('ERR stallfree_drop_v1: the used counter is not an integer')
+  end
   local freed = 0
   for i = 2, #keys do
     local n = redis.call('STRLEN', keys[i])
@@ -68,6 +83,7 @@ local function drop(keys, args)
 end
 
 local function sizes(keys, args)
+  if #keys < 1 then return redis.error_reply('ERR stallfree_sizes_v1: wants the full key first') end
   local out = {{redis.call('EXISTS', keys[1])}}
   for i = 2, #keys do out[i] = redis.call('STRLEN', keys[i]) end
   return out

@@ -122,3 +122,33 @@ def test_an_unrestricted_server_gets_the_functions_from_its_first_client(redis_s
     assert cache.get_many([key]) == [b"payload"]
     names = [dict(zip(lib[::2], lib[1::2], strict=True))[b"library_name"] for lib in plain.function_list()]
     assert names == [b"stallfree_v1"]
+
+
+HOSTILE_FCALLS = [
+    # (function, keys, args, what the reply names)
+    ("stallfree_admit_v1", ["sf/__used__", "sf/__full__", "a", "b", "c"], [0, b"1"], "one value per entry key"),
+    ("stallfree_admit_v1", ["sf/__used__", "sf/__full__", "a"], ["lots", b"1"], "capacity must be"),
+    ("stallfree_admit_v1", ["sf/__used__", "sf/__full__", "a"], [-5, b"1"], "capacity must be"),
+    ("stallfree_admit_v1", ["sf/__used__", "sf/__full__", "a"], ["nan", b"1"], "capacity must be"),
+    ("stallfree_admit_v1", ["sf/__used__"], [], "one value per entry key"),
+    ("stallfree_admit_v1", ["text", "sf/__full__", "a"], [0, b"1"], "used counter is not a number"),
+    ("stallfree_drop_v1", ["text", "d"], [], "used counter is not an integer"),
+    ("stallfree_sizes_v1", [], [], "wants the full key first"),
+]
+
+
+@pytest.mark.parametrize(("function", "keys", "args", "named"), HOSTILE_FCALLS)
+def test_our_functions_called_with_hostile_arguments_change_nothing(redis_servers, function, keys, args, named):
+    """A data client calling our functions with arguments of its own: a reply naming what is
+    wrong and nothing written. Before, ``admit`` with fewer values than keys stored the first
+    entries and then failed before counting them (the used counter no longer matched), and a
+    negative or NaN capacity meant "no capacity"."""
+    (server,) = redis_servers(1, password="pw", capacity_bytes=8 << 20)
+    client = redis.Redis(host=server.host, port=server.port, password="pw")
+    client.set("text", "not a number")
+    client.set("d", "entry")
+    before = {k: client.get(k) for k in ("sf/__used__", "sf/__full__", "a", "b", "c", "d", "text")}
+    call = client.fcall_ro if function.startswith("stallfree_sizes") else client.fcall
+    with pytest.raises(redis.ResponseError, match=named):
+        call(function, len(keys), *keys, *args)
+    assert {k: client.get(k) for k in before} == before
