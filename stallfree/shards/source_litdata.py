@@ -10,8 +10,9 @@ and tuple positions). A chunk file is an offset table (``source_offsets``); a sa
 Field names are the dict keys (nested ones joined with '.'), or positions (``0``, ``1``...) for a
 tuple or list; a sample that is one value is field ``data``. Byte leaves (``bytes``, ``jpeg``,
 ``file:*``, ``video:*``, ``tifffile``) keep their bytes exactly; numbers, strings, numpy arrays and
-tensors are decoded to values (tensors as numpy arrays). ``pickle`` leaves are refused: we never
-unpickle data read from a dataset.
+tensors are decoded to values (tensors as numpy arrays); a ``json`` leaf (a list in the sample)
+becomes its JSON text (``litdata_nested``). ``pickle`` leaves are refused: we never unpickle data
+read from a dataset.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from stallfree.shards.litdata_nested import nested_leaf_json
 from stallfree.shards.source_base import SourceError
 from stallfree.shards.source_offsets import OffsetTableSource, ShardFile, image_array, shard_path
 
@@ -133,7 +135,7 @@ def litdata_layout(index: Any, root: str, index_path: str, *, local: bool = True
             raise SourceError(
                 f"{index_path}: a leaf is pickled; stallfree never unpickles data read from a dataset"
             )
-        if base not in (*_BYTE_LEAVES, *_SCALAR_LEAVES, "str", "pil", "numpy", "no_header_numpy",
+        if base not in (*_BYTE_LEAVES, *_SCALAR_LEAVES, "str", "json", "pil", "numpy", "no_header_numpy",
                         "tensor", "no_header_tensor"):  # fmt: skip
             raise SourceError(f"{index_path}: leaf format {fmt!r} is not supported")
     spec = config.get("data_spec")
@@ -191,6 +193,11 @@ def _decode_leaf(fmt: str, cell: bytes, where: str) -> Any:
         return cell
     if base == "str":
         return cell.decode("utf-8")
+    if base == "json":  # a list in the sample: as JSON text (litdata_nested.py)
+        try:
+            return nested_leaf_json(cell)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
     if base in _SCALAR_LEAVES:
         return np.frombuffer(cell, _SCALAR_LEAVES[base], count=1)[0].item()
     if base == "pil":

@@ -25,7 +25,15 @@ def mds_row(i: int) -> dict:
 
 def lit_row(i: int) -> dict:
     return {"index": i, "image": b"\xff\xd8" + bytes([i]) * 200, "name": f"n{i}",
-            "arr": np.arange(i + 1, dtype=np.uint8), "pair": (i * 0.5, i % 2 == 0)}  # fmt: skip
+            "arr": np.arange(i + 1, dtype=np.uint8), "pair": (i * 0.5, i % 2 == 0),
+            **lit_lists(i)}  # fmt: skip
+
+
+def lit_lists(i: int) -> dict:
+    """Lists in a sample: litdata stores each as one ``json`` leaf (its binary nested form)."""
+    return {"tags": [f"t{i} \u00fc", "x"], "ids": list(range(i % 4)), "scores": [i * 0.5, -1.0],
+            "flags": [True, i % 2 == 0], "recs": [{"a": i, "b": f"r{i}", "c": None}, {"a": -i, "b": "", "c": 1.5}],
+            "mixed": [i, "s", None, {"k": [1, 2]}]}  # fmt: skip
 
 
 def write_mds(out: Path, compression: str | None) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from tests.shards.formats_writers_child import N, lit_row, mds_row
+from tests.shards.formats_writers_child import N, lit_lists, lit_row, mds_row
 
 REPO = Path(__file__).resolve().parents[2]
 PYTHON = REPO / ".venv-formats" / "bin" / "python"
@@ -90,3 +90,6 @@ def test_litdata_written_by_optimize(written, tmp_path):
             b"1" if row["pair"][1] else b"0",
         )
         assert _npy(sample["arr"]).tolist() == row["arr"].tolist()
+        # lists are litdata `json` leaves (its binary nested form): JSON text here
+        for field, value in lit_lists(i).items():
+            assert json.loads(sample[field]) == value, (i, field, sample[field])
