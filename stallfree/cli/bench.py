@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -221,6 +222,10 @@ def run(args: argparse.Namespace) -> int:
         return fail("bench", error_line(exc))  # a worker's error carries its traceback: one line
     except ValueError as exc:  # settings that cannot run
         return fail("bench", error_line(exc), code=2)
+    except RuntimeError as exc:  # a loader failing in a rank this process runs (--nproc 1, torchrun):
+        # one line, as RankFailed gives for a spawned rank; the traceback with -vv
+        logging.getLogger(__name__).debug("the bench failed", exc_info=True)
+        return fail("bench", f"{type(exc).__name__}: {error_line(exc)}")
     if result is None:  # a non-zero rank inside torchrun: rank 0 reports
         return 0
     # the CPU decode's speed depends on it: a PIL fallback (C decoder not built) shows here

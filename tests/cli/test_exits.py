@@ -179,3 +179,21 @@ def test_bench_prints_the_jpeg_decoder_above_its_table(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == f"jpeg decoder: {jpeg_decoder()}"
     assert any(line.split()[:2] == ["stallfree", "job"] for line in lines[1:])
+
+
+def test_bench_on_a_dataset_smaller_than_a_batch_is_one_line_not_a_traceback(dataset: Path):
+    # one rank runs in the CLI's own process; its loader's error was a traceback there, while
+    # spawned ranks (--nproc 2) already ended in one line through RankFailed
+    r = subprocess.run(
+        [sys.executable, "-m", "stallfree", "bench", str(dataset), "--nproc", "1", "--steps", "2",
+         "--warmup", "0", "--batch-size", "8", "--loader", "stallfree", "--step", "none"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1, (r.returncode, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert errors == [
+        "stallfree bench: error: RuntimeError: loader 'stallfree' produced no batch "
+        "in epoch 0: dataset smaller than batch_size x ranks x workers?"
+    ], r.stderr
+    assert r.stdout == ""
