@@ -60,23 +60,21 @@ class LoaderState:
             raise ValueError(
                 f"not a stallfree loader state (format {d.get('format') if isinstance(d, Mapping) else d!r})"
             )
-        if d.get("version") != VERSION:
+        if d.get("version") != VERSION or isinstance(d.get("version"), bool):  # True == 1
             raise ValueError(
                 f"unsupported loader state version {d.get('version')!r} (this build reads {VERSION})"
             )
         check_nesting(d)
         try:
-            epoch = _int(d, "epoch")
-            if epoch < 0:
-                raise ValueError(f"'epoch' is {epoch}, must be >= 0")
+            epoch = _int(d, "epoch", low=0)
             return cls(
                 seed=_int(d, "seed"),
                 epoch=epoch,
-                consumed=_int(d, "consumed"),
-                dataset_len=_int(d, "dataset_len"),
+                consumed=_int(d, "consumed"),  # range-checked against the epoch on load
+                dataset_len=_int(d, "dataset_len", low=0),
                 mode=str(d.get("mode", "fast")),
-                batches=_int(d, "batches", 0),
-                world_size=_int(d, "world_size", 1),
+                batches=_int(d, "batches", 0),  # likewise
+                world_size=_int(d, "world_size", 1, low=1),
                 dataset=dict(d["dataset"]) if isinstance(d.get("dataset"), Mapping) else None,
                 order=str(d["order"]) if d.get("order") is not None else None,
                 fingerprint=_str(d, "fingerprint"),
@@ -85,19 +83,24 @@ class LoaderState:
             raise ValueError(f"malformed loader state: {exc}") from exc
 
 
-def _int(d: Mapping[str, Any], name: str, default: int | None = None) -> int:
-    """An integer field: an int (numpy's too) or its decimal text; never a bool or a float."""
+def _int(d: Mapping[str, Any], name: str, default: int | None = None, *, low: int | None = None) -> int:
+    """An integer field: an int (numpy's too) or its decimal text; never a bool or a float;
+    at least ``low`` when given (a world of 0 ranks, a count below 0: a damaged state)."""
     if name not in d and default is not None:
         return default
     value = d[name]
     if isinstance(value, bool):
         raise TypeError(f"{name!r} is {value!r}, not an integer")
     if isinstance(value, str):
-        return int(value)
-    try:
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name!r} is {value!r} ({type(value).__name__}), not an integer") from None
+        number = int(value)
+    else:
+        try:
+            number = operator.index(value)
+        except TypeError:
+            raise TypeError(f"{name!r} is {value!r} ({type(value).__name__}), not an integer") from None
+    if low is not None and number < low:
+        raise ValueError(f"{name!r} is {number}, must be >= {low}")
+    return number
 
 
 def _str(d: Mapping[str, Any], name: str) -> str | None:

@@ -189,3 +189,21 @@ def test_keeping_batches_past_the_descriptor_limit_says_what_to_do():
     assert error.startswith("ERROR TooManyOpenFilesError too many open files (ulimit -n is 256"), error
     assert "every batch kept alive holds one shared-memory file descriptor" in error
     assert "`ulimit -n" in error and "RLIMIT_NOFILE" in error and "tensor.clone()" in error
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("world_size", 0, "'world_size' is 0, must be >= 1"),
+        ("world_size", -4, "'world_size' is -4, must be >= 1"),
+        ("dataset_len", -1, "'dataset_len' is -1, must be >= 0"),
+        ("version", True, "unsupported loader state version True"),
+    ],
+)
+def test_a_world_of_no_ranks_a_negative_length_and_a_bool_version_are_malformed(field, value, message):
+    """These loaded silently (the world size is only informational, ``True == 1``): a state
+    that says them is damaged, and saying so beats resuming from it."""
+    st = _saved(_fast())
+    with pytest.raises(ValueError, match=message):
+        _fast().load_state_dict({**st, field: value})
+    _fast().load_state_dict(st)  # the undamaged state still loads
