@@ -22,6 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from stallfree.shards.hf import columns_from_features
+
 log = logging.getLogger(__name__)
 
 DEFAULT_LABEL_FIELD = "cls"
@@ -43,16 +45,34 @@ def check_label_field(label_field: Any) -> None:
 
 def class_field_of(dataset: Any) -> str | None:
     """The ``class_field`` a dataset's manifest records (``open_dataset``'s ``ShardedDataset``,
-    also inside a torch ``Subset``); None when it records none."""
+    also inside a torch ``Subset``), or, for a Hugging Face ``datasets.Dataset`` handed to the
+    loader as it is, its ``ClassLabel`` column as ``stallfree shard`` would record it; None when
+    neither says."""
     for _ in range(4):  # Subset(Subset(ds)) and the like
         extra = getattr(getattr(dataset, "manifest", None), "extra", None)
         if isinstance(extra, dict):
             field = extra.get("class_field")
             return field if isinstance(field, str) and field else None
+        hf_field = _hf_class_field(dataset)
+        if hf_field is not None:
+            return hf_field
         dataset = getattr(dataset, "dataset", None)
         if dataset is None:
             break
     return None
+
+
+def _hf_class_field(dataset: Any) -> str | None:
+    """A ``datasets.Dataset``'s ClassLabel column (``label`` first), from its ``features``
+    serialised as the library writes them; None for anything else."""
+    to_dict = getattr(getattr(dataset, "features", None), "to_dict", None)
+    if not callable(to_dict):
+        return None
+    try:
+        features = to_dict()
+    except Exception:  # noqa: BLE001 - not a datasets.Features after all
+        return None
+    return columns_from_features(features).class_field if isinstance(features, dict) else None
 
 
 def read_label(sample: dict, field: str, *, from_manifest: bool) -> int:

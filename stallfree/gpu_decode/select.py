@@ -140,6 +140,7 @@ class ImageDecode:
         self.image_field = image_field
         self.label_field = label_field
         self._class_field: str | None = None  # the bound dataset's manifest's, for label_field=None
+        self._bound_by_loader = False  # a loader (or mixture) bound it: another binding must agree
         self.max_pixels = max_pixels
         self.max_scans = max_scans
         self.max_memory = max_memory
@@ -166,13 +167,28 @@ class ImageDecode:
 
     def bind_dataset(self, dataset: Any) -> None:
         """Learn what the dataset's manifest says about its fields (its ``class_field``, used
-        when ``label_field`` is None). The loader's hook; ``for_dataset`` is the same, chained."""
-        self._class_field = class_field_of(dataset)
+        when ``label_field`` is None). The loader's (and a mixture's) hook.
+
+        Every loader given this object runs it (its workers get copies made after the binding),
+        so a second loader over a dataset whose labels are in another field would relabel the
+        first loader's batches: that is refused, naming both fields."""
+        field = class_field_of(dataset)
+        if self._bound_by_loader and self.label_field is None and field != self._class_field:
+            raise ValueError(
+                f"this ImageDecode already reads labels from {self._class_field or DEFAULT_LABEL_FIELD!r} "
+                f"for the dataset a loader gave it; this dataset's are in {field or DEFAULT_LABEL_FIELD!r}. "
+                "Every loader runs the one decoder object: give each dataset its own ImageDecode, or name "
+                "label_field= where both datasets keep their labels in the same field"
+            )
+        self._class_field = field
+        self._bound_by_loader = True
 
     def for_dataset(self, dataset: Any) -> ImageDecode:
         """``self``, labelled as ``dataset``'s manifest says: ``DataLoader(ds,
-        decode=ImageDecode(...).for_dataset(ds))``."""
-        self.bind_dataset(dataset)
+        decode=ImageDecode(...).for_dataset(ds))``. An explicit rebinding: unlike a loader's
+        ``bind_dataset`` it replaces whatever was bound before."""
+        self._class_field = class_field_of(dataset)
+        self._bound_by_loader = False
         return self
 
     @property
@@ -310,7 +326,13 @@ class ImageDecode:
             return field, value.tobytes()
         if isinstance(value, dict) and isinstance(value.get("bytes"), bytes):
             return field, value["bytes"]  # a Hugging Face Image() cell {"bytes": ..., "path": ...}
-        raise TypeError(f"field {field!r} holds {type(value).__name__}, expected encoded image bytes")
+        hint = ""
+        if type(value).__module__.startswith("PIL."):  # a Hugging Face Image() column, decoded on access
+            hint = (
+                ": a Hugging Face Image() column decodes each image when read; "
+                f"dataset.cast_column({field!r}, datasets.Image(decode=False)) hands over its encoded bytes"
+            )
+        raise TypeError(f"field {field!r} holds {type(value).__name__}, expected encoded image bytes{hint}")
 
 
 def _choose(backend: str, gpu_id: int | None, jpeg_library: str = "auto") -> tuple[str, str]:

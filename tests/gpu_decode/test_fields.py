@@ -244,3 +244,47 @@ def test_a_bad_label_field_is_refused_at_construction(bad):
         ValueError, match=r"label_field must be a field name, None .* or False \(no labels\), got"
     ):
         ImageDecode(backend="cpu", label_field=bad)
+
+
+def test_one_decoder_given_to_loaders_whose_labels_differ_is_refused(sources, tmp_path):
+    """Both loaders run the one object: the second loader's binding used to relabel the first's
+    batches (its samples then failed with "no label field 'cls'", the manifest's field ignored)."""
+    hf = _open(sources, "hf", "arrow", tmp_path)  # class_field "label"
+    mds = open_dataset(str(sources["mds"]))  # no class_field: "cls"
+    dec = ImageDecode(train=False, size=16, backend="cpu", num_threads=1)
+    train = stallfree.DataLoader(hf, batch_size=4, shuffle=False, num_workers=0, decode=dec)
+    told = r"reads labels from 'label'.* this dataset's are in 'cls'.*its own ImageDecode"
+    with pytest.raises(ValueError, match=told):
+        stallfree.DataLoader(mds, batch_size=4, shuffle=False, num_workers=0, decode=dec)
+    assert next(iter(train))["label"].tolist() == [0, 1, 2, 0]  # the first loader is untouched
+    # the same field, or a named label_field, shares fine; for_dataset rebinds on purpose
+    stallfree.DataLoader(torch.utils.data.Subset(hf, [0, 1]), batch_size=2, decode=dec)
+    named = ImageDecode(train=False, size=16, backend="cpu", num_threads=1, label_field="label")
+    stallfree.DataLoader(hf, batch_size=4, decode=named)
+    stallfree.DataLoader(mds, batch_size=4, decode=named)
+    assert dec.for_dataset(mds).resolved_label_field == "cls"
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_hugging_face_dataset_object_is_labelled_from_its_class_label_column(rows, workers):
+    """A ``datasets.Dataset`` handed to the loader as it is: its ClassLabel column is the label
+    (as ``stallfree shard`` would record it), other columns pass through; a PIL-decoding Image
+    column is an error that says how to hand over the encoded bytes."""
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features(
+        {"image": datasets.Image(), "target": datasets.ClassLabel(names=NAMES), "id": datasets.Value("int64")}
+    )
+    table = {
+        "image": [{"bytes": r["image"], "path": None} for r in rows],
+        "target": [r["label"] for r in rows],
+        "id": [r["id"] for r in rows],
+    }
+    hf = datasets.Dataset.from_dict(table, features=features)
+    dec = ImageDecode(train=False, size=16, backend="cpu", num_threads=1)
+    encoded = hf.cast_column("image", datasets.Image(decode=False))
+    loader = stallfree.DataLoader(encoded, batch_size=4, shuffle=False, num_workers=workers, decode=dec)
+    got = [(i, lab) for b in loader for i, lab in zip(b["id"].tolist(), b["label"].tolist(), strict=True)]
+    assert got == [(r["id"], r["label"]) for r in rows]
+    pil = stallfree.DataLoader(hf, batch_size=4, shuffle=False, num_workers=0, decode=ImageDecode(backend="cpu"))
+    with pytest.raises(BatchDecodeError, match=r"cast_column\('image', datasets.Image\(decode=False\)\)"):
+        next(iter(pil))
