@@ -80,8 +80,10 @@ def parse_size(text: str | int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A TCP port free right now on ``host`` (the OS picks it; an IPv6 host gets an IPv6 socket:
+    ``--bind ::1 --port 0`` was a ``socket.gaierror`` traceback)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
@@ -112,6 +114,8 @@ class RedisServer:
     ) -> None:
         if capacity_bytes is not None and capacity_bytes <= 0:  # Redis reads maxmemory 0 as "no limit"
             raise ValueError(f"capacity must be more than 0 bytes (None: no limit), got {capacity_bytes}")
+        if port is not None and not 0 <= port <= 65535:  # else redis-server's own config error
+            raise ValueError(f"port must be from 0 to 65535 (0: any free port), got {port}")
         self.bind = _check_bind(bind)
         self.restricted = restricted  # clients may run DATA_COMMANDS only (see the module docstring)
         self.admin_password: str | None = None
@@ -145,7 +149,8 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        return f"{'rediss' if self.tls else 'redis'}://{self.host}:{self.port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"{'rediss' if self.tls else 'redis'}://{host}:{self.port}"
 
     @property
     def logfile(self) -> Path:

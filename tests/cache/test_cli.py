@@ -108,6 +108,31 @@ def test_serve_names_an_address_it_cannot_listen_on(bind):
     assert "Traceback" not in proc.stderr and proc.stdout == ""
 
 
+
+@pytest.mark.parametrize("port", ["70000", "-1"])
+def test_serve_names_a_port_out_of_range(port, capsys):
+    """redis-server's own config dump (">>> 'port 70000'") was all the user saw."""
+    assert main(["cache", "serve", "--port", port]) == 2
+    assert f"port must be from 0 to 65535 (0: any free port), got {port}" in capsys.readouterr().err
+
+
+def test_an_ipv6_loopback_server_on_any_port_is_reachable_at_its_url(redis_servers):
+    """``--bind ::1 --port 0`` picked its port with an IPv4 socket (``socket.gaierror``
+    traceback), and the URL was ``redis://::1:PORT``, which no client parses."""
+    import socket
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    (server,) = redis_servers(1, bind="::1", password="pw")
+    assert server.url == f"redis://[::1]:{server.port}"
+    cache = ClusterCache([server.url], password="pw")
+    key = CacheKey("fp", 1, "raw")
+    cache.put_many([(key, b"over v6")])
+    assert cache.get_many([key]) == [b"over v6"]
+
 def test_stats_names_our_policy_not_redis_setting(redis_servers, capsys):
     """A minio server runs Redis's noeviction; stats says minio (the user's word for it)."""
     (server,) = redis_servers(1, password="pw", policy="minio")
