@@ -46,6 +46,7 @@ from stallfree.shards.errors import (
 )
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
 from stallfree.shards.jsonfile import parse_json
+from stallfree.shards.manifest import MAX_COUNT
 from stallfree.shards.readers import coalesce
 from stallfree.shards.scan import file_size, record_mismatches, relative
 from stallfree.shards.shard_info import ShardInfo
@@ -170,6 +171,8 @@ def parse_index(fs: fsspec.AbstractFileSystem, root: str, parse: Parse, what: st
             InPlaceShard(relative(root, f.file.path), f.file, first, f.entry, f.decode, f.keyed, f.other)
         )
         first += f.file.samples
+    if first > MAX_COUNT:  # len() of the dataset would be an OverflowError naming nothing
+        raise SourceError(f"{name}: its files hold {first} samples in all, more than any dataset can")
     rels = [s.rel for s in out]
     if len(set(rels)) != len(rels):
         raise SourceError(f"{name}: lists one file as two shards")

@@ -155,6 +155,7 @@ class Manifest:
             if not isinstance(entries, list):
                 raise ManifestError(f"{where}: 'shards' must be a list")
             shards = [_bounded(ShardInfo.from_json(s, where), where, j) for j, s in enumerate(entries)]
+        _total_bounded(shards, where)
         classes = obj.get("classes")
         if classes is not None and not (
             isinstance(classes, list) and all(isinstance(c, str) for c in classes)
@@ -313,6 +314,17 @@ def _bounded(info: ShardInfo, where: str, entry: int) -> ShardInfo:
         if value > MAX_COUNT:
             raise ManifestError(f"{where}: shard {info.path}: {name} {value} is not a plausible count")
     return info
+
+
+def _total_bounded(shards: Sequence[ShardInfo], where: str) -> None:
+    """The shards' samples add up to an int64 (each fits, 2 of 2**62 did not: ``len()`` of the
+    dataset was an ``OverflowError`` naming nothing)."""
+    if isinstance(shards, manifest_sidecar.ShardTable):
+        total = shards.total_samples
+    else:
+        total = sum(s.samples for s in shards)
+    if total > MAX_COUNT:
+        raise ManifestError(f"{where}: its shards hold {total} samples in all, more than any dataset can")
 
 
 def _check_transform(transform: Any, where: str) -> None:

@@ -301,6 +301,9 @@ def _build(parts: dict[str, memoryview], n: int, where: str, at: dict[str, int],
         bad = np.flatnonzero(column < 0)
         if bad.size:
             _damaged(where, f"shard {bad[0]}'s {name} is negative", at[name] + 8 * int(bad[0]))
+        # totals are summed in int64 (ShardTable.total_*): one that would wrap is refused
+        if column.size and column.sum(dtype=np.float64) >= 2.0**62 and sum(map(int, column)) >= 1 << 63:
+            _damaged(where, f"the shards' {name} add up to more than a 64-bit count", at[name])
     if np.any(flags & ~np.uint8(known)):
         j = int(np.flatnonzero(flags & ~np.uint8(known))[0])
         _damaged(where, f"shard {j} has unknown flags {int(flags[j])}", at["flags"] + j)

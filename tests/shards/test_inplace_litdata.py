@@ -129,3 +129,15 @@ def test_over_s3_through_the_loader_shuffled_with_two_workers(litdata, sharded, 
     )
     staged = {name for _, _, names in os.walk(tmp_path / "staging") for name in names}
     assert {"index.json", "chunk-0-0.bin"} <= staged  # read from whole staged chunks, index beside them
+
+
+def test_counts_that_add_up_past_int64_are_refused_naming_the_index(tmp_path):
+    """Each chunk_size an integer, their sum past 2**63 - 1: ``open_dataset`` succeeded and
+    ``len()`` of it was an ``OverflowError`` naming nothing (a fuzzed index.json)."""
+    write_litdata(tmp_path / "ds", [{"a": b"x"}, {"a": b"y"}], per_chunk=1)
+    index = json.loads((tmp_path / "ds" / "index.json").read_text())
+    for chunk in index["chunks"]:
+        chunk["chunk_size"] = 2**62
+    (tmp_path / "ds" / "index.json").write_text(json.dumps(index))
+    with pytest.raises(SourceError, match=r"index\.json: its files hold 9223372036854775808 samples in all"):
+        open_dataset(str(tmp_path / "ds"))

@@ -202,3 +202,15 @@ def test_paths_inside_the_dataset_still_load(tmp_path):
     m.shards[1] = ShardInfo("./train/shard-000001.tar", 2, 8192, None)
     m.save(str(tmp_path))
     assert Manifest.load(str(tmp_path)) == m
+
+
+def test_sample_counts_that_add_up_past_int64_are_refused(tmp_path):
+    """Each count fits an int64, the sum does not: ``len()`` of the dataset was an
+    ``OverflowError`` naming nothing."""
+    m = _manifest()
+    m.shards[0] = ShardInfo("shard-000000.tar", 2**62, 10240, None)
+    m.shards[1] = ShardInfo("shard-000001.tar", 2**62, 8192, None)
+    (tmp_path / "manifest.json").write_text(m.dumps())
+    with pytest.raises(ManifestError, match="its shards hold 9223372036854775808 samples in all") as err:
+        Manifest.load(str(tmp_path))
+    assert str(tmp_path / "manifest.json") in str(err.value)

@@ -318,3 +318,14 @@ def test_a_sidecar_path_out_of_the_dataset_is_refused_as_the_json_one_is(path, p
         sc.decode(data, "/ds/manifest.shards.bin", text)
     good, text = encoded(varied_manifest())
     assert sc.decode(good, "/ds/manifest.shards.bin", text) is not None
+
+
+def test_sidecar_counts_that_add_up_past_int64_are_refused():
+    """Its totals are summed in int64: two shards of 2**62 samples wrapped to a negative total."""
+    m = varied_manifest()
+    data, text = encoded(m)
+    samples = [2**62, 2**62, 0, 0, 0]
+    broken, start = repack(data, "samples", _le64(samples))
+    with pytest.raises(ManifestError, match="the shards' samples add up to more than a 64-bit count") as err:
+        sc.decode(broken, "/ds/manifest.shards.bin", text)
+    assert err.value.offset == start
