@@ -42,9 +42,10 @@ def parse_json(data: bytes | str, where: str, *, max_bytes: int = MAX_JSON_BYTES
             shard=where,
             offset=exc.start,
         ) from None
-    except ValueError as exc:  # json.JSONDecodeError
+    except ValueError as exc:  # json.JSONDecodeError; or a plain ValueError: an integer of more
+        # digits than int() converts (4300: sys.set_int_max_str_digits), which has no .msg
         raise JSONFileError(
-            f"not valid JSON: {exc.msg}", shard=where, offset=getattr(exc, "pos", None)
+            f"not valid JSON: {getattr(exc, 'msg', exc)}", shard=where, offset=getattr(exc, "pos", None)
         ) from None
 
 

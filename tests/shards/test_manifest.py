@@ -214,3 +214,14 @@ def test_sample_counts_that_add_up_past_int64_are_refused(tmp_path):
     with pytest.raises(ManifestError, match="its shards hold 9223372036854775808 samples in all") as err:
         Manifest.load(str(tmp_path))
     assert str(tmp_path / "manifest.json") in str(err.value)
+
+
+def test_an_integer_of_thousands_of_digits_is_a_manifest_error(tmp_path):
+    """``json.loads`` refuses integers of more than 4,300 digits with a plain ``ValueError``
+    (no ``.msg``): reading the error was an ``AttributeError`` naming nothing."""
+    (tmp_path / "manifest.json").write_text(
+        '{"version": 1, "format": "tar", "fields": [], "shards": [], "n": ' + "7" * 5000 + "}"
+    )
+    with pytest.raises(ManifestError, match="not valid JSON: Exceeds the limit") as err:
+        Manifest.load(str(tmp_path))
+    assert str(tmp_path / "manifest.json") in str(err.value)
