@@ -14,7 +14,6 @@ retried).
 
 from __future__ import annotations
 
-import json
 import os
 import posixpath
 from bisect import bisect_right
@@ -28,8 +27,11 @@ import pyarrow.ipc as ipc
 from stallfree.shards import remote
 from stallfree.shards.arrow_check import check_ipc_file, validate_batch
 from stallfree.shards.atomic import is_local
+from stallfree.shards.dataset_paths import refuse_link_out
 from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
+from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.manifest import MANIFEST_NAME, Manifest, join
+from stallfree.shards.manifest_paths import path_problem
 from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole
 
 _SUFFIXES = (".arrow", ".parquet")
@@ -64,12 +66,18 @@ def _dir_files(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[str]:
         return [join(root, s.path) for s in manifest.shards]
     state = join(root, "state.json")
     if remote.exists(fs, state, shard=url):
-        try:
-            files = [
-                join(root, f["filename"]) for f in json.loads(read_whole(fs, state, state))["_data_files"]
-            ]
+        try:  # parse_json: bounded, a JSONFileError (a ValueError) naming the file, no RecursionError
+            names = [f["filename"] for f in parse_json(read_whole(fs, state, state), state)["_data_files"]]
         except (ValueError, KeyError, TypeError) as exc:
             raise ShardError(f"unreadable Hugging Face state.json: {exc}", shard=state) from None
+        for name in names:  # data from elsewhere: never a file outside the dataset directory
+            problem = path_problem(name) if isinstance(name, str) and name else "is not a file name"
+            if problem is not None:
+                raise ShardError(f"state.json lists {name!r}, which {problem}", shard=state)
+        files = [join(root, name) for name in names]
+        if is_local(fs):  # nor through a symbolic link that leads out of it
+            for path in files:
+                refuse_link_out(root, path, state)
         return files
     names = sorted(p for p in fs.ls(root, detail=False) if p.endswith(_SUFFIXES))
     arrows = [p for p in names if p.endswith(".arrow")]

@@ -127,3 +127,47 @@ def test_a_damaged_arrow_token_file_is_an_error_naming_it(tmp_path, content):
     with pytest.raises(CorruptShardError, match="not a readable Arrow/Parquet file") as err:
         ArrowTokenSource(str(bad))
     assert err.value.shard == str(bad)
+
+
+def _hf_dir(root, files):
+    """A save_to_disk-like directory: a token stream file and a state.json listing ``files``."""
+    import json
+
+    root.mkdir()
+    t = table(random_docs(6, n=5))
+    with pa.OSFile(str(root / "data-00000-of-00001.arrow"), "wb") as sink, ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": f} for f in files]}))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("listed", "problem"),
+    [
+        ("../outside.arrow", "climbs out of the dataset directory"),
+        ("/etc/passwd", "is absolute"),
+        ("s3://other/x.arrow", "is a URL"),
+        (7, "is not a file name"),
+    ],
+)
+def test_a_state_json_naming_a_file_outside_is_refused(tmp_path, listed, problem):
+    """state.json is data from elsewhere: it named any file for us to read as tokens."""
+    (tmp_path / "outside.arrow").write_bytes(b"")
+    root = _hf_dir(tmp_path / "hf", ["data-00000-of-00001.arrow", listed])
+    with pytest.raises(ShardError, match=f"state.json lists {listed!r}, which {problem}") as exc:
+        TokenDataset(str(root), 4)
+    assert exc.value.shard == str(root / "state.json")
+
+
+def test_a_state_json_file_linked_out_or_nested_deep_is_refused(tmp_path):
+    docs = random_docs(7, n=5)
+    t = table(docs)
+    with pa.OSFile(str(tmp_path / "elsewhere.arrow"), "wb") as sink, ipc.new_stream(sink, t.schema) as w:
+        w.write_table(t)
+    root = _hf_dir(tmp_path / "hf", ["data-00000-of-00001.arrow", "linked.arrow"])
+    (root / "linked.arrow").symlink_to(tmp_path / "elsewhere.arrow")
+    with pytest.raises(ShardError, match="linked.arrow is a symbolic link to .*outside the dataset directory"):
+        TokenDataset(str(root), 4)
+    (root / "state.json").write_text('{"_data_files": ' + "[" * 5000 + "]" * 5000 + "}")
+    with pytest.raises(ShardError, match="unreadable Hugging Face state.json: .*nested too deeply"):
+        TokenDataset(str(root), 4)
