@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from stallfree.loader import contracts, lifeline, pipeline
 from stallfree.loader.context import WorkerContext
 from stallfree.loader.messages import Task
 from stallfree.loader.plan import Read
+from stallfree.shards.daemon_pool import DaemonThreadPool
 
 logger = logging.getLogger(__name__)
 
@@ -249,7 +250,11 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
         return
     pending: deque[Future] = deque()
     done = False
-    with ThreadPoolExecutor(plan.fetch_threads, thread_name_prefix="stallfree-fetch") as pool:
+    # daemon threads, not a ThreadPoolExecutor: interpreter exit joins an executor's threads, so
+    # a read stuck on a trickling server held the process for its whole deadline after the
+    # loader had failed or been dropped (issue 36); told to stop, nothing here waits for a read
+    pool = DaemonThreadPool(plan.fetch_threads, thread_name_prefix="stallfree-fetch")
+    try:
         while not stop.is_set():
             while pending and pending[0].done():  # hand over in task order
                 ready.put(pending.popleft().result())
@@ -263,6 +268,8 @@ def reader_loop(ctx: WorkerContext, task_q: Any, ready: queue.Queue, stop: threa
                     pending.append(pool.submit(fetch_task, ctx, task))
                 continue
             wait([pending[0]], timeout=0.5)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
     ready.put(None)
 
 

@@ -127,6 +127,17 @@ def test_process_exits_after_a_staged_read_of_a_shard_rewritten_shorter(s3, tmp_
     assert "shard-000001.tar" in x["message"] and x["delivered_wrong"] == 0, x
 
 
+def test_process_exits_after_an_unstaged_loader_without_workers_gives_up():
+    """0 workers, 4 fetch threads, staging=False, every shard read trickling (deadline 10
+    minutes): the loader's WorkerHungError comes at worker_timeout and the process then exits.
+    Before the fetch threads were daemon threads (a ThreadPoolExecutor), exit waited for the
+    reads' deadline."""
+    r = _child("-", "exit-fetch", timeout=90)
+    assert r.returncode == 0, r.stderr[-3000:]
+    x = json.loads(r.stdout.splitlines()[-1])
+    assert x["type"] == "WorkerHungError" and "made no progress" in x["message"], x
+
+
 def test_daemon_pool_runs_what_is_submitted_and_cancels_what_has_not_started():
     import threading
 
@@ -296,8 +307,36 @@ def _exit_shorter(endpoint: str, tmp: str) -> None:
         _emit("exit-shorter", delivered_wrong=wrong, **_error_fields(exc))
 
 
+def _exit_fetch() -> None:
+    """An unstaged loader without workers over a trickling HTTP server gives up; return."""
+    import stallfree
+    from stallfree.shards import remote
+    from stallfree.shards.open import open_dataset
+    from stallfree.testing.httpserve import serve_directory
+    from stallfree.testing.netlab import TrickleRelay
+
+    patient = remote.Timeouts(part_grace_s=600.0)  # only abandoning the reads ends them
+    with tempfile.TemporaryDirectory() as tmp:
+        _write(f"{tmp}/ds")
+        with serve_directory(tmp) as server:
+            port = int(server.url.rsplit(":", 1)[1])
+            relay = TrickleRelay(("127.0.0.1", port), TRICKLE_S, match=b".tar ").start()
+            ds = open_dataset(f"{relay.url}/ds", stallfree_timeouts=patient)
+            loader = stallfree.DataLoader(
+                ds, batch_size=1, num_workers=0, fetch_threads=4, staging=False, collate_fn=list,
+                worker_timeout=3,
+            )  # fmt: skip
+            try:
+                next(iter(loader))
+                _emit("exit-fetch", type=None)
+            except Exception as exc:  # noqa: BLE001 - the child reports every outcome
+                _emit("exit-fetch", **_error_fields(exc))
+
+
 def main(endpoint: str, scenarios: list[str]) -> None:
-    if scenarios[0] == "exit-staged":
+    if scenarios[0] == "exit-fetch":
+        _exit_fetch()
+    elif scenarios[0] == "exit-staged":
         _exit_staged(endpoint, scenarios[1])
     elif scenarios[0] == "exit-shorter":
         _exit_shorter(endpoint, scenarios[1])
