@@ -40,6 +40,7 @@ from stallfree.extras import require
 transformers = require("transformers", "hf", "stallfree.integrations.transformers")
 
 import torch  # noqa: E402  (after the check above, so a missing transformers is the error shown)
+from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 from stallfree.integrations import loader_facts, state_file  # noqa: E402
@@ -67,6 +68,8 @@ _FIXED = {
     "world": "torch.distributed, as Trainer starts it",
 }
 _ORDERS = {"random": None, "sequential": "sequential"}  # train_sampling_strategy -> our order
+# collators that hand the dataset's labels through as they are (padding at most)
+_LABEL_KEEPING_COLLATORS = (transformers.DataCollatorWithPadding, transformers.DefaultDataCollator)
 
 
 class Trainer(transformers.Trainer):
@@ -129,6 +132,7 @@ class Trainer(transformers.Trainer):
                 "stallfree Trainer needs a map-style train_dataset (__len__ and __getitem__ or get_many): an "
                 "IterableDataset decides itself what each rank reads, so the loader cannot split or resume it"
             )
+        self._check_label_convention()
         options: dict[str, Any] = {
             "seed": args.data_seed if args.data_seed is not None else args.seed,
             "device": args.device if args.device.type == "cuda" else None,
@@ -152,6 +156,35 @@ class Trainer(transformers.Trainer):
             **options,
         )
         return loader_facts.require_own_order(loader, who="stallfree Trainer")
+
+    def _check_label_convention(self) -> None:
+        """Refuse labels shifted twice. ``TokenDataset``'s default labels are the inputs shifted
+        by one (``labels="shifted"``); a causal-LM loss shifts them again, so the model would learn
+        token t+2, with a loss that still falls. The dataset cannot see the model; the Trainer
+        sees both. Left alone: a loss of your own, or a collator that rebuilds ``labels``."""
+        dataset = self.train_dataset
+        for _ in range(4):  # Subset(TokenDataset) and the like
+            if getattr(dataset, "labels", None) == "shifted":
+                break
+            dataset = getattr(dataset, "dataset", None)
+        else:
+            return
+        if dataset is None or self.compute_loss_func is not None:
+            return
+        if not isinstance(self.data_collator, _LABEL_KEEPING_COLLATORS) and self.data_collator not in (
+            None,
+            transformers.default_data_collator,
+        ):
+            return
+        model = self.accelerator.unwrap_model(self.model)
+        shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+        if shifts and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+            raise ValueError(
+                f"train_dataset gives labels='shifted' (labels[i] = input_ids[i + 1]) and "
+                f"{type(model).__name__} shifts them again: it would learn token t+2. Build the dataset "
+                "with labels='inputs' (TokenDataset(..., labels='inputs'): labels equal input_ids, as "
+                "Hugging Face causal LMs expect)"
+            )
 
     def _collate_fn(self) -> Any:
         """The user's ``data_collator``; None (our collate into shared memory, the same dict of

@@ -62,15 +62,20 @@ class StopAt(transformers.TrainerCallback):
             control.should_training_stop = True
 
 
-def make_trainer(tokens, out, *, stop_at=None, **args) -> Recording:
-    dataset = stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16", labels="inputs")
+def make_trainer(
+    tokens, out, *, stop_at=None, data_collator=None, train_dataset=None, compute_loss_func=None, **args
+) -> Recording:
+    dataset = train_dataset or stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16", labels="inputs")
     training = transformers.TrainingArguments(**{
         "output_dir": str(out), "per_device_train_batch_size": 4, "num_train_epochs": 2,
         "save_strategy": "steps", "save_steps": 2, "report_to": "none", "use_cpu": True, "seed": 3,
         "dataloader_num_workers": 0, **args,
     })  # fmt: skip
     callbacks = [StopAt(stop_at)] if stop_at else []
-    return Recording(model=tiny_model(), args=training, train_dataset=dataset, callbacks=callbacks)
+    return Recording(
+        model=tiny_model(), args=training, train_dataset=dataset, callbacks=callbacks,
+        data_collator=data_collator, compute_loss_func=compute_loss_func,
+    )  # fmt: skip
 
 
 def test_the_train_loader_is_ours_built_from_the_training_arguments(tokens, tmp_path):
@@ -133,6 +138,28 @@ def test_max_steps_is_reached_when_the_resumed_run_takes_fewer_windows_a_step(to
     assert second.state.global_step == 5
     assert sorted(first.windows + second.windows[:8]) == list(range(WINDOWS))  # epoch 1, once each
     assert len(second.windows) == 12 and len(set(second.windows[8:])) == 4  # step 5: 4 of epoch 2
+
+
+def test_shifted_labels_for_a_model_that_shifts_them_again_are_refused(tokens, tmp_path):
+    """TokenDataset's default labels are already shifted; a Hugging Face causal LM shifts them
+    again and learns token t+2 with a falling loss. The Trainer sees both and says so."""
+    shifted = stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16")  # labels="shifted"
+    trainer = make_trainer(tokens, tmp_path / "a")
+    trainer.train_dataset = shifted
+    with pytest.raises(
+        ValueError, match=r"labels='shifted'.*LlamaForCausalLM shifts them again.*labels='inputs'"
+    ):
+        trainer.get_train_dataloader()
+    # a collator that makes labels from input_ids, or a loss of your own, is left to you
+    lm = transformers.DataCollatorForLanguageModeling(tokenizer=None, mlm=False)
+    assert make_trainer(
+        tokens, tmp_path / "b", data_collator=lm, train_dataset=shifted
+    ).get_train_dataloader()
+    own = make_trainer(
+        tokens, tmp_path / "c", compute_loss_func=lambda out, labels, num_items_in_batch=None: 0
+    )
+    own.train_dataset = shifted
+    assert own.get_train_dataloader() is not None
 
 
 def test_a_checkpoint_without_the_loader_state_is_refused(tokens, tmp_path):
