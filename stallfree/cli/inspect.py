@@ -130,6 +130,29 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_in_place_as(dataset: str, options: dict[str, Any]) -> str | None:
+    """What ``dataset`` is when ``open_dataset`` reads it in place from an ``index.json`` (its
+    format's name for people: ``MDS``, ``LitData``), else None. Why: verify checks shards against
+    a manifest, which these have none of; without this it advised ``stallfree index`` (tars only)
+    or, given the ``index.json``, took it for a manifest of an unknown version."""
+    import posixpath
+
+    from stallfree.shards import formats, remote
+    from stallfree.shards.jsonfile import parse_json
+    from stallfree.shards.scan import resolve
+
+    if dataset.endswith("manifest.json"):
+        return None
+    fs, _, paths = resolve(dataset, **options)
+    if paths is None or len(paths) != 1 or posixpath.basename(paths[0]) != "index.json":
+        return None
+    index = parse_json(remote.read_file(fs, paths[0], shard="index.json"), paths[0])
+    for fmt in formats.read_only_formats():
+        if fmt.accepts(index):  # type: ignore[attr-defined]
+            return fmt.what  # type: ignore[attr-defined]
+    return None
+
+
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -140,6 +163,18 @@ def run_verify(args: argparse.Namespace) -> int:
         options = storage_options(args)
     except ValueError as exc:
         return fail("verify", exc, 2)
+    try:
+        in_place = _read_in_place_as(args.dataset, options)
+    except (ShardError, OSError, ValueError):  # nothing there, or unreadable: verify reports it
+        in_place = None
+    if in_place is not None:
+        return fail(
+            "verify",
+            f"{args.dataset} is a {in_place} dataset, read in place: it has no manifest.json with "
+            f"sizes and digests to verify against. `stallfree shard {args.dataset} DST` reads every "
+            "sample (damage is an error naming the file, sample and offset) and writes shards with a "
+            "manifest; `stallfree verify DST` then checks them",
+        )
     try:
         with tqdm(
             total=total_bytes(args.dataset, **options),

@@ -197,3 +197,28 @@ def test_bench_on_a_dataset_smaller_than_a_batch_is_one_line_not_a_traceback(dat
         "in epoch 0: dataset smaller than batch_size x ranks x workers?"
     ], r.stderr
     assert r.stdout == ""
+
+
+@pytest.mark.parametrize("layout", ["mds", "mds-index", "litdata"])
+def test_verify_of_an_mds_or_litdata_dataset_says_what_it_is_and_how(tmp_path: Path, capsys, layout: str):
+    # it used to say "no manifest ... write one with `stallfree index`" (which refuses them), or,
+    # given the index.json, "unknown manifest format version 2 (upgrade stallfree ...)"
+    from tests.shards.test_source_litdata import write_litdata
+    from tests.shards.test_source_mds import write_mds
+
+    root = tmp_path / "ds"
+    if layout == "litdata":
+        write_litdata(root, [{"x": i} for i in range(4)], per_chunk=2)
+    else:
+        write_mds(root, {"x": "int"}, [{"x": i} for i in range(4)], per_shard=2)
+    url = str(root / "index.json") if layout == "mds-index" else str(root)
+    assert main(["verify", url, "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    what = "LitData" if layout == "litdata" else "MDS"
+    assert out == ""
+    assert err == (
+        f"stallfree verify: error: {url} is a {what} dataset, read in place: it has no manifest.json "
+        f"with sizes and digests to verify against. `stallfree shard {url} DST` reads every sample "
+        "(damage is an error naming the file, sample and offset) and writes shards with a manifest; "
+        "`stallfree verify DST` then checks them\n"
+    )
