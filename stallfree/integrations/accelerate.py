@@ -50,6 +50,8 @@ class Accelerator(accelerate.Accelerator):
         super().__init__(*args, **kwargs)
         self._stallfree_loaders: list[DataLoader] = []
         self._pending_loader_states: list[dict[str, Any]] = []  # loaded before their loader was prepared
+        # a checkpoint without loader states, loaded before any loader of ours was prepared
+        self._loaded_without_states: state_file.MissingLoaderStateError | None = None
         self.register_save_state_pre_hook(self._save_loader_states)
         self.register_load_state_pre_hook(self._load_loader_states)
 
@@ -82,6 +84,8 @@ class Accelerator(accelerate.Accelerator):
                 "and move batches yourself"
             )
         if not any(loader is known for known in self._stallfree_loaders):
+            if self._loaded_without_states is not None:  # as load_state refuses it after prepare
+                raise self._loaded_without_states
             self._stallfree_loaders.append(loader)
             if self._pending_loader_states:
                 loader.load_state_dict(self._pending_loader_states.pop(0))
@@ -102,6 +106,7 @@ class Accelerator(accelerate.Accelerator):
     def free_memory(self, *objects: Any) -> Any:
         self._stallfree_loaders = []
         self._pending_loader_states = []
+        self._loaded_without_states = None
         return super().free_memory(*objects)
 
     # -- save_state / load_state pre-hooks -----------------------------------------------------
@@ -123,10 +128,14 @@ class Accelerator(accelerate.Accelerator):
     def _load_loader_states(self, models: Any, input_dir: str) -> None:
         try:
             saved = state_file.read(input_dir)
-        except state_file.MissingLoaderStateError:
+        except state_file.MissingLoaderStateError as missing:
             if self._stallfree_loaders:
                 raise
-            return  # no loader of ours, in this run or in the one that saved
+            # no loader of ours yet: one prepared later would start over, so its prepare refuses
+            self._loaded_without_states = missing
+            self._pending_loader_states = []
+            return
+        self._loaded_without_states = None
         states = list(saved.loaders)
         if len(self._stallfree_loaders) > len(states):
             raise state_file.LoaderStateFileError(

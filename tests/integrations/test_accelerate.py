@@ -98,6 +98,19 @@ def test_a_checkpoint_without_the_loader_state_is_refused_when_a_loader_needs_it
     assert info.value.path == str(tmp_path / "plain" / "stallfree_loader_state.json")
 
 
+def test_a_checkpoint_without_the_loader_state_loaded_before_prepare_is_refused_there(tmp_path):
+    """The same checkpoint, loaded before the loader is prepared (the order the docs allow): the
+    loader used to start its epoch over in silence; its prepare now raises as load_state would."""
+    Accelerator(cpu=True).save_state(str(tmp_path / "plain"))
+    accelerator = Accelerator(cpu=True)
+    accelerator.load_state(str(tmp_path / "plain"))
+    with pytest.raises(MissingLoaderStateError) as info:
+        accelerator.prepare(make_loader())
+    assert info.value.path == str(tmp_path / "plain" / "stallfree_loader_state.json")
+    accelerator.free_memory()  # forgets what was loaded, as it forgets the prepared loaders
+    assert isinstance(accelerator.prepare(make_loader()), stallfree.DataLoader)
+
+
 def test_more_loaders_than_saved_states_is_an_error_naming_the_file(tmp_path):
     one = Accelerator(cpu=True)
     one.prepare(make_loader())
