@@ -28,6 +28,9 @@ class Extra:
     requirements: tuple[str, ...]
     modules: tuple[str, ...]
     purpose: str
+    # for extras that provide the same module (the DALI builds): the case this one is for, said
+    # when another is named, so a missing module does not send everyone to the first one
+    for_case: str = ""
 
     def installed(self) -> bool:
         """Whether every distribution the extra installs is here (by its metadata, so the two DALI
@@ -41,6 +44,8 @@ class Extra:
         return {_distribution_name(r): _distribution_version(r) for r in self.requirements}
 
 
+_TORCH_CUDA = 'python -c "import torch; print(torch.version.cuda)"'  # which CUDA torch is built for
+
 EXTRAS: dict[str, Extra] = {
     extra.name: extra
     for extra in (
@@ -49,12 +54,14 @@ EXTRAS: dict[str, Extra] = {
             ("nvidia-dali-cuda120>=1.30",),
             ("nvidia.dali",),
             "GPU decode with DALI (for torch built for CUDA 12)",
+            f"torch built for CUDA 12 ({_TORCH_CUDA})",
         ),
         Extra(
             "dali-cuda13",
             ("nvidia-dali-cuda130>=1.51",),
             ("nvidia.dali",),
             "GPU decode with DALI (for torch built for CUDA 13)",
+            f"torch built for CUDA 13 ({_TORCH_CUDA})",
         ),
         Extra("redis", ("redis>=5",), ("redis",), "the cluster cache (ClusterCache, stallfree cache)"),
         # s3fs's own dependencies too: our S3 session code (shards/remote.py with_session)
@@ -83,7 +90,13 @@ class MissingExtra(ImportError):
         self.module, self.extra, self.purpose = module, extra, purpose
         requirements = EXTRAS[extra].requirements if extra in EXTRAS else ()
         direct = f" (or: pip install {' '.join(repr(r) for r in requirements)})" if requirements else ""
-        super().__init__(f"{purpose} needs {module}: pip install 'stallfree[{extra}]'{direct}", name=module)
+        others = "".join(
+            f"; or, for {other.for_case}: pip install 'stallfree[{other.name}]'"
+            for other in _alternatives(extra)
+        )
+        super().__init__(
+            f"{purpose} needs {module}: pip install 'stallfree[{extra}]'{direct}{others}", name=module
+        )
 
     def __reduce__(self):
         return (type(self), (self.module, self.extra, self.purpose))
@@ -123,6 +136,14 @@ def missing_extra_of(exc: BaseException) -> MissingExtra | None:
                 return MissingExtra(module, extra, EXTRAS[extra].purpose)
         current = current.__cause__ or current.__context__
     return None
+
+
+def _alternatives(extra: str) -> list[Extra]:
+    """The other extras that provide one of ``extra``'s modules and say which case they are for."""
+    if extra not in EXTRAS:
+        return []
+    modules = set(EXTRAS[extra].modules)
+    return [e for e in EXTRAS.values() if e.name != extra and e.for_case and modules & set(e.modules)]
 
 
 def _extra_of(missing: str) -> tuple[str, str] | None:

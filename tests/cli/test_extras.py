@@ -179,3 +179,17 @@ def test_the_readme_install_table_lists_every_extra_and_what_it_installs():
     for name, installs in rows:
         dists = {r.split(">")[0].split("=")[0] for r in EXTRAS[name].requirements}
         assert set(re.findall(r"`([\w-]+)`", installs)) == dists, name
+
+
+def test_a_missing_dali_names_both_cuda_builds():
+    # the two DALI extras provide one module: naming only the CUDA 12 one sends a user of PyPI's
+    # torch (CUDA 13) to a DALI that cannot share its process
+    exc = MissingExtra("nvidia.dali", "dali", "the DALI loader of stallfree bench (--loader dali)")
+    assert str(exc) == (
+        "the DALI loader of stallfree bench (--loader dali) needs nvidia.dali: "
+        "pip install 'stallfree[dali]' (or: pip install 'nvidia-dali-cuda120>=1.30'); "
+        'or, for torch built for CUDA 13 (python -c "import torch; print(torch.version.cuda)"): '
+        "pip install 'stallfree[dali-cuda13]'"
+    )
+    found = missing_extra_of(ModuleNotFoundError("No module named 'nvidia'", name="nvidia"))
+    assert found is not None and "stallfree[dali-cuda13]" in str(found)
