@@ -132,7 +132,7 @@ class Trainer(transformers.Trainer):
                 "stallfree Trainer needs a map-style train_dataset (__len__ and __getitem__ or get_many): an "
                 "IterableDataset decides itself what each rank reads, so the loader cannot split or resume it"
             )
-        self._check_label_convention()
+        self._check_label_convention(self.train_dataset, "train_dataset")
         options: dict[str, Any] = {
             "seed": args.data_seed if args.data_seed is not None else args.seed,
             "device": args.device if args.device.type == "cuda" else None,
@@ -157,12 +157,24 @@ class Trainer(transformers.Trainer):
         )
         return loader_facts.require_own_order(loader, who="stallfree Trainer")
 
-    def _check_label_convention(self) -> None:
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        """Trainer's own evaluation loader, after the same label check as for training (an
+        evaluation loss against token t+2 looks as plausible as a training one)."""
+        chosen = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(chosen, str) and isinstance(self.eval_dataset, Mapping):
+            chosen = self.eval_dataset.get(chosen)
+        if isinstance(chosen, Mapping):
+            for name, dataset in chosen.items():
+                self._check_label_convention(dataset, f"eval_dataset[{name!r}]")
+        else:
+            self._check_label_convention(chosen, "eval_dataset")
+        return super().get_eval_dataloader(eval_dataset)
+
+    def _check_label_convention(self, dataset: Any, role: str) -> None:
         """Refuse labels shifted twice. ``TokenDataset``'s default labels are the inputs shifted
         by one (``labels="shifted"``); a causal-LM loss shifts them again, so the model would learn
         token t+2, with a loss that still falls. The dataset cannot see the model; the Trainer
         sees both. Left alone: a loss of your own, or a collator that rebuilds ``labels``."""
-        dataset = self.train_dataset
         for _ in range(4):  # Subset(TokenDataset) and the like
             if getattr(dataset, "labels", None) == "shifted":
                 break
@@ -180,7 +192,7 @@ class Trainer(transformers.Trainer):
         shifts = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
         if shifts and not getattr(getattr(model, "config", None), "is_encoder_decoder", False):
             raise ValueError(
-                f"train_dataset gives labels='shifted' (labels[i] = input_ids[i + 1]) and "
+                f"{role} gives labels='shifted' (labels[i] = input_ids[i + 1]) and "
                 f"{type(model).__name__} shifts them again: it would learn token t+2. Build the dataset "
                 "with labels='inputs' (TokenDataset(..., labels='inputs'): labels equal input_ids, as "
                 "Hugging Face causal LMs expect)"

@@ -150,6 +150,10 @@ def test_shifted_labels_for_a_model_that_shifts_them_again_are_refused(tokens, t
         ValueError, match=r"labels='shifted'.*LlamaForCausalLM shifts them again.*labels='inputs'"
     ):
         trainer.get_train_dataloader()
+    # evaluation too (Trainer's own loader), for one eval dataset or a dict of them
+    trainer.train_dataset = make_trainer(tokens, tmp_path / "a").train_dataset
+    with pytest.raises(ValueError, match=r"eval_dataset gives labels='shifted'"):
+        trainer.evaluate(eval_dataset={"held": shifted})
     # a collator that makes labels from input_ids, or a loss of your own, is left to you
     lm = transformers.DataCollatorForLanguageModeling(tokenizer=None, mlm=False)
     assert make_trainer(
