@@ -11,7 +11,9 @@ Run (one node, N processes; CPU works with gloo, GPUs with nccl):
         --out ./run --save-steps 100
 
 Kill it at any time and run the same command again, with any number of processes: it resumes
-from the newest checkpoint in ``--out`` and every window is trained on once per epoch.
+from the newest checkpoint in ``--out`` and every window is trained on once per epoch (where an
+epoch does not split evenly over the processes, its first windows fill the last step, as torch's
+``DistributedSampler`` pads).
 """
 
 from __future__ import annotations
