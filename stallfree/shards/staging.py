@@ -183,8 +183,10 @@ class _Held:
         self.files: weakref.WeakSet[StagedFile] = weakref.WeakSet()
 
     def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
+        # O_NONBLOCK: a FIFO in place of a staged file or a lock would block the open for ever
+        # (it changes nothing for a regular file); what is opened is checked by the caller
         with self.lock:
-            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW, mode, dir_fd=dir_fd)
+            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
             self.fds.add(fd)
         return fd
 
@@ -366,7 +368,7 @@ class StagingArea:
             return pinned
         if pinned is not None:
             pinned.close()
-        with _exclusive(fname + _LOCK, ns_fd):
+        with _exclusive(fname + _LOCK, ns_fd, os.path.dirname(path)):
             # another process may have fetched, checked or replaced it while this one waited
             pinned, verdict = self._pin(ns_fd, fname, path, expect)
             if verdict == _UNCHECKED:
@@ -381,7 +383,7 @@ class StagingArea:
                 log.warning(
                     "staged copy %s is damaged (%s): deleting it and fetching it again", path, verdict
                 )
-                self._discard(ns_fd, fname)
+                self._discard(ns_fd, fname, path)
             if produce is not None:
                 data = produce()
                 return self._fill(ns_fd, fname, path, len(data), lambda f: f.write(data), expect)
@@ -398,6 +400,8 @@ class StagingArea:
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 return None, "a symbolic link, not a file"
+            if exc.errno == errno.ENXIO:
+                return None, "a socket, not a file"
             raise
         try:
             fcntl.flock(fd, fcntl.LOCK_SH)
@@ -463,7 +467,7 @@ class StagingArea:
     @contextlib.contextmanager
     def _room(self) -> Iterator[_Ledger]:
         """The node's running total of staged bytes, under the area's exclusive lock."""
-        fd = _HELD.open(ROOM_FILE, os.O_CREAT | os.O_RDWR, 0o600, dir_fd=self._root_fd)
+        fd = _open_own_file(ROOM_FILE, self._root_fd, self.root)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             ledger = _Ledger.read(fd)
@@ -513,11 +517,13 @@ class StagingArea:
                 if _evict_at(self._namespace_fd(e.namespace, create=False), e.name):
                     room.total -= e.size
 
-    def _discard(self, ns_fd: int, fname: str) -> None:
+    def _discard(self, ns_fd: int, fname: str, path: str) -> None:
         """Delete a damaged copy (pinned or not: every reader checks a copy before using it)."""
         with self._room() as room:
             try:
                 st = os.stat(fname, dir_fd=ns_fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    raise StagingDirError(path, "is a directory where a staged file belongs")
                 os.unlink(fname, dir_fd=ns_fd)
             except FileNotFoundError:
                 return
@@ -534,10 +540,12 @@ class StagingArea:
         is at most 64 KiB of JSON: read as data, never trusted further)."""
         try:
             ns_fd = self._namespace_fd(quoted_namespace, create=False)
-            fd = os.open(NOTE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=ns_fd)
+            fd = os.open(NOTE_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=ns_fd)
         except (OSError, StagingDirError):
             return {}
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return {}  # a FIFO would block the read, a device would never end
             raw = os.read(fd, 64 << 10)
         finally:
             os.close(fd)
@@ -562,6 +570,8 @@ class StagingArea:
                     n = e.name
                     if n.endswith(_LOCK) or n == NOTE_FILE or n.startswith(NOTE_FILE + _TMP):
                         continue
+                    if e.is_dir(follow_symlinks=False):
+                        continue  # nothing of ours; never counted, never evicted
                     partial = _TMP in n
                     if partial and sweep and _drop_if_orphaned(ns_fd, n):
                         continue
@@ -849,10 +859,39 @@ def _evict(path: str) -> bool:
         os.close(parent)
 
 
+def _open_own_file(name: str, dir_fd: int, where: str) -> int:
+    """``name`` (a fetch lock or the ``.room`` ledger in the checked directory ``dir_fd``,
+    ``where`` on disk) opened read-write, made 0600 when missing. Nothing of ours makes anything
+    else under these names, so a symbolic link, FIFO or socket found there (put there by hand) is
+    deleted, with a warning, and made again; a directory is ``StagingDirError``."""
+    for attempt in range(2):
+        try:
+            fd = _HELD.open(name, os.O_CREAT | os.O_RDWR, 0o600, dir_fd=dir_fd)
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
+                raise
+        else:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+            _HELD.close(fd)
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        if stat.S_ISDIR(st.st_mode) or attempt:
+            raise StagingDirError(
+                os.path.join(where, name), "is not a regular file (a lock or ledger of ours)"
+            )
+        log.warning(
+            "%s is not a regular file (%s): deleting it", os.path.join(where, name), stat.filemode(st.st_mode)
+        )
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino:
+                os.unlink(name, dir_fd=dir_fd)
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
-def _exclusive(lock_name: str, dir_fd: int) -> Iterator[None]:
+def _exclusive(lock_name: str, dir_fd: int, where: str) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``lock_name`` (blocks while another process holds it)."""
-    fd = _HELD.open(lock_name, os.O_CREAT | os.O_RDWR, 0o600, dir_fd=dir_fd)
+    fd = _open_own_file(lock_name, dir_fd, where)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
