@@ -201,7 +201,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._engine: Engine | None = None
         self._lead: shardio.LeadStaging | None = None  # the main process staging a first window
         self._progress: EpochProgress | None = None
-        self._restored_epoch: int | None = None  # load_state_dict's epoch until the next iter()/set_epoch
+        self._restored_epoch: int | None = None  # load_state_dict's epoch, until iterated or moved off
         _LOADERS.add(self)
 
     # torch's DataLoader lets these be reassigned after construction (the others raise there);
@@ -263,9 +263,9 @@ class DataLoader(tud.DataLoader[T_co]):
         Lightning, accelerate) call ``set_epoch`` at the top of every epoch, the resumed one
         included, and resetting there would replay the part of it already trained on."""
         epoch = int(epoch)
-        if self._restored_epoch is None or self._restored_epoch != epoch:
+        if self._restored_epoch != epoch:  # a restored epoch keeps its position until iterated
             self._next_epoch, self._resume_from = epoch, 0
-        self._restored_epoch = None
+            self._restored_epoch = None
         if not self._plan.fast:
             contracts.set_sampler_epoch(contracts.samplers_of(self.sampler, self.batch_sampler), epoch)
 

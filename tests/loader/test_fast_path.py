@@ -93,6 +93,7 @@ def test_set_epoch_of_the_restored_epoch_keeps_the_position():
     resumed = DataLoader(Numbers(38), batch_size=4, shuffle=True, seed=3)
     resumed.load_state_dict(state)
     resumed.set_epoch(0)
+    resumed.set_epoch(0)  # twice (a framework hook and the user's loop): still the restored position
     assert seen + indices(resumed) == full
     resumed.set_epoch(0)  # after the restored iteration began, set_epoch moves again
     assert indices(resumed) == full
