@@ -49,3 +49,30 @@ def test_demo_refuses_too_few_images(tmp_path, capsys):
     assert main(["demo", "--images", "4", "--workdir", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == "stallfree demo: error: --images must be at least 8, got 4"
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+        (["--workers", "-1"], "--workers must be 0 or more, got -1"),
+        (["--size", "0"], "--size must be 1 to 1024 pixels, got 0"),
+        (["--size", "100000"], "--size must be 1 to 1024 pixels, got 100000"),  # (960 GB of batch)
+        (["--bench-steps", "-1"], "--bench-steps must be 0 or more, got -1"),
+    ],
+)
+def test_demo_refuses_flags_it_cannot_run_before_making_anything(tmp_path, capsys, flags, message):
+    assert main(["demo", "--images", "8", "--workdir", str(tmp_path), *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"stallfree demo: error: {message}"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_demo_with_fewer_images_than_two_bench_batches_runs_its_bench(tmp_path, capsys):
+    # 16 images over the bench's 2 ranks is 8 a rank: a batch of 16 never filled, and the bench
+    # ended in a RankFailed traceback; its batch now fits the data
+    rc = main(["demo", "--images", "16", "--workdir", str(tmp_path), "--size", "32", "--bench-steps", "2"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "Traceback" not in captured.err
+    assert "batch 8" in captured.out  # the bench's header line

@@ -41,13 +41,33 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from stallfree.cli.doctor import version_lines
 
-    if args.images < 8:
-        return fail("demo", f"--images must be at least 8, got {args.images}", 2)
+    refused = _refused(args)
+    if refused:
+        return fail("demo", refused, 2)
     for line in version_lines():  # what the timings below depend on (a PIL fallback is slower)
         print(line, flush=True)
     with tempfile.TemporaryDirectory(prefix="stallfree-demo-") as tmp:
         work = (args.workdir or Path(tmp)).resolve()
         return _run(args, work)
+
+
+MAX_SIZE = 1024  # the decoded side; larger only makes the demo's batches huge (size 100000: 960 GB)
+BENCH_RANKS, BENCH_BATCH = 2, 16
+
+
+def _refused(args: argparse.Namespace) -> str | None:
+    """Why the flags cannot run, checked before anything is made; None when they can."""
+    if args.images < 8:
+        return f"--images must be at least 8, got {args.images}"
+    if args.batch_size < 1:
+        return f"--batch-size must be at least 1, got {args.batch_size}"
+    if args.workers < 0:
+        return f"--workers must be 0 or more, got {args.workers}"
+    if not 1 <= args.size <= MAX_SIZE:
+        return f"--size must be 1 to {MAX_SIZE} pixels, got {args.size}"
+    if args.bench_steps < 0:
+        return f"--bench-steps must be 0 or more, got {args.bench_steps}"
+    return None
 
 
 def _run(args: argparse.Namespace, work: Path) -> int:
@@ -85,7 +105,7 @@ def _run(args: argparse.Namespace, work: Path) -> int:
 
     if args.bench_steps > 0:
         print("[4/4] stallfree bench: stallfree vs torch DataLoader, 2 ranks, 20 ms steps", flush=True)
-        _bench(shards, args)
+        return _bench(shards, len(ds), args)
     return 0
 
 
@@ -115,22 +135,30 @@ def _one_epoch(ds, args: argparse.Namespace) -> None:
     )
 
 
-def _bench(shards: Path, args: argparse.Namespace) -> None:
+def _bench(shards: Path, samples: int, args: argparse.Namespace) -> int:
+    from stallfree.harness.errors import RankFailed, error_line
     from stallfree.harness.report import format_table
     from stallfree.harness.runner import BenchConfig, run_bench
+    from stallfree.shards.errors import ShardError
 
+    # every rank must fill a batch each epoch (the bench drops the last partial one)
+    batch_size = max(1, min(BENCH_BATCH, samples // BENCH_RANKS))
     cfg = BenchConfig(
         dataset=str(shards),
         loaders=["stallfree", "torch"],
-        nproc=2,
+        nproc=BENCH_RANKS,
         step="sleep",
         step_ms=20.0,
-        batch_size=16,
+        batch_size=batch_size,
         workers=1,
         steps=args.bench_steps,
         warmup=2,
         image_size=64,
     )
-    report = run_bench(cfg)
+    try:
+        report = run_bench(cfg)
+    except (ShardError, RankFailed, RuntimeError, ValueError) as exc:  # one line, as stallfree bench
+        return fail("demo", f"the bench failed: {error_line(exc)}")
     if report is not None:
         print(format_table(report, per_rank=False), flush=True)
+    return 0
