@@ -50,6 +50,12 @@ How the files are kept:
   shares, so a fetcher's lock released by the parent stayed held by the child's copy, and every
   other process of the node waited on it for ever (a loader worker forked while the main
   process staged a shard: ``WorkerHungError`` after 300 s).
+
+The parts with a job of their own live beside this module: ``staging_dirs.py`` (the directory
+checks), ``staging_locks.py`` (the ``flock``s and the descriptors holding them),
+``staging_checks.py`` (whether a copy found staged may be reused) and ``staging_room.py`` (the
+cap's ledger). This module is the area itself: where files go, staging one, walking and
+evicting.
 """
 
 from __future__ import annotations
@@ -57,11 +63,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
-import shutil
 import stat
 import tempfile
 import threading
@@ -72,47 +76,49 @@ from dataclasses import dataclass
 from typing import BinaryIO
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from stallfree.shards import digests
+from stallfree.shards import digests, staging_checks
+from stallfree.shards.staging_checks import ABSENT as _ABSENT
+from stallfree.shards.staging_checks import MARK as _MARK  # noqa: F401 - named by tests and a benchmark
+from stallfree.shards.staging_checks import OK as _OK
+from stallfree.shards.staging_checks import UNCHECKED as _UNCHECKED
+from stallfree.shards.staging_checks import Expected
+from stallfree.shards.staging_dirs import StagingDirError, open_private_dir
+from stallfree.shards.staging_dirs import open_checked_dir as _open_checked_dir
+from stallfree.shards.staging_locks import HELD as _HELD
+from stallfree.shards.staging_locks import TMP as _TMP
+from stallfree.shards.staging_locks import StagedFile
+from stallfree.shards.staging_locks import drop_if_orphaned as _drop_if_orphaned
+from stallfree.shards.staging_locks import evict as _evict  # noqa: F401 - named by tests
+from stallfree.shards.staging_locks import evict_at as _evict_at
+from stallfree.shards.staging_locks import exclusive as _exclusive
+from stallfree.shards.staging_locks import open_own_file as _open_own_file
+from stallfree.shards.staging_locks import unlink_unheld_lock as _unlink_unheld_lock
+from stallfree.shards.staging_room import (
+    MAX_DEFAULT_CAP,
+    RECOUNT_EVERY,
+    ROOM_FILE,
+    StagingFullError,
+    default_cap,
+)
+from stallfree.shards.staging_room import Ledger as _Ledger
 
 log = logging.getLogger(__name__)
 
-_LOCK, _TMP = ".lock", ".tmp-"
-ROOM_FILE = ".room"  # the root's running total and the lock every change of it is made under
+_LOCK = ".lock"
 NOTE_FILE = ".dataset.json"  # in a namespace: which dataset it holds
-_MARK = "user.stallfree.verified"  # the extended attribute recording a checked copy
-MAX_DEFAULT_CAP = 256 << 30
-RECOUNT_EVERY = 64  # files staged on the node between two walks of the whole area
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-_NO_XATTR = {errno.ENOTSUP, errno.EOPNOTSUPP, errno.EPERM, errno.EACCES, errno.ENOSPC, errno.E2BIG}
-if hasattr(errno, "ENODATA"):
-    _NO_XATTR.add(errno.ENODATA)
+
+# copies this process checked or fetched: (st_dev, st_ino, st_size, st_mtime_ns) -> digest
+_CHECKED: dict[tuple[int, int, int, int], str | None] = {}
 
 
-class StagingDirError(RuntimeError):
-    """A staging directory that is not safe to use: not ours, writable by others, a symlink."""
-
-    def __init__(self, path: str, problem: str) -> None:
-        self.path, self.problem = path, problem
-        super().__init__(
-            f"staging directory {path} {problem}: refusing to stage there (another user could plant "
-            "or read staged shards); remove it, or pass staging=Staging(root=...) naming a directory "
-            "of your own"
-        )
-
-    def __reduce__(self):  # keep the fields across process boundaries (worker -> main)
-        return (StagingDirError, (self.path, self.problem))
+def _judge(fd: int, st: os.stat_result, expect: Expected) -> str:
+    """``staging_checks.judge`` against this process's memory of checked copies."""
+    return staging_checks.judge(fd, st, expect, _CHECKED)
 
 
-class StagingFullError(RuntimeError):
-    """No room for a file under the cap: the files that would have to go are in use (pinned),
-    or the file alone is larger than the cap."""
-
-    def __init__(self, path: str, size: int, cap: int, reason: str) -> None:
-        self.path, self.size, self.cap, self.reason = path, size, cap, reason
-        super().__init__(f"no room to stage {path} ({size} bytes) under the cap of {cap} bytes: {reason}")
-
-    def __reduce__(self):
-        return (StagingFullError, (self.path, self.size, self.cap, self.reason))
+def _record(fd: int, st: os.stat_result, expect: Expected) -> None:
+    """Note a checked copy (this process's memory, and the file's mark for the node's others)."""
+    staging_checks.record(fd, st, expect, _CHECKED)
 
 
 @dataclass(frozen=True)
@@ -150,94 +156,6 @@ class Staging:
 def default_root() -> str:
     """``stallfree-staging-<uid>`` in the system's temp directory."""
     return os.path.join(tempfile.gettempdir(), f"stallfree-staging-{os.getuid()}")
-
-
-@dataclass(frozen=True)
-class Expected:
-    """What a staged file must be: ``size`` bytes (None: any) with digest ``digest`` under
-    ``algorithm`` (``"xxh3-128"`` or ``"sha256"``; None: no digest known)."""
-
-    size: int | None = None
-    algorithm: str | None = None
-    digest: str | None = None
-
-    def __post_init__(self) -> None:
-        if (self.algorithm is None) != (self.digest is None):
-            raise ValueError("Expected: algorithm and digest go together")
-        if self.algorithm not in (None, "xxh3-128", "sha256"):
-            raise ValueError(f"Expected: unknown digest algorithm {self.algorithm!r}")
-
-    def hasher(self):  # noqa: ANN201 - an xxhash or hashlib state
-        return digests.fast_hasher() if self.algorithm == "xxh3-128" else hashlib.sha256()
-
-
-class _Held:
-    """The descriptors of this process that hold a staging ``flock``, closed in a forked child.
-
-    The lock is taken around fork (``os.register_at_fork``), so a child never inherits a
-    descriptor between its close and its removal here (its number could be reused meanwhile)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.fds: set[int] = set()
-        self.files: weakref.WeakSet[StagedFile] = weakref.WeakSet()
-
-    def open(self, path: str, flags: int, mode: int = 0o600, dir_fd: int | None = None) -> int:
-        # O_NONBLOCK: a FIFO in place of a staged file or a lock would block the open for ever
-        # (it changes nothing for a regular file); what is opened is checked by the caller
-        with self.lock:
-            fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=dir_fd)
-            self.fds.add(fd)
-        return fd
-
-    def close(self, fd: int) -> None:
-        with self.lock:
-            self.fds.discard(fd)
-            os.close(fd)
-
-    def after_fork_in_child(self) -> None:
-        self.lock = threading.Lock()
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)  # the parent's copy still holds the lock, for as long as it means to
-        self.fds = set()
-        for f in list(self.files):
-            f._fd = -1  # the parent's pin, not this process's: nothing to close here again
-
-
-_HELD = _Held()
-os.register_at_fork(
-    before=lambda: _HELD.lock.acquire(),
-    after_in_parent=lambda: _HELD.lock.release(),
-    after_in_child=lambda: _HELD.after_fork_in_child(),
-)
-
-# copies this process checked or fetched: (st_dev, st_ino, st_size, st_mtime_ns) -> digest
-_CHECKED: dict[tuple[int, int, int, int], str | None] = {}
-
-
-class StagedFile:
-    """A staged file, pinned (a shared ``flock``) until ``close``: never evicted while open.
-    ``fd`` comes from ``_HELD.open``."""
-
-    def __init__(self, path: str, fd: int) -> None:
-        self.path, self._fd = path, fd
-        _HELD.files.add(self)
-
-    @property
-    def size(self) -> int:
-        return os.fstat(self._fd).st_size
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            _HELD.close(self._fd)  # drops the pin
-            self._fd = -1
-
-    def __enter__(self) -> StagedFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 @dataclass(frozen=True)
@@ -633,130 +551,6 @@ class StagingArea:
         return True
 
 
-_OK, _UNCHECKED, _ABSENT = "ok", "unchecked", "absent"
-
-
-@dataclass
-class _Ledger:
-    """The ``.room`` file's content: bytes staged on the node (None: unknown, count them) and
-    files staged since the last count."""
-
-    total: int | None
-    since_walk: int
-
-    @classmethod
-    def read(cls, fd: int) -> _Ledger:
-        raw = os.pread(fd, 64, 0).split()
-        try:
-            total, since = int(raw[0]), int(raw[1])
-        except (IndexError, ValueError):
-            return cls(None, 0)
-        return cls(total if total >= 0 else None, since)
-
-    def write(self, fd: int) -> None:
-        body = f"{-1 if self.total is None else self.total} {self.since_walk}\n".encode()
-        os.pwrite(fd, body.ljust(48), 0)
-
-
-def _judge(fd: int, st: os.stat_result, expect: Expected) -> str:
-    """What a look (no hashing) says of an open staged copy: see ``StagingArea._pin``."""
-    if not stat.S_ISREG(st.st_mode):
-        return "not a regular file"
-    if st.st_uid != os.geteuid():
-        return f"owned by uid {st.st_uid}, not by this user (uid {os.geteuid()})"
-    if expect.size is not None and st.st_size != expect.size:
-        return f"{st.st_size} bytes, the manifest records {expect.size}"
-    identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if identity in _CHECKED and _CHECKED[identity] == expect.digest:
-        return _OK
-    mark = _read_mark(fd)
-    if mark is not None:
-        ino, size, mtime_ns, algorithm, digest = mark
-        if (ino, size, mtime_ns) != (st.st_ino, st.st_size, st.st_mtime_ns):
-            return "written to after it was staged"
-        if expect.digest is None or (algorithm, digest) == (expect.algorithm, expect.digest):
-            _CHECKED[identity] = expect.digest
-            return _OK
-    if expect.digest is None:
-        return _OK  # nothing recorded to check it against (a sidecar staged before marks were)
-    return _UNCHECKED
-
-
-def _record(fd: int, st: os.stat_result, expect: Expected) -> None:
-    """Note a checked copy (this process's memory, and the file's mark for the node's others)."""
-    _CHECKED[(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)] = expect.digest
-    value = f"{st.st_ino} {st.st_size} {st.st_mtime_ns} {expect.algorithm or '-'} {expect.digest or '-'}"
-    try:
-        os.setxattr(fd, _MARK, value.encode())
-    except OSError as exc:
-        if exc.errno not in _NO_XATTR:
-            raise
-
-
-def _read_mark(fd: int) -> tuple[int, int, int, str | None, str | None] | None:
-    try:
-        raw = os.getxattr(fd, _MARK)
-    except OSError as exc:
-        if exc.errno in _NO_XATTR:
-            return None
-        raise
-    parts = raw.decode("ascii", "replace").split()
-    if len(parts) != 5:
-        return None
-    try:
-        ino, size, mtime_ns = int(parts[0]), int(parts[1]), int(parts[2])
-    except ValueError:
-        return None
-    algorithm, digest = (None if p == "-" else p for p in parts[3:])
-    return ino, size, mtime_ns, algorithm, digest
-
-
-def open_private_dir(path: str, create: bool = False) -> int:
-    """A descriptor of directory ``path`` (made 0700 when missing and ``create``), checked:
-    not a symbolic link, owned by this user, writable by no one else (``StagingDirError``)."""
-    if create:
-        parent = os.path.dirname(path)
-        if parent:
-            os.makedirs(parent, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(path, 0o700)
-    return _open_checked_dir(path, path)
-
-
-def _open_checked_dir(name: str, path: str, dir_fd: int | None = None) -> int:
-    try:
-        before = os.lstat(name, dir_fd=dir_fd) if dir_fd is not None else os.lstat(name)
-    except FileNotFoundError:
-        raise
-    if stat.S_ISLNK(before.st_mode):
-        raise StagingDirError(path, "is a symbolic link")
-    if not stat.S_ISDIR(before.st_mode):
-        raise StagingDirError(path, "is not a directory")
-    try:
-        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise StagingDirError(path, "was replaced by a symbolic link or a file") from exc
-        raise
-    try:
-        st = os.fstat(fd)
-        if (st.st_dev, st.st_ino) != (before.st_dev, before.st_ino):
-            raise StagingDirError(path, "was replaced while it was opened")
-        euid = os.geteuid()
-        if st.st_uid != euid:
-            raise StagingDirError(path, f"is owned by uid {st.st_uid}, not by this user (uid {euid})")
-        if st.st_mode & 0o022:
-            raise StagingDirError(
-                path, f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
-            )
-        if dir_fd is not None and st.st_mode & 0o077:
-            os.fchmod(fd, 0o700)  # a namespace made before staged copies were private
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
 def _close_fds(ns_fds: dict[str, int], others: list[int]) -> None:
     for fd in list(ns_fds.values()) + others:
         with contextlib.suppress(OSError):
@@ -776,130 +570,11 @@ def _public_url(url: str) -> str:
     return urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
-def default_cap(root: str) -> int:
-    """Half the space free on ``root``'s file system, at most ``MAX_DEFAULT_CAP``."""
-    return max(1, min(MAX_DEFAULT_CAP, shutil.disk_usage(root).free // 2))
-
-
-def _drop_if_orphaned(ns_fd: int, tmp: str) -> bool:
-    """Delete a partial file whose writer (``...tmp-PID-THREAD``) is no longer alive; True if
-    it was deleted."""
-    try:
-        pid = int(tmp.rsplit(_TMP, 1)[1].split("-", 1)[0])
-    except ValueError:
-        return False
-    try:
-        os.kill(pid, 0)
-        return False  # still writing it
-    except ProcessLookupError:
-        pass
-    except PermissionError:
-        return False  # alive, someone else's
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp, dir_fd=ns_fd)
-    return True
-
-
-def _evict_at(ns_fd: int, fname: str) -> bool:
-    """Delete ``fname`` unless a process pins it; True if deleted."""
-    try:
-        fd = _HELD.open(fname, os.O_RDONLY, dir_fd=ns_fd)
-    except FileNotFoundError:
-        return False
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        os.unlink(fname, dir_fd=ns_fd)  # a symlink in our directory: never ours, never pinned
-        return True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False  # pinned: in use
-            raise
-        here = os.stat(fname, dir_fd=ns_fd, follow_symlinks=False)
-        st = os.fstat(fd)
-        if (here.st_dev, here.st_ino) != (st.st_dev, st.st_ino):
-            return False  # replaced meanwhile by a fresh copy
-        os.unlink(fname, dir_fd=ns_fd)
-        return True
-    except FileNotFoundError:
-        return False
-    finally:
-        _HELD.close(fd)
-
-
-def _unlink_unheld_lock(ns_fd: int, name: str) -> bool:
-    """Delete a fetch lock file nobody holds; False if one does."""
-    try:
-        fd = _HELD.open(name, os.O_RDONLY, dir_fd=ns_fd)
-    except FileNotFoundError:
-        return True
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                return False
-            raise
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(name, dir_fd=ns_fd)
-        return True
-    finally:
-        _HELD.close(fd)
-
-
-def _evict(path: str) -> bool:
-    """Delete the staged file at ``path`` unless a process pins it; True if deleted."""
-    parent = os.open(os.path.dirname(path), _DIR_FLAGS)
-    try:
-        return _evict_at(parent, os.path.basename(path))
-    finally:
-        os.close(parent)
-
-
-def _open_own_file(name: str, dir_fd: int, where: str) -> int:
-    """``name`` (a fetch lock or the ``.room`` ledger in the checked directory ``dir_fd``,
-    ``where`` on disk) opened read-write, made 0600 when missing. Nothing of ours makes anything
-    else under these names, so a symbolic link, FIFO or socket found there (put there by hand) is
-    deleted, with a warning, and made again; a directory is ``StagingDirError``."""
-    for attempt in range(2):
-        try:
-            fd = _HELD.open(name, os.O_CREAT | os.O_RDWR, 0o600, dir_fd=dir_fd)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EISDIR):
-                raise
-        else:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return fd
-            _HELD.close(fd)
-        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-        if stat.S_ISDIR(st.st_mode) or attempt:
-            raise StagingDirError(
-                os.path.join(where, name), "is not a regular file (a lock or ledger of ours)"
-            )
-        log.warning(
-            "%s is not a regular file (%s): deleting it", os.path.join(where, name), stat.filemode(st.st_mode)
-        )
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino:
-                os.unlink(name, dir_fd=dir_fd)
-    raise AssertionError("unreachable")
-
-
-@contextlib.contextmanager
-def _exclusive(lock_name: str, dir_fd: int, where: str) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``lock_name`` (blocks while another process holds it)."""
-    fd = _open_own_file(lock_name, dir_fd, where)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        _HELD.close(fd)
-
-
 __all__ = [
+    "MAX_DEFAULT_CAP",
+    "NOTE_FILE",
+    "RECOUNT_EVERY",
+    "ROOM_FILE",
     "Expected",
     "Staging",
     "StagedEntry",
