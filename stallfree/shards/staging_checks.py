@@ -67,7 +67,10 @@ def judge(fd: int, st: os.stat_result, expect: Expected, checked: dict) -> str:
             checked[identity] = expect.digest
             return OK
     if expect.digest is None:
-        return OK  # nothing recorded to check it against (a sidecar staged before marks were)
+        # a sidecar with neither a digest nor the record of its fetch (staged before marks were,
+        # its mark lost, a file system without xattrs): nothing vouches for it, and a damaged
+        # one (cut short) failed every later run, so it is fetched again (it is small)
+        return "no record of its fetch, and no digest to check it against"
     return UNCHECKED
 
 

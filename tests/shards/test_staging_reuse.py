@@ -114,6 +114,29 @@ def test_a_sidecar_written_to_after_it_was_staged_is_fetched_again(tmp_path, cap
     assert len(calls) == 2 and "written to after it was staged" in caplog.text
 
 
+def test_a_sidecar_without_the_record_of_its_fetch_is_fetched_again(tmp_path, monkeypatch, caplog):
+    """No digest and no mark (its xattr lost, or a file system without them): a sidecar cut
+    short was trusted by every later process, each failing on it; it is fetched again."""
+    area = StagingArea(str(tmp_path))
+    calls = []
+
+    def produce():
+        calls.append(1)
+        return b"sums" * 10
+
+    area.stage("fp", "a.sums", produce=produce).close()
+    path = area.path_of("fp", "a.sums")
+    os.removexattr(path, staging._MARK)
+    os.truncate(path, 7)
+    monkeypatch.setattr(staging, "_CHECKED", {})  # a later process
+    with area.stage("fp", "a.sums", produce=produce) as staged:
+        assert open(staged.path, "rb").read() == b"sums" * 10
+    assert len(calls) == 2 and "no record of its fetch" in caplog.text
+    with area.stage("fp", "a.sums", produce=produce):  # fetched here: not again
+        pass
+    assert len(calls) == 2
+
+
 def test_a_file_being_written_counts_against_the_cap(tmp_path):
     """The partial file is sized to its full length when its room is reserved: a second fetch
     that would pass the cap meanwhile is refused, though the first has written nothing yet."""
