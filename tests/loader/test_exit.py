@@ -195,3 +195,30 @@ def test_a_remote_loader_left_open_at_exit_prints_nothing(order, tmp_path):
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip() == "", proc.stderr[-3000:]
     assert _gone(_pids(proc.stdout)) == []
+
+
+def test_the_exit_hook_leaves_no_in_process_worker_thread_running(tmp_path):
+    """``num_workers=0`` reads on a thread, which cannot be terminated. The exit hook stopped it
+    without waiting, so it went on through its queued tasks (inside torch) while the interpreter
+    tore down: about 1 exit in 4 of such a script then aborted ("terminate called without an
+    active exception", SIGABRT). Now queued tasks are dropped and the thread is joined."""
+    body = """
+    import threading, time
+    from stallfree.loader import dataloader, engine
+
+    class Slow(Numbers):
+        def __getitem__(self, i):
+            time.sleep(0.02)
+            return super().__getitem__(i)
+
+    dl = DataLoader(Slow(400), batch_size=8, shuffle=True, num_workers=0)
+    it = iter(dl)
+    batch = next(it)
+    dataloader._close_all_at_exit()
+    engine._shutdown_all_at_exit()
+    alive = [t.name for t in threading.enumerate() if t.name.startswith(("stallfree", "fetch"))]
+    print("ALIVE", alive, flush=True)
+    """
+    proc, _ = _run(body, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ALIVE []" in proc.stdout, proc.stdout
