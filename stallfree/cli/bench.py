@@ -153,6 +153,58 @@ def _torchrun_world() -> dict[str, object]:
     }
 
 
+# stallfree.DataLoader arguments the bench passes itself: the flag that sets each (None: the same
+# for every loader it compares); a --loader-option naming one would be a TypeError mid-run
+_BENCH_SETS = {
+    "dataset": None,
+    "shuffle": None,
+    "drop_last": None,
+    "world": None,
+    "persistent_workers": None,
+    "batch_size": "--batch-size",
+    "num_workers": "--workers",
+    "seed": "--seed",
+    "device": "--device",
+    "prefetch_factor": "--prefetch",
+    "decode": "--decode",
+    "collate_fn": "--decode",
+    "multiprocessing_context": "--worker-start",
+}
+
+
+def check_loader_options(options: dict[str, object]) -> None:
+    """ValueError naming the first ``--loader-option`` that ``stallfree.DataLoader`` does not take
+    or that the bench sets from its own flags; before the run, not as a TypeError in a rank."""
+    import inspect
+
+    from stallfree.loader.dataloader import DataLoader
+
+    accepted = inspect.signature(DataLoader.__init__).parameters
+    for name in options:
+        if name in _BENCH_SETS:
+            flag = _BENCH_SETS[name]
+            how = f"use {flag}" if flag else "every loader it compares"
+            raise ValueError(
+                f"--loader-option {name}: the bench sets it" + (f"; {how}" if flag else f" ({how})")
+            )
+        if name not in accepted or name == "self":
+            raise ValueError(f"--loader-option {name}: stallfree.DataLoader takes no argument {name!r}")
+
+
+def check_writable(flag: str, path: Path) -> None:
+    """ValueError when the report ``path`` cannot be written, found before minutes of running
+    rather than after. Probed by creating the file (removed again if it was not there)."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot write there ({exc.strerror or exc})") from None
+
+
 def config_from_args(args: argparse.Namespace):
     """The BenchConfig the flags describe (plus torchrun's world when running under it)."""
     from stallfree.harness.runner import BenchConfig
@@ -216,6 +268,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:  # before the run, not after minutes of it
         require("matplotlib", "plot", "stallfree bench --plot")
     try:
+        check_loader_options(dict(args.loader_option))
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                check_writable(flag, path)
         cfg = config_from_args(args)
         result = run_bench(cfg)
     except (ShardError, RankFailed) as exc:  # bad data met by a loader, in this process or a rank
@@ -237,11 +293,14 @@ def run(args: argparse.Namespace) -> int:
     if "tune" in result:
         print()
         print(rpt.format_tune(result["tune"]))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(_finite(result), indent=1))
-        print(f"report: {args.json}", file=sys.stderr)
-    if args.plot:
-        rpt.write_plot(result, args.plot)
-        print(f"plot: {args.plot}", file=sys.stderr)
+    try:  # (checked before the run; a disk that filled up since still ends in one line)
+        if args.json:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(_finite(result), indent=1))
+            print(f"report: {args.json}", file=sys.stderr)
+        if args.plot:
+            rpt.write_plot(result, args.plot)
+            print(f"plot: {args.plot}", file=sys.stderr)
+    except OSError as exc:
+        return fail("bench", f"writing the report: {exc}")
     return 0

@@ -222,3 +222,33 @@ def test_verify_of_an_mds_or_litdata_dataset_says_what_it_is_and_how(tmp_path: P
         "(damage is an error naming the file, sample and offset) and writes shards with a manifest; "
         "`stallfree verify DST` then checks them\n"
     )
+
+
+BENCH = ["bench", "synthetic:8:16x16", "--nproc", "1", "--steps", "1", "--warmup", "0", "--step", "none"]
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ("foo=1", "--loader-option foo: stallfree.DataLoader takes no argument 'foo'"),
+        ("batch_size=3", "--loader-option batch_size: the bench sets it; use --batch-size"),
+        ("num_workers=0", "--loader-option num_workers: the bench sets it; use --workers"),
+        ("shuffle=false", "--loader-option shuffle: the bench sets it (every loader it compares)"),
+    ],
+)
+def test_bench_refuses_loader_options_it_cannot_pass_before_running(capsys, option: str, message: str):
+    # they ended in a TypeError traceback from DataLoader, after the bench had started
+    assert main([*BENCH, "--loader-option", option]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"stallfree bench: error: {message}\n")
+
+
+@pytest.mark.parametrize("flag", ["--json", "--plot"])
+def test_bench_refuses_a_report_path_it_cannot_write_before_running(tmp_path: Path, capsys, flag: str):
+    # the report used to fail after the whole run, in a FileNotFoundError traceback
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    target = blocker / "report.out"  # under a file: no directory can be made there
+    assert main([*BENCH, flag, str(target)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"stallfree bench: error: {flag} {target}: cannot write there ("), err
