@@ -262,6 +262,30 @@ def validate_batch(
         )
 
 
+def check_schema_names(schema: Any, shard: str) -> None:
+    """Raise ``DamagedArrowError`` unless every field name in ``schema``, nested ones included,
+    is UTF-8. ``validate(full=True)`` checks a batch's buffers, not its schema, and pyarrow
+    decodes a name only when asked: a flipped byte in a struct field's name passed every check
+    and then was a ``UnicodeDecodeError`` from converting a row (found fuzzing a Hugging Face
+    stream). A walk without recursion: a damaged schema may nest deep."""
+    import pyarrow as pa
+
+    pending = list(schema)
+    while pending:
+        field = pending.pop()
+        try:
+            field.name  # noqa: B018 - the decode is the check
+        except UnicodeDecodeError as exc:
+            raise DamagedArrowError(
+                f"damaged Arrow schema: a field name is not UTF-8 ({exc.reason} at byte {exc.start})",
+                shard=shard,
+            ) from None
+        t = field.type
+        if pa.types.is_dictionary(t):
+            t = t.value_type
+        pending.extend(t.field(i) for i in range(t.num_fields))
+
+
 def row_span(first: int | None, count: int) -> str:
     """`` (row N)`` or `` (rows N..M)`` for messages; empty when the first row is not known."""
     if first is None:
@@ -299,6 +323,7 @@ __all__ = [
     "FooterBlocks",
     "TailCached",
     "check_ipc_file",
+    "check_schema_names",
     "footer_span",
     "ipc_file_blocks",
     "row_span",

@@ -31,7 +31,7 @@ import fsspec
 import numpy as np
 
 from stallfree.shards import stamps
-from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, row_span
+from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_schema_names, row_span
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
     CorruptShardError,
@@ -667,6 +667,7 @@ class ArrowShardReader:
 
         self._reader = open_batches(self._source, path, shard, self.local, self._fetch, walk_open)
         self._schema = self._reader.schema
+        check_schema_names(self._schema, shard)  # validate() does not look at names
         self.batches = nb = self._reader.num_record_batches
         self._checks = BatchChecks(nb)
         expected = info.samples if info is not None else None

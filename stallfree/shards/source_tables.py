@@ -8,7 +8,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_ipc_file
+from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_ipc_file, check_schema_names
 from stallfree.shards.errors import CorruptShardError, WriteError
 from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
@@ -357,7 +357,11 @@ class _IpcBatches:
         except pa.ArrowException as exc:
             if blocks is not None:
                 raise DamagedArrowError(f"damaged Arrow IPC file: {exc}", shard=path) from None
+            if not isinstance(exc, (OSError, ValueError)):  # ArrowNotImplementedError: a damaged
+                # schema's type (callers catch OSError and ValueError, as ArrowInvalid is one)
+                raise DamagedArrowError(f"damaged Arrow IPC stream: {exc}", shard=path) from None
             raise  # not Arrow at all: pyarrow's own error, as the listing words it
+        check_schema_names(self.schema, path)  # validate() does not look at names
         self._checks = BatchChecks(self.num_record_batches)
 
     def _walk_stream(self, reader: Any, mm: Any) -> None:

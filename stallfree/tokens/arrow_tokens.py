@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 
 from stallfree.shards import remote
-from stallfree.shards.arrow_check import check_ipc_file, validate_batch
+from stallfree.shards.arrow_check import check_ipc_file, check_schema_names, validate_batch
 from stallfree.shards.atomic import is_local
 from stallfree.shards.dataset_paths import refuse_link_out
 from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
@@ -140,6 +140,8 @@ def _open_batches(
             batches = list(ipc.open_stream(source))
         # pyarrow trusts a batch's offsets: _piece slices the values by them (unchecked, a
         # damaged file read outside its buffers, or asked for a negative length)
+        if batches:
+            check_schema_names(batches[0].schema, name)
         for b, batch in enumerate(batches):
             validate_batch(batch, shard=name, batch_no=b, offset=offsets[b] if offsets else None)
     except FileNotFoundError:

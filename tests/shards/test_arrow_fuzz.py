@@ -380,3 +380,55 @@ def test_a_footer_pointing_two_batches_at_one_message_is_refused(shard_dir):
     with pytest.raises(CorruptShardError, match="two blocks overlap") as err:
         ds[7]
     assert (err.value.shard, err.value.offset) == (path.name, start)
+
+
+SCHEMA_CHILD = """
+import json, sys
+from stallfree.shards.errors import ShardError
+from stallfree.shards.open import open_dataset
+from stallfree.shards.sources import open_source
+out = {}
+try:
+    ds = open_dataset(sys.argv[1])
+    out["rows"] = [ds[i]["__key__"] for i in range(len(ds))]
+except ShardError as exc:
+    out["open"] = {"type": type(exc).__name__, "shard": exc.shard, "message": str(exc)}
+src = open_source(sys.argv[1], on_error="skip")
+out["samples"] = len(list(src.read_many(src.items())))
+out["skipped"] = [entry["error"] for entry in src.skipped]
+print(json.dumps(out))
+"""
+
+
+def test_a_damaged_field_name_is_a_typed_error_not_a_unicode_error(tmp_path):
+    """``validate(full=True)`` checks buffers, not the schema: a struct field's name that is no
+    longer UTF-8 passed every check, and converting a row was a ``UnicodeDecodeError`` from
+    ``ds[i]`` and from ``stallfree shard`` (fuzz seed 202, case 122)."""
+    path = tmp_path / "data.arrow"
+    write_hf_stream(path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"path")  # the image struct's second field
+    data[at] = 0xFF
+    path.write_bytes(bytes(data))
+    out = run_child(SCHEMA_CHILD, str(path))
+    assert out["open"]["type"] == "DamagedArrowError" and out["open"]["shard"] == "data.arrow"
+    assert "a field name is not UTF-8" in out["open"]["message"]
+    assert out["samples"] == 0 and len(out["skipped"]) == 1
+    assert "a field name is not UTF-8" in out["skipped"][0]
+
+
+def test_a_stream_schema_pyarrow_cannot_read_is_skipped_by_shard(tmp_path):
+    """A flipped bit in a stream's schema gave a type pyarrow does not implement: its
+    ``ArrowNotImplementedError`` is neither an ``OSError`` nor a ``ValueError``, so
+    ``stallfree shard --on-error skip`` let it through raw (fuzz seed 303, case 160)."""
+    import random
+
+    from .arrow_fuzz_child import mutate
+
+    path = tmp_path / "data.arrow"
+    write_hf_stream(path)
+    data, _, _, _ = mutate(path.read_bytes(), random.Random("303:hf:160"), 160)
+    path.write_bytes(data)
+    out = run_child(SCHEMA_CHILD, str(path))
+    assert out["samples"] == 0 and len(out["skipped"]) == 1
+    assert "damaged Arrow IPC stream: Integers with more than 64 bits not implemented" in out["skipped"][0]
