@@ -120,7 +120,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="megatron: NAME.bin + NAME.idx; arrow: Arrow shards with an input_ids column (default megatron)",
     )
     t.add_argument(
-        "--token-name", default="tokens", help="file name stem of the token files (default tokens)"
+        "--token-name",
+        type=_file_stem,
+        default="tokens",
+        help="file name stem of the token files (default tokens)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
@@ -173,6 +176,13 @@ def _text_files(src: str) -> list[str]:
     if not files:
         raise ValueError(f"no .jsonl or .parquet text files at {src}")
     return files
+
+
+def _file_stem(text: str) -> str:
+    """``--token-name``: a name for files inside DST; a path (``../x``) would write outside it."""
+    if not text or text in (".", "..") or any(c in text for c in "/\\\0"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a plain file name stem (no '/', '..')")
+    return text
 
 
 def run_tokenize(args: argparse.Namespace, options: dict[str, Any]) -> int:

@@ -252,3 +252,15 @@ def test_bench_refuses_a_report_path_it_cannot_write_before_running(tmp_path: Pa
     assert main([*BENCH, flag, str(target)]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"stallfree bench: error: {flag} {target}: cannot write there ("), err
+
+
+@pytest.mark.parametrize("name", ["../../evil", "a/b", "..", ".", "", "a\\b"])
+def test_shard_token_name_must_be_a_plain_file_stem(tmp_path: Path, capsys, name: str):
+    # "../../evil" wrote evil.bin and evil.idx two directories above the destination
+    with pytest.raises(SystemExit) as info:
+        main(["shard", str(tmp_path / "docs.jsonl"), str(tmp_path / "out"), "--tokenizer", "t.json",
+              "--token-name", name])  # fmt: skip
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --token-name: {name!r} is not a plain file name stem" in err, err
+    assert list(tmp_path.iterdir()) == []
