@@ -20,6 +20,7 @@ the crashes were all in converting rows of unvalidated batches.
 from __future__ import annotations
 
 import io
+import logging
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 
 from stallfree.shards.errors import CorruptShardError
+
+logger = logging.getLogger(__name__)
 
 MAGIC = b"ARROW1"
 _TAIL = 10  # int32 footer length + "ARROW1"
@@ -286,6 +289,31 @@ def check_schema_names(schema: Any, shard: str) -> None:
         pending.extend(t.field(i) for i in range(t.num_fields))
 
 
+STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what a stream writer's close() writes last
+
+
+def warn_if_cut_short(source: Any, shard: str, batches: int, end: int) -> None:
+    """Log a warning when a stream that parsed to its end lacks the end-of-stream marker: it
+    was cut short on a message boundary (a copy or a writer interrupted), which pyarrow reads as
+    a clean end, so the batches after the cut would go missing without a word."""
+    try:
+        size = source.size()
+        source.seek(max(0, size - len(STREAM_END)))
+        tail = source.read(len(STREAM_END))
+        source.seek(end)
+    except (OSError, AttributeError, ValueError):  # a file that cannot say its size: not checked
+        return
+    if tail != STREAM_END:
+        logger.warning(
+            "%s: the Arrow stream ends at byte %d without its end-of-stream marker, after record "
+            "batch %d: it may have been cut short (the %d batches before are read)",
+            shard,
+            size,
+            batches - 1,
+            batches,
+        )
+
+
 def row_span(first: int | None, count: int) -> str:
     """`` (row N)`` or `` (rows N..M)`` for messages; empty when the first row is not known."""
     if first is None:
@@ -328,4 +356,5 @@ __all__ = [
     "ipc_file_blocks",
     "row_span",
     "validate_batch",
+    "warn_if_cut_short",
 ]

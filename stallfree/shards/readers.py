@@ -31,7 +31,13 @@ import fsspec
 import numpy as np
 
 from stallfree.shards import stamps
-from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_schema_names, row_span
+from stallfree.shards.arrow_check import (
+    BatchChecks,
+    DamagedArrowError,
+    check_schema_names,
+    row_span,
+    warn_if_cut_short,
+)
 from stallfree.shards.atomic import is_local
 from stallfree.shards.errors import (
     CorruptShardError,
@@ -450,31 +456,6 @@ class _NotAStream(Exception):
     """The file does not start like an IPC stream (so it is neither format)."""
 
 
-STREAM_END = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # what a stream writer's close() writes last
-
-
-def _warn_if_cut_short(source: Any, shard: str, batches: int, end: int) -> None:
-    """Log a warning when a stream that parsed to its end lacks the end-of-stream marker: it
-    was cut short on a message boundary (a copy or a writer interrupted), which pyarrow reads as
-    a clean end, so the batches after the cut would go missing without a word."""
-    try:
-        size = source.size()
-        source.seek(max(0, size - len(STREAM_END)))
-        tail = source.read(len(STREAM_END))
-        source.seek(end)
-    except (OSError, AttributeError, ValueError):  # a file that cannot say its size: not checked
-        return
-    if tail != STREAM_END:
-        log.warning(
-            "%s: the Arrow stream ends at byte %d without its end-of-stream marker, after record "
-            "batch %d: it may have been cut short (the %d batches before are read)",
-            shard,
-            size,
-            batches - 1,
-            batches,
-        )
-
-
 class _IpcStream:
     """An Arrow IPC *stream* (what Hugging Face ``datasets.save_to_disk`` writes): no footer, so
     it is walked once when opened to learn where each record batch's message lies. Locally the
@@ -536,7 +517,7 @@ class _IpcStream:
             if self._batches is not None:
                 self._batches.append(batch)
             start = end
-        _warn_if_cut_short(source, shard, len(self._rows), start)
+        warn_if_cut_short(source, shard, len(self._rows), start)
 
     def get_batch(self, b: int):
         import pyarrow as pa

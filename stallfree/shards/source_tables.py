@@ -8,7 +8,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from stallfree.shards.arrow_check import BatchChecks, DamagedArrowError, check_ipc_file, check_schema_names
+from stallfree.shards.arrow_check import (
+    BatchChecks,
+    DamagedArrowError,
+    check_ipc_file,
+    check_schema_names,
+    warn_if_cut_short,
+)
 from stallfree.shards.errors import CorruptShardError, WriteError
 from stallfree.shards.jsonfile import parse_json
 from stallfree.shards.source_base import Item, Source, SourceError, SourceReadError
@@ -387,6 +393,8 @@ class _IpcBatches:
             self._batches.append(batch)
             self._offsets.append(start)
             start = mm.tell()
+        if self.damage is None:
+            warn_if_cut_short(mm, self.path, len(self._batches), start)
         self.num_record_batches = len(self._batches)
 
     def _raw(self, b: int) -> Any:

@@ -442,6 +442,7 @@ def test_a_stream_cut_on_a_message_boundary_is_read_with_a_warning(tmp_path, cap
     import logging
 
     from stallfree.shards.open import open_dataset
+    from stallfree.shards.sources import open_source
 
     path = tmp_path / "data.arrow"
     write_hf_stream(path)
@@ -450,7 +451,12 @@ def test_a_stream_cut_on_a_message_boundary_is_read_with_a_warning(tmp_path, cap
     assert "cut short" not in caplog.text
     at = data.rindex(b"\xff\xff\xff\xff", 0, len(data) - 8) if cut == "after a batch" else len(data) - 8
     path.write_bytes(data[:at])
-    with caplog.at_level(logging.WARNING, logger="stallfree.shards.readers"):
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.arrow_check"):
         rows = len(open_dataset(str(path)))
     assert rows == (whole - HF_BATCH if cut == "after a batch" else whole)
     assert f"data.arrow: the Arrow stream ends at byte {at} without its end-of-stream marker" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.arrow_check"):  # stallfree shard's reader
+        src = open_source(str(path))
+        assert len(list(src.read_many(src.items()))) == rows
+    assert f"{path}: the Arrow stream ends at byte {at} without its end-of-stream marker" in caplog.text
