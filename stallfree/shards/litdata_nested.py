@@ -38,7 +38,10 @@ def nested_leaf_json(cell: bytes) -> str:
     value = reader.value(0)
     if reader.pos != len(cell):
         raise ValueError(f"{len(cell) - reader.pos} byte(s) after the value at byte {reader.pos}")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:  # (JSON cells nested under the binary form's own levels)
+        raise ValueError("the value is nested too deeply to write as JSON") from None
 
 
 def _json_text(data: bytes, what: str) -> str:
