@@ -180,9 +180,12 @@ def _text_files(src: str) -> list[str]:
 
 def _file_stem(text: str) -> str:
     """``--token-name``: a name for files inside DST; a path (``../x``) would write outside it."""
-    if not text or text in (".", "..") or any(c in text for c in "/\\\0"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a plain file name stem (no '/', '..')")
-    return text
+    from stallfree.tokens.tokenize import check_name  # the library's own rule (no tokenizer import)
+
+    try:
+        return check_name(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run_tokenize(args: argparse.Namespace, options: dict[str, Any]) -> int:

@@ -80,6 +80,14 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
+def check_name(name: str) -> str:
+    """``name`` when it names files inside the destination; a ``ValueError`` for a path
+    (``../x`` would write outside it) or an empty name."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise ValueError(f"{name!r} is not a plain file name stem (no '/', '\\' or '..'): files go inside dst")
+    return name
+
+
 def tokenize_files(
     sources: str | Sequence[str],
     dst: str,
@@ -108,6 +116,7 @@ def tokenize_files(
 
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    check_name(name)
     urls = [sources] if isinstance(sources, str) else list(sources)
     with fsspec.open(tokenizer, "rb") as f:
         tok_bytes = f.read()

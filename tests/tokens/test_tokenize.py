@@ -77,3 +77,13 @@ def test_cli_shard_with_a_tokenizer_and_no_text_is_one_error_line(tmp_path, toke
     assert rc == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"stallfree shard: error: no .jsonl or .parquet text files at {tmp_path / 'empty'}"]
+
+
+@pytest.mark.parametrize("name", ["../escaped", "a/b", "..", "", "a\\b"])
+def test_a_name_that_is_a_path_is_refused_before_anything_is_written(tmp_path, tokenizer_json, name):
+    """``name`` names files inside ``dst``: ``../escaped`` wrote ``escaped.bin`` above it."""
+    src = tmp_path / "docs.jsonl"
+    src.write_text(json.dumps({"text": "hello world"}) + "\n")
+    with pytest.raises(ValueError, match="is not a plain file name stem"):
+        tokenize_files(str(src), str(tmp_path / "out" / "dst"), tokenizer_json[0], name=name)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["docs.jsonl", "tokenizer.json"]
