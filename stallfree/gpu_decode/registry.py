@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DALI_HINT = (
-    "backend='dali' needs NVIDIA DALI: pip install stallfree[dali] (installs nvidia-dali-cuda120; "
-    "use nvidia-dali-cuda110/-cuda130 to match your CUDA)"
+    "backend='dali' needs NVIDIA DALI built for torch's CUDA (python -c 'import torch; "
+    "print(torch.version.cuda)'): pip install 'stallfree[dali-cuda13]' for CUDA 13 (PyPI's torch), "
+    "or 'stallfree[dali]' for CUDA 12"
 )
 NVIMGCODEC_HINT = (
     "backend='nvimgcodec' needs NVIDIA nvImageCodec and nvJPEG: pip install nvidia-nvimgcodec-cu13 "

@@ -359,7 +359,8 @@ def _choose(backend: str, gpu_id: int | None, jpeg_library: str = "auto") -> tup
         return "cpu", f"auto: {why} -> CPU decoder; {_cpu_jpeg(jpeg_library)}"
     return "cpu", (
         f"auto: CUDA device {gpu_id} but DALI not installed and no nvImageCodec -> CPU decoder "
-        f"(pip install stallfree[dali] for GPU decode); {_cpu_jpeg(jpeg_library)}"
+        f"(for GPU decode: pip install 'stallfree[dali-cuda13]', or 'stallfree[dali]' for a CUDA 12 torch); "
+        f"{_cpu_jpeg(jpeg_library)}"
     )
 
 
