@@ -126,6 +126,15 @@ def copy_part(
 _ROUTES: dict[int, tuple[int, s3direct.DirectRoute | None]] = {}
 _ROUTES_LOCK = threading.Lock()
 _PART_POOL: tuple[int, DaemonThreadPool] | None = None  # (pid, this process's pool)
+
+
+def _renew_locks_after_fork() -> None:
+    """A fork while another thread held ``_ROUTES_LOCK`` would leave it locked in the child."""
+    global _ROUTES_LOCK
+    _ROUTES_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_locks_after_fork)
 PART_THREADS = 16  # parts read at once by one process, over all its shards (8 shards of 2 parts)
 
 

@@ -178,6 +178,16 @@ _FS_TIMEOUTS: dict[int, Timeouts] = {}
 _FS_TIMEOUTS_LOCK = threading.Lock()
 
 
+def _renew_locks_after_fork() -> None:
+    """A fork while another thread held ``_FS_TIMEOUTS_LOCK`` would leave it locked in the child
+    (a loader worker's first read would wait for ever)."""
+    global _FS_TIMEOUTS_LOCK
+    _FS_TIMEOUTS_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_renew_locks_after_fork)
+
+
 def timeouts_for(fs: fsspec.AbstractFileSystem) -> Timeouts:
     """The ``Timeouts`` reads of ``fs`` keep: those it was made with, else ``DEFAULT_TIMEOUTS``."""
     return _FS_TIMEOUTS.get(id(fs)) or DEFAULT_TIMEOUTS

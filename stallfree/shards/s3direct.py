@@ -122,8 +122,18 @@ class _Watchdog:
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
 
+    def after_fork_in_child(self) -> None:
+        """A fork while another thread held ``_cond`` (the watchdog thread holds it between its
+        waits, and a thread that took a lock may wait for the GIL before letting go) left it locked
+        for ever in the child: a loader worker forked while the main process staged a window hung
+        in its first ``watch``. The child gets a fresh lock and no deadlines (its thread starts
+        with its first watched request)."""
+        self._cond = threading.Condition()
+        self._heap, self._live, self._pid = [], set(), None
+
 
 _WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG.after_fork_in_child)
 
 
 class LocalWriteError(Exception):

@@ -93,3 +93,46 @@ _PIN_WHILE_FORKED = textwrap.dedent(
 
 def test_a_pin_released_by_the_parent_is_not_kept_by_a_forked_child(tmp_path):
     assert _last_line(_PIN_WHILE_FORKED, tmp_path / "stage") == "evicted"
+
+
+_FORK_WHILE_A_READ_LOCK_IS_HELD = textwrap.dedent(
+    """
+    import os, signal, socket, threading, time
+    from stallfree.shards import file_copy, remote, s3direct
+
+    # what another thread of the parent holds at the moment of the fork: the deadline watchdog's
+    # lock (its thread holds it between waits) and the two module locks of the read path
+    locks = [s3direct._WATCHDOG._cond, file_copy._ROUTES_LOCK, remote._FS_TIMEOUTS_LOCK]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        for lock in locks:
+            lock.acquire()
+        held.set()
+        release.wait()
+        for lock in locks:
+            lock.release()
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+    child = os.fork()
+    if child == 0:                     # a loader worker's first staged part, then its reads
+        signal.alarm(20)               # a hung child ends (exit -14) rather than outlive the test
+        a, b = socket.socketpair()
+        token = s3direct._WATCHDOG.watch(a, time.monotonic() + 60)
+        s3direct._WATCHDOG.release(token)
+        with file_copy._ROUTES_LOCK, remote._FS_TIMEOUTS_LOCK:
+            pass
+        os._exit(0)
+    release.set()
+    _, status = os.waitpid(child, 0)
+    print("child exited", os.waitstatus_to_exitcode(status))
+    """
+)
+
+
+def test_a_worker_forked_while_a_read_path_lock_is_held_does_not_hang(tmp_path):
+    """The deadline watchdog's lock, held by its thread in the parent at the fork, stayed locked
+    in the child: a loader worker's first staged part hung in ``watch`` (a loader over S3 with
+    staging and workers hung in about one run of three)."""
+    assert _last_line(_FORK_WHILE_A_READ_LOCK_IS_HELD, tmp_path) == "child exited 0"
