@@ -168,6 +168,13 @@ def uniform_columns(
     return keys, pattern, fid, start_col, end_col, first
 
 
+def _weak(pin: VersionPin) -> bool:
+    """A pin that cannot see every rewrite: ``Last-Modified`` alone has one-second resolution,
+    so a shard rewritten within the second it was opened passes ``If-Unmodified-Since``; its
+    members are checked against the ``.sums`` too."""
+    return pin.etag is None and pin.version_id is None
+
+
 class TarShardReader:
     """Random access to one tar shard through its index (``.idx``, or headers scanned if absent).
 
@@ -177,8 +184,9 @@ class TarShardReader:
 
     Remote reads are pinned to the version of the object found when the reader opened
     (``stamps.open_version``): a shard rewritten mid-run is ``remote.ObjectChangedError``, not
-    new bytes; where the store offers no version to pin, every member is checked against the
-    shard's ``.sums`` (``sums.remote_member_check``) unless ``member_check`` is given."""
+    new bytes; where the store offers no version to pin, or only a ``Last-Modified`` (``_weak``),
+    every member is checked against the shard's ``.sums`` (``sums.remote_member_check``) unless
+    ``member_check`` is given."""
 
     def __init__(
         self,
@@ -211,7 +219,7 @@ class TarShardReader:
             opened = stamps.open_version(fs, path, shard)
             self.size, self.pin = opened.size, opened.pin
         try:  # any check below may fail: the file must not outlive the error (nor the traceback)
-            if not self.local and self.pin is None and self.member_check is None:
+            if not self.local and self.member_check is None and (self.pin is None or _weak(self.pin)):
                 self.member_check = remote_member_check(fs, path, shard)
             self._load_index(samples, verify_hash)
         except BaseException:

@@ -279,3 +279,64 @@ def test_timeouts_deadline_scales_with_the_part_and_is_set_per_dataset(s3, bucke
     assert remote.timeouts_for(plain) is remote.DEFAULT_TIMEOUTS
     with pytest.raises(TypeError, match="stallfree_timeouts must be a stallfree Timeouts"):
         remote.url_to_fs(f"s3://{bucket}/x", stallfree_timeouts=5, **s3.storage_options)
+
+
+class _SameSecondHandler(BaseHTTPRequestHandler):
+    """Serves ``server.files`` with ``Range`` and one ``Last-Modified`` (no ETag) that a rewrite
+    within the same second keeps: what a server with one-second timestamps does then."""
+
+    protocol_version = "HTTP/1.1"
+    STAMP = "Sun, 06 Dec 2026 20:00:00 GMT"
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_HEAD(self) -> None:
+        self._serve(body=False)
+
+    def do_GET(self) -> None:
+        self._serve(body=True)
+
+    def _serve(self, body: bool) -> None:
+        data = self.server.files.get(self.path)
+        if data is None:
+            self.send_response(404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+            return
+        start, end, status = 0, len(data), 200
+        if self.headers.get("Range"):
+            a, b = self.headers["Range"].removeprefix("bytes=").split("-")
+            start, end, status = int(a), min(len(data), int(b) + 1), 206
+        self.send_response(status)
+        self.send_header("Last-Modified", self.STAMP)
+        self.send_header("Content-Length", str(end - start))
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        if body:
+            self.wfile.write(data[start:end])
+
+
+def test_http_rewritten_within_the_second_it_was_opened_is_caught_by_the_sums(tmp_path):
+    """Last-Modified alone cannot see a rewrite in the same second (If-Unmodified-Since passes):
+    such a pin is weak, and members are checked against the .sums as with no pin at all."""
+    truth = _write(str(tmp_path / "ds"), seed=1)
+    _write(str(tmp_path / "other"), seed=2)
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _SameSecondHandler)
+    httpd.daemon_threads = True
+    httpd.files = {
+        "/" + str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()
+    }
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        ds = open_dataset(f"http://127.0.0.1:{httpd.server_address[1]}/ds")
+        assert ds[0]["bin"] == truth[0]["bin"]
+        assert ds._reader(0).pin == VersionPin(last_modified=_SameSecondHandler.STAMP)
+        httpd.files["/ds/shard-000000.tar"] = (tmp_path / "other" / "shard-000000.tar").read_bytes()
+        outcomes, wrong = _read_all(ds, truth)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert wrong == 0
+    assert outcomes == ["ChecksumMismatchError"] * (N // 2) + ["ok"] * (N // 2)
