@@ -459,7 +459,7 @@ class DataLoader(tud.DataLoader[T_co]):
             raise
         # before the other workers fork (Assembler): its downloads start ~25 ms sooner. What a
         # fork copies of its threads is safe: the staging flocks are closed in the child
-        # (staging._Held), and the dataset, its client and the staging area are renewed per pid
+        # (staging_locks.Held), and the dataset, its client and the staging area are renewed per pid
         self._stage_first_window(ep.batches)
         rank, seed = self.world.rank, self.seed
 

@@ -1035,7 +1035,10 @@ def with_session(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
     global _MODEL_LOADER, _SESSION
     pid = os.getpid()
     if _SESSION is None or _SESSION[0] != pid:
-        from aiobotocore.session import AioSession
+        try:
+            from aiobotocore.session import AioSession
+        except ModuleNotFoundError:  # no s3fs installed: fsspec then says which package to install
+            return storage_options
 
         session = AioSession()
         if _MODEL_LOADER is None:

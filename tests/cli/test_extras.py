@@ -193,3 +193,24 @@ def test_a_missing_dali_names_both_cuda_builds():
     )
     found = missing_extra_of(ModuleNotFoundError("No module named 'nvidia'", name="nvidia"))
     assert found is not None and "stallfree[dali-cuda13]" in str(found)
+
+
+LIBRARY_WITHOUT = ABSENT.replace(
+    "from stallfree.cli import main\nsys.exit(main(sys.argv[1:]))",
+    "import stallfree\ntry:\n    stallfree.open_dataset(sys.argv[1])\n"
+    "except ImportError as exc:\n    print(type(exc).__name__, exc)\n",
+)
+
+
+def test_open_dataset_of_an_s3_url_without_s3fs_names_s3fs_not_aiobotocore(tmp_path: Path):
+    """In the library (no CLI to reword it): fsspec's own "install s3fs" error, not a bare
+    ModuleNotFoundError for aiobotocore from our session code, which ran first."""
+    r = subprocess.run(
+        [sys.executable, "-c", LIBRARY_WITHOUT.format(module="s3fs,aiobotocore,botocore"), "s3://bucket/ds"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "s3fs" in r.stdout and "aiobotocore" not in r.stdout, r.stdout
