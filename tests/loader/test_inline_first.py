@@ -103,9 +103,13 @@ def test_a_persistent_pool_makes_only_its_first_epochs_first_batch_here(shards, 
 def test_no_decode_thread_is_left_running_here_when_the_workers_fork(shards, tmp_path):
     """The decoder's threads stop before the fork: a worker inherits no pool without threads
     (with num_threads given, use_threads changes nothing and only close() stops them)."""
+    def decode_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("stallfree-decode")}
+
+    others = decode_threads()  # decoders of earlier tests in this process may still be alive
     loader = _loader(shards, Recording(str(tmp_path / "decodes"), num_threads=2))
     it = iter(loader)
-    assert [t.name for t in threading.enumerate() if t.name.startswith("stallfree-decode")] == []
+    assert decode_threads() - others == set()
     keys = [k for b in it for k in b["__key__"]]
     assert sorted(keys) == [f"k{i:03d}" for i in range(N)]
 
