@@ -84,7 +84,9 @@ def check_name(name: str) -> str:
     """``name`` when it names files inside the destination; a ``ValueError`` for a path
     (``../x`` would write outside it) or an empty name."""
     if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise ValueError(f"{name!r} is not a plain file name stem (no '/', '\\' or '..'): files go inside dst")
+        raise ValueError(
+            f"{name!r} is not a plain file name stem (no '/', '\\' or '..'): files go inside dst"
+        )
     return name
 
 
