@@ -537,7 +537,7 @@ class DataLoader(tud.DataLoader[T_co]):
             compat.set_iterator_timeout(
                 it, self._options.worker_timeout
             )  # a hung worker is an error, never a hang
-        generic = _GenericIter(it, progress, self._stats, skip, total=_length_or_none(it))
+        generic = _GenericIter(it, progress, self._stats, skip, total=_length_of(it))
         self._live.add(generic)
         return generic
 
@@ -573,17 +573,10 @@ def _close_all_at_exit() -> None:
 atexit.register(_close_all_at_exit)
 
 
-def _length_of(dataset: Any) -> int | None:
-    """The dataset's length, or None where it has none (an IterableDataset, usually)."""
+def _length_of(sized: Any) -> int | None:
+    """``len(sized)``, or None where it has none (an IterableDataset, usually, or its iterator)."""
     try:
-        return len(dataset)
-    except TypeError:
-        return None
-
-
-def _length_or_none(it: Any) -> int | None:
-    try:
-        return len(it)
+        return len(sized)
     except TypeError:
         return None
 
