@@ -13,7 +13,6 @@ have finished.
 from __future__ import annotations
 
 import dataclasses
-import json
 import posixpath
 from typing import Any
 
@@ -22,6 +21,7 @@ import numpy as np
 
 from stallfree.shards import remote
 from stallfree.shards.errors import CorruptShardError, ShardError
+from stallfree.shards.jsonfile import parse_json
 from stallfree.tokens.base import TokenSource, read_whole
 
 TOKENS_MANIFEST = "tokens.json"
@@ -81,10 +81,7 @@ def read_token_dir(fs: fsspec.AbstractFileSystem, path: str, url: str) -> TokenD
     name = _join(url, TOKENS_MANIFEST)
     if not remote.exists(fs, manifest, shard=name):
         return None
-    try:
-        doc = json.loads(read_whole(fs, manifest, name))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ShardError(f"not JSON: {exc}", shard=name) from None
+    doc = parse_json(read_whole(fs, manifest, name), name)  # typed, naming it; bounded depth
     if not isinstance(doc, dict) or doc.get("format") != TOKENS_FORMAT:
         raise ShardError(f"not a {TOKENS_FORMAT} manifest (its format is not {TOKENS_FORMAT!r})", shard=name)
     if doc.get("version") != 1:

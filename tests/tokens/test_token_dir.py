@@ -66,7 +66,8 @@ def test_files_that_disagree_with_tokens_json_are_an_error_naming_it(tmp_path, t
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("{not json", "not JSON"),
+        ("{not json", "not valid JSON"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),  # was RecursionError, naming nothing
         ('{"format": "something.else", "version": 1}', "not a stallfree.tokens manifest"),
         ('{"format": "stallfree.tokens", "version": 9}', "version 9 is not one this stallfree reads"),
         ('{"format": "stallfree.tokens", "version": 1, "layout": "megatron"}', "incomplete tokens.json"),
