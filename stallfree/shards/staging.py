@@ -469,7 +469,7 @@ class StagingArea:
             os.close(fd)
         try:
             note = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # a note is advice: one that does not parse is none
             return {}
         return note if isinstance(note, dict) else {}
 
