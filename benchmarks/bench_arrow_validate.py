@@ -1,5 +1,5 @@
 """What validating Arrow record batches costs (issue 36 item 5): reading local Arrow shards with
-the checks ``stallfree.shards.arrow_check`` makes (full validation of each batch, once per open;
+the checks ``stallfree.shards.arrow.check`` makes (full validation of each batch, once per open;
 the IPC footer's blocks checked at open) against no batch check and against pyarrow's cheap
 ``validate()``, rounds interleaved in one process, reported as ratios.
 
@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from stallfree.shards import arrow_check  # noqa: E402
+from stallfree.shards.arrow import check as arrow_check  # noqa: E402
 from stallfree.shards.open import open_dataset  # noqa: E402
 from stallfree.shards.writer import ShardWriter  # noqa: E402
 

@@ -23,7 +23,7 @@ import torch
 import torch.utils.data as tud
 
 from stallfree import DataLoader
-from stallfree.loader import slots
+from stallfree.loader.shm import slots
 
 
 class Images(tud.Dataset):

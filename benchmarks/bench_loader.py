@@ -59,8 +59,8 @@ import torch
 import torch.utils.data as tud
 from PIL import Image
 
-from stallfree.loader import shm
 from stallfree.loader.dataloader import DataLoader as StallfreeLoader
+from stallfree.loader.shm import storage as shm
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
 from stallfree.testing.httpserve import serve_directory

@@ -42,8 +42,8 @@ MODES = ("json", "streamed", "sidecar")
 
 def write(root: str, shards: int) -> None:
     """The two directories under ``root`` (kept between runs: the inputs do not change)."""
-    from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
-    from stallfree.shards.manifest_sidecar import sidecar_path_for
+    from stallfree.shards.manifest.model import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
+    from stallfree.shards.manifest.sidecar import sidecar_path_for
 
     with_sidecar, json_only = os.path.join(root, "sidecar"), os.path.join(root, "json")
     if os.path.exists(sidecar_path_for(os.path.join(with_sidecar, MANIFEST_NAME))):
@@ -63,7 +63,7 @@ def write(root: str, shards: int) -> None:
 
 def open_streamed(directory: str) -> Any:
     """A ``ShardedDataset`` from ``manifest.json`` parsed entry by entry (see the docstring)."""
-    from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo
+    from stallfree.shards.manifest.model import MANIFEST_NAME, Manifest, ShardInfo
     from stallfree.shards.open import ShardedDataset
 
     with open(os.path.join(directory, MANIFEST_NAME)) as f:
@@ -85,8 +85,8 @@ def open_streamed(directory: str) -> Any:
 def measure(root: str, mode: str, shards: int) -> dict[str, Any]:
     import psutil
 
-    from stallfree.shards.manifest import MANIFEST_NAME
-    from stallfree.shards.manifest_sidecar import sidecar_path_for
+    from stallfree.shards.manifest.model import MANIFEST_NAME
+    from stallfree.shards.manifest.sidecar import sidecar_path_for
     from stallfree.shards.open import open_dataset
 
     directory = os.path.join(root, "json" if mode == "streamed" else mode)

@@ -39,7 +39,7 @@ from stallfree.gpu_decode.downscale import Downscale
 from stallfree.gpu_decode.select import ImageDecode
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 from stallfree.testing.images import base_photos, encode_jpeg, make_image
 
 Batch = list[dict]

@@ -69,12 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--retain-freed-memory",
         action="store_true",
-        help="call stallfree.shards.memory.retain_freed_memory() first (glibc thresholds; see its docstring)",
+        help="call stallfree.loader.shm.memory.retain_freed_memory() first (glibc thresholds; see its docstring)",
     )
     args = ap.parse_args(argv)
     retained = False
     if args.retain_freed_memory:
-        from stallfree.shards.memory import retain_freed_memory
+        from stallfree.loader.shm.memory import retain_freed_memory
 
         retained = retain_freed_memory()
 

@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stallfree.shards.open import open_dataset  # noqa: E402
-from stallfree.shards.sums import MemberSums, checksum  # noqa: E402
+from stallfree.shards.tar.sums import MemberSums, checksum  # noqa: E402
 from stallfree.shards.writer import ShardWriter  # noqa: E402
 from stallfree.testing.httpserve import serve_directory  # noqa: E402
 from stallfree.testing.s3serve import serve_s3  # noqa: E402

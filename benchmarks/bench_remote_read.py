@@ -29,10 +29,10 @@ from pathlib import Path
 
 import fsspec
 
-from stallfree.shards import remote
 from stallfree.shards.open import open_dataset
 from stallfree.shards.readers import coalesce
 from stallfree.shards.writer import ShardWriter
+from stallfree.storage import remote
 from stallfree.testing.httpserve import serve_directory
 
 

@@ -17,7 +17,7 @@ trial (from the proxy), so coalescing shows as fewer GETs, not as speed from now
 ``--concurrency`` at once, written into a local file at their offsets, each client at its
 leanest: stallfree's ``file_copy.copy_parts`` through s3fs (``direct=False``: ``read_parts``, then
 ``pwrite``) and through its direct route (presigned GETs, ``readinto`` + ``pwrite``,
-``shards/s3direct.py``), obstore (``get_range_async``, its buffer written without a copy) and
+``storage/s3direct.py``), obstore (``get_range_async``, its buffer written without a copy) and
 boto3 (threads, ``Body.read()``). Reported: MB/s and this process's CPU ms per MiB (user + system,
 every thread), the figure that matters where the reader shares its cores with training.
 
@@ -135,7 +135,7 @@ def _parts(size: int, part: int) -> list[tuple[int, int]]:
 
 def copy_stallfree(direct: bool) -> Any:
     def copy(endpoint: str, size: int, part: int, conc: int, fd: int) -> None:
-        from stallfree.shards import file_copy, remote
+        from stallfree.storage import file_copy, remote
 
         fs, path = remote.url_to_fs(f"s3://{BUCKET}/{KEY}", **storage_options(endpoint))
         file_copy.copy_parts(fs, path, size, fd, shard=KEY, part_bytes=part, concurrency=conc, direct=direct)

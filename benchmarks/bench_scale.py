@@ -134,7 +134,7 @@ def _row(first_s: float, peak: int, order_s: float | None, per_batch: float | No
 
 def run_ours(n: int, ranks: int, args: argparse.Namespace) -> dict[str, Any]:
     import stallfree
-    from stallfree.loader import order as order_mod
+    from stallfree.loader.epoch import order as order_mod
 
     rss = PeakRss()
     dl = stallfree.DataLoader(

@@ -89,7 +89,7 @@ def run_tar(src: Path, dst: Path) -> float:
 
 def run_ours(src: Path, dst: Path, workers: int = 1) -> tuple[float, dict]:
     from stallfree.shards.parallel import shard_dataset
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
 
     shutil.rmtree(dst, ignore_errors=True)
     os.sync()

@@ -1,5 +1,5 @@
 """How a worker should fill a shared slot it let go of: ``pwrite`` into the slot's shm file
-(``stallfree.loader.shm.SlotFile``) vs writing through the mapping after ``MADV_DONTNEED``
+(``stallfree.loader.shm.storage.SlotFile``) vs writing through the mapping after ``MADV_DONTNEED``
 (every page faults back in) vs the mapping kept resident (no faults, but the slot stays in the
 worker's RSS). Same batch (32 x 3 x 224 x 224 float32 rows), same process, rounds interleaved.
 
@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from stallfree.loader import shm
+from stallfree.loader.shm import storage as shm
 
 
 def _faults() -> int:

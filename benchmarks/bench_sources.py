@@ -63,7 +63,7 @@ def make_folder(saved: Path) -> Path:
 
 def ours(saved: Path, out: Path, shuffle: bool) -> None:
     from stallfree.shards.parallel import shard_dataset
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
 
     shard_dataset(
         open_source(str(saved)), str(out), max_samples=PER_SHARD, shuffle_seed=0 if shuffle else None

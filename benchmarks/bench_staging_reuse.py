@@ -36,11 +36,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stallfree import DataLoader  # noqa: E402
-from stallfree.shards import staging  # noqa: E402
 from stallfree.shards.open import open_dataset  # noqa: E402
 from stallfree.shards.staged_reads import _expected  # noqa: E402
-from stallfree.shards.staging import Staging, StagingArea  # noqa: E402
 from stallfree.shards.writer import ShardWriter  # noqa: E402
+from stallfree.storage import staging  # noqa: E402
+from stallfree.storage.staging import Staging, StagingArea  # noqa: E402
 from stallfree.testing.s3serve import serve_s3  # noqa: E402
 
 

@@ -5,10 +5,10 @@ peer bench's tar shards, ``ImageDecode(train=True, size=224, dtype="uint8")``, b
 workers, persistent, shuffled), built from nothing each round, in one process, rounds rotating
 which way goes first:
 
-  inline  : as shipped (``loader/inline_first.py``: the main process reads and decodes the pool's
+  inline  : as shipped (``loader/first_batch_inline.py``: the main process reads and decodes the pool's
             first batch on every core, then the workers fork)
   gate    : the first batch made by a worker (what a loader with a ``worker_init_fn`` gets):
-            ``loader/first_batch.py``, it decodes on every worker's cores while the other
+            ``loader/worker/first_batch_gate.py``, it decodes on every worker's cores while the other
             workers hold their first decode for it
   no-gate : neither (every worker decodes its first batch on its own share of the cores)
 
@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from stallfree import DataLoader, ImageDecode, open_dataset
-from stallfree.loader import engine
+from stallfree.loader import pool as engine
 
 MARKS = (1, 2, 3, 4, 8, 9)
 STEPS = ("iter_s", "read_s", "decode_s", "collate_s", "transfer_s", "rest_s")

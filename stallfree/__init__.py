@@ -15,7 +15,7 @@ _EXPORTS = {
     "open_dataset": "stallfree.shards.open",
     "ShardWriter": "stallfree.shards.writer",
     "DataLoader": "stallfree.loader.dataloader",
-    "get_worker_info": "stallfree.loader.workers",
+    "get_worker_info": "stallfree.loader.worker.main",
     "MemoryCache": "stallfree.cache.memory",
     "NodeCache": "stallfree.cache.node",
     "ClusterCache": "stallfree.cache.cluster",

@@ -64,7 +64,7 @@ EXTRAS: dict[str, Extra] = {
             f"torch built for CUDA 13 ({_TORCH_CUDA})",
         ),
         Extra("redis", ("redis>=5",), ("redis",), "the cluster cache (ClusterCache, stallfree cache)"),
-        # s3fs's own dependencies too: our S3 session code (shards/remote.py with_session)
+        # s3fs's own dependencies too: our S3 session code (storage/remote.py with_session)
         # imports aiobotocore before fsspec ever imports s3fs, and without the extra neither is here
         Extra("s3", ("s3fs>=2023.6",), ("s3fs", "aiobotocore", "botocore"), "reading s3:// URLs"),
         Extra("fast", ("simplejpeg>=1.7",), ("simplejpeg",), "ImageDecode(jpeg_library='simplejpeg')"),

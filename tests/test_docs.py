@@ -283,7 +283,9 @@ def test_the_layer_table_allows_every_import_the_package_makes():
 
 def test_the_checker_catches_what_it_is_for(index: Index):
     assert (
-        path_exists("loader/shm.py") and path_exists("stallfree/loader/") and path_exists("test_imports.py")
+        path_exists("loader/shm/storage.py")
+        and path_exists("stallfree/loader/")
+        and path_exists("test_imports.py")
     )
     assert not path_exists("loader/mmap_reader.py")
     assert is_repo_path("benchmarks/RESULTS.md") and is_repo_path("tests/gpu/")

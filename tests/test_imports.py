@@ -255,8 +255,19 @@ def test_subpackages_never_import_the_cli():
 @pytest.mark.parametrize(
     "source, allowed",
     [
-        ("stallfree.shards", ("stallfree.shards",)),
-        ("stallfree.cache", ("stallfree.cache", "stallfree.shards", "stallfree.extras")),
+        ("stallfree.errors", ()),
+        ("stallfree.storage", ("stallfree.storage", "stallfree.errors")),
+        ("stallfree.shards", ("stallfree.shards", "stallfree.storage", "stallfree.errors")),
+        (
+            "stallfree.cache",
+            (
+                "stallfree.cache",
+                "stallfree.shards",
+                "stallfree.storage",
+                "stallfree.errors",
+                "stallfree.extras",
+            ),
+        ),
     ],
 )
 def test_layering(source, allowed):

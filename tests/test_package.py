@@ -20,7 +20,7 @@ def test_cli_help_lists_commands():
 
 
 def test_shard_error_names_shard_key_and_offset():
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.errors import CorruptShardError
 
     err = CorruptShardError("bad tar header", shard="s-000.tar", key="k1", offset=1536)
     assert str(err) == "bad tar header (shard s-000.tar, sample 'k1', byte offset 1536)"

@@ -55,7 +55,7 @@ def fail(command: str, message: object, code: int = 1) -> int:
 
     An error whose advice names a Python argument is re-worded with the command's flag
     (``DatasetExistsError``: ``overwrite=True`` -> ``--overwrite``)."""
-    from stallfree.shards.errors import DatasetExistsError  # imports nothing else of ours
+    from stallfree.errors import DatasetExistsError  # imports nothing else of ours
 
     if isinstance(message, DatasetExistsError):
         message = message.advice("--overwrite")

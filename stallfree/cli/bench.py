@@ -136,7 +136,7 @@ def _device(choice: str) -> str:
 
 def _torchrun_world() -> dict[str, object]:
     """torchrun's rank and rendezvous from the environment (the CLI is where env is read)."""
-    from stallfree.loader.world import world_from_env
+    from stallfree.loader.epoch.world import world_from_env
 
     world = world_from_env(os.environ)
     if world is None:
@@ -255,12 +255,12 @@ def _finite(value):
 
 
 def run(args: argparse.Namespace) -> int:
+    from stallfree.errors import ShardError
     from stallfree.extras import require
     from stallfree.gpu_decode.jpeg_info import jpeg_decoder
     from stallfree.harness import report as rpt
     from stallfree.harness.errors import RankFailed, error_line
     from stallfree.harness.runner import run_bench
-    from stallfree.shards.errors import ShardError
 
     dataset = str(args.dataset)
     if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():

@@ -73,7 +73,7 @@ def _refused(args: argparse.Namespace) -> str | None:
 def _run(args: argparse.Namespace, work: Path) -> int:
     from stallfree.shards.open import open_dataset
     from stallfree.shards.parallel import shard_dataset
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
     from stallfree.testing.images import make_image_folder
 
     classes = 8
@@ -136,10 +136,10 @@ def _one_epoch(ds, args: argparse.Namespace) -> None:
 
 
 def _bench(shards: Path, samples: int, args: argparse.Namespace) -> int:
+    from stallfree.errors import ShardError
     from stallfree.harness.errors import RankFailed, error_line
     from stallfree.harness.report import format_table
     from stallfree.harness.runner import BenchConfig, run_bench
-    from stallfree.shards.errors import ShardError
 
     # every rank must fill a batch each epoch (the bench drops the last partial one)
     batch_size = max(1, min(BENCH_BATCH, samples // BENCH_RANKS))

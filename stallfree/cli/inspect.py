@@ -62,7 +62,7 @@ def _field_size(value: Any) -> Any:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from stallfree.shards.errors import ShardError
+    from stallfree.errors import ShardError
     from stallfree.shards.formats import get_format
     from stallfree.shards.open import open_dataset
     from stallfree.shards.scan import resolve
@@ -137,9 +137,10 @@ def _read_in_place_as(dataset: str, options: dict[str, Any]) -> str | None:
     or, given the ``index.json``, took it for a manifest of an unknown version."""
     import posixpath
 
-    from stallfree.shards import formats, remote
-    from stallfree.shards.jsonfile import parse_json
+    from stallfree.shards import formats
     from stallfree.shards.scan import resolve
+    from stallfree.storage import remote
+    from stallfree.storage.jsonfile import parse_json
 
     if dataset.endswith("manifest.json"):
         return None
@@ -156,7 +157,7 @@ def _read_in_place_as(dataset: str, options: dict[str, Any]) -> str | None:
 def run_verify(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from stallfree.shards.errors import ShardError
+    from stallfree.errors import ShardError
     from stallfree.shards.verify import total_bytes, verify_dataset
 
     try:

@@ -192,7 +192,7 @@ def run_tokenize(args: argparse.Namespace, options: dict[str, Any]) -> int:
     """``stallfree shard SRC DST --tokenizer T``: text documents to token files (+ tokens.json)."""
     from tqdm import tqdm
 
-    from stallfree.shards.errors import ShardError
+    from stallfree.errors import ShardError
     from stallfree.tokens.tokenize import tokenize_files
 
     tqdm.monitor_interval = 0
@@ -224,9 +224,9 @@ def run_tokenize(args: argparse.Namespace, options: dict[str, Any]) -> int:
 def run_shard(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from stallfree.shards.errors import ShardError
+    from stallfree.errors import ShardError
     from stallfree.shards.parallel import shard_dataset
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
     from stallfree.shards.writer import parse_size
 
     try:
@@ -335,8 +335,8 @@ def _downscale(args: argparse.Namespace) -> Any:
 def run_index(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from stallfree.shards.errors import ShardError
-    from stallfree.shards.indexing import index_tars
+    from stallfree.errors import ShardError
+    from stallfree.shards.tar.indexing import index_tars
 
     tqdm.monitor_interval = 0
     try:

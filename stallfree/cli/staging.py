@@ -71,14 +71,14 @@ def _usage(parser: argparse.ArgumentParser) -> int:
 
 
 def _root(args: argparse.Namespace) -> str:
-    from stallfree.shards.staging import default_root
+    from stallfree.storage.staging import default_root
 
     return args.root or default_root()
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from stallfree.shards.staging import StagingDirError
-    from stallfree.shards.staging_admin import list_staging
+    from stallfree.storage.staging import StagingDirError
+    from stallfree.storage.staging_admin import list_staging
 
     root = _root(args)
     try:
@@ -100,8 +100,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 
 def run_clear(args: argparse.Namespace) -> int:
-    from stallfree.shards.staging import StagingDirError
-    from stallfree.shards.staging_admin import clear_staging
+    from stallfree.storage.staging import StagingDirError
+    from stallfree.storage.staging_admin import clear_staging
 
     if args.older_than is not None and args.older_than < 0:
         return fail("staging clear", f"--older-than must be >= 0 days, got {args.older_than}", 2)

@@ -24,8 +24,8 @@ from typing import Any
 
 from PIL import Image, JpegImagePlugin
 
+from stallfree.errors import SampleDecodeError
 from stallfree.gpu_decode.header import DEFAULT_MAX_PIXELS, BadImageError, ImageInfo, probe
-from stallfree.shards.errors import SampleDecodeError
 from stallfree.shards.fields import is_image_field
 
 log = logging.getLogger(__name__)

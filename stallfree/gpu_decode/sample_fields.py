@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stallfree.shards.hf import columns_from_features
+from stallfree.shards.arrow.hf import columns_from_features
 
 log = logging.getLogger(__name__)
 

@@ -224,7 +224,7 @@ class ImageDecode:
     def restarts_threads(self) -> bool:
         """Whether ``close()`` only stops the decode threads, a later batch starting them again
         (the CPU decoder): the loader may then decode its first batch in the main process and
-        fork its workers after (loader/inline_first.py)."""
+        fork its workers after (loader/first_batch_inline.py)."""
         return self._decoder.runs_in_workers
 
     def use_threads(self, n: int) -> None:

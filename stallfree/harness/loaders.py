@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
+from stallfree.errors import CorruptShardError
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
 from stallfree.harness.report import RECIPE_LABEL
 from stallfree.harness.transforms import PILRecipe, collate_pairs
 from stallfree.loader import _torch_compat as compat
-from stallfree.shards.errors import CorruptShardError
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +192,7 @@ class StallfreeAdapter(Adapter):
     def __init__(self, settings: LoaderSettings) -> None:
         super().__init__(settings)
         from stallfree.loader.dataloader import DataLoader
-        from stallfree.loader.world import World
+        from stallfree.loader.epoch.world import World
 
         s = settings
         world = World(rank=s.rank, size=s.world_size, local_rank=s.local_rank, local_size=s.local_size)
@@ -342,7 +342,7 @@ class DaliAdapter(Adapter):
         if any("://" in u for u in urls):
             raise ValueError("DALI's webdataset reader reads local files only; this dataset is remote")
         gpu = s.device.startswith("cuda")
-        from stallfree.shards.idx import idx_path_for
+        from stallfree.shards.tar.idx import idx_path_for
 
         indexes = [idx_path_for(u) for u in urls]
         if not all(os.path.exists(p) for p in indexes):

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from stallfree.errors import SampleDecodeError
 from stallfree.gpu_decode.augment import random_resized_crop
-from stallfree.shards.errors import SampleDecodeError
 from stallfree.shards.fields import IMAGE_FIELDS
 
 _MEAN = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)

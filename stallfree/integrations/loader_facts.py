@@ -13,9 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.loader import order
 from stallfree.loader.dataloader import DataLoader
-from stallfree.loader.state import LoaderState
+from stallfree.loader.epoch import order
+from stallfree.loader.epoch.state import LoaderState
 
 
 @dataclass(frozen=True)

@@ -135,7 +135,7 @@ def shared_fd(storage: torch.UntypedStorage) -> tuple[int, int] | None:
     """(file descriptor, size) of a storage shared by file descriptor, or None.
 
     Why private: writing a slot through its file (``pwrite``) instead of its mapping saves a page
-    fault per 4 KiB (loader/shm.py); torch exposes the descriptor only through this method."""
+    fault per 4 KiB (loader/shm/storage.py); torch exposes the descriptor only through this method."""
     fn = getattr(storage, "_share_fd_cpu_", None)
     if fn is None:
         return None
@@ -150,7 +150,7 @@ def shared_storage_of_fd(fd: int, nbytes: int) -> torch.UntypedStorage:
     """A shared-memory storage over the first ``nbytes`` of the file ``fd`` (the storage keeps
     its own duplicate; the caller still closes ``fd``).
 
-    Why private: a worker's slot segment arrives as a bare descriptor (loader/segments.py);
+    Why private: a worker's slot segment arrives as a bare descriptor (loader/shm/segments.py);
     ``_new_shared_fd_cpu`` is what torch's own storage unpickling builds it with, so the storage
     is the same kind as one that came pickled."""
     return torch.UntypedStorage._new_shared_fd_cpu(fd, nbytes)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from stallfree.cache.base import Cache
-from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import ShardError
+from stallfree.errors import ShardError
+from stallfree.storage.atomic import is_local
 
 logger = logging.getLogger(__name__)
 
@@ -406,3 +406,13 @@ def place_decode(decode: Any, num_workers: int) -> DecodePlacement:
             f"got {type(decode).__name__}"
         )
     return DecodePlacement("sample", decode)
+
+
+def wants_concurrency(dataset: Any) -> bool:
+    """True for a remote (non-local filesystem) sharded dataset that reads shards concurrently."""
+    if not isinstance(dataset, ConcurrentShardSource):
+        return False
+    try:
+        return is_remote(dataset)
+    except Exception:  # noqa: BLE001 - an unreachable store: plain reads report the error
+        return False

@@ -39,19 +39,21 @@ import torch
 import torch.utils.data as tud
 
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader import allocator, contracts, fdlimit, shardio
-from stallfree.loader.engine import Engine
+from stallfree.loader import contracts, fdlimit
+from stallfree.loader.assembler import Assembler, failure_budget
+from stallfree.loader.epoch.indices import EpochIndices, IndexSource, StreamIndices
+from stallfree.loader.epoch.order import Batches
+from stallfree.loader.epoch.progress import EpochProgress
+from stallfree.loader.epoch.state import LoaderState
+from stallfree.loader.epoch.world import World, resolve_world
 from stallfree.loader.errors import IteratorSupersededError, StateMismatchError
 from stallfree.loader.iterator import SHARED_EPOCH, SHARED_POOL, LoaderIterator, superseded_message
+from stallfree.loader.lead_staging import LeadStaging
 from stallfree.loader.options import LoaderOptions, plan
-from stallfree.loader.order import Batches
 from stallfree.loader.plan import MainPlan, worker_cores
-from stallfree.loader.prefetch import Assembler, failure_budget
-from stallfree.loader.progress import EpochProgress
-from stallfree.loader.sources import EpochIndices, IndexSource, StreamIndices
-from stallfree.loader.state import LoaderState
+from stallfree.loader.pool import Engine
+from stallfree.loader.shm import heap as allocator
 from stallfree.loader.stats import LoaderStats
-from stallfree.loader.world import World, resolve_world
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +79,7 @@ class DataLoader(tud.DataLoader[T_co]):
     of batches in flight from queue occupancy and consumer waits, within ``memory_budget`` bytes),
     ``staging`` (None: for block order over remote shards each worker stages whole shards in a
     node-local directory shared by the node's processes and reads samples from there; False:
-    off; a directory or a ``stallfree.shards.staging.Staging(root=, cap_bytes=)``).
+    off; a directory or a ``stallfree.storage.staging.Staging(root=, cap_bytes=)``).
 
     Iterators: each ``iter()`` gives an independent iterator over the next epoch (its own workers;
     fast, sampler and iterable modes alike), as torch's. With ``persistent_workers=True`` and
@@ -199,7 +201,7 @@ class DataLoader(tud.DataLoader[T_co]):
         # the live iterators, which hold us (not the reverse); the newest one's progress is _progress
         self._live: weakref.WeakSet = weakref.WeakSet()
         self._engine: Engine | None = None
-        self._lead: shardio.LeadStaging | None = None  # the main process staging a first window
+        self._lead: LeadStaging | None = None  # the main process staging a first window
         self._progress: EpochProgress | None = None
         self._restored_epoch: int | None = None  # load_state_dict's epoch, until iterated or moved off
         _LOADERS.add(self)
@@ -490,7 +492,7 @@ class DataLoader(tud.DataLoader[T_co]):
     def _stage_first_window(self, batches: Any) -> None:
         """Block order over remote shards, staged: the main process starts fetching the epoch's
         first window while the workers start, and the next one once it is in
-        (``shardio.LeadStaging``)."""
+        (``LeadStaging``)."""
         staging = self._plan.worker.staging
         if self._lead is not None:
             self._lead.close()
@@ -500,7 +502,7 @@ class DataLoader(tud.DataLoader[T_co]):
         shards = batches.window_shards_at(0)
         if shards:
             then = batches.shards_after(0)
-            self._lead = shardio.LeadStaging(self._plan.worker.dataset, staging, shards, then)
+            self._lead = LeadStaging(self._plan.worker.dataset, staging, shards, then)
 
     def _main_plan(self, samples: int) -> MainPlan:
         """The plan's main-process value with this epoch's failure budget."""

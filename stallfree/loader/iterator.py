@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from stallfree.loader import _torch_compat as compat
+from stallfree.loader.assembler import Assembler, End, Failed, Ready, Skipped, record_stream
+from stallfree.loader.epoch.progress import EpochProgress
 from stallfree.loader.errors import IteratorSupersededError
-from stallfree.loader.prefetch import Assembler, End, Failed, Ready, Skipped, record_stream
-from stallfree.loader.progress import EpochProgress
 from stallfree.loader.stats import LoaderStats
 
 

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from stallfree.loader import contracts
-from stallfree.loader import order as order_mod
+from stallfree.loader.assembler import check_max_failures
 from stallfree.loader.contracts import DecodePlacement
+from stallfree.loader.epoch import order as order_mod
+from stallfree.loader.epoch.indices import IndexSource, OrderIndices, SamplerIndices, StreamIndices
+from stallfree.loader.epoch.world import World
 from stallfree.loader.plan import MainPlan, WorkerPlan
-from stallfree.loader.prefetch import check_max_failures
-from stallfree.loader.sources import IndexSource, OrderIndices, SamplerIndices, StreamIndices
-from stallfree.loader.world import World
-from stallfree.shards.staging import Staging
+from stallfree.storage.staging import Staging
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from stallfree.loader import contracts, shardio
+from stallfree.loader import contracts
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def read_path(plan: WorkerPlan) -> ReadPath:
         read = Read.PER_SAMPLE  # torch reads dataset[index] then, never __getitems__
     else:
         read = Read.BATCHED
-    concurrent = shardio.wants_concurrency(ds)
+    concurrent = contracts.wants_concurrency(ds)
     if plan.fetch_threads > 1:
         return ReadPath(Where.POOLED, read, concurrent)
     if read is Read.COLLATED:

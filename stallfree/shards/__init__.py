@@ -8,8 +8,8 @@ from typing import Any
 _EXPORTS = {
     "open_dataset": "stallfree.shards.open",
     "ShardWriter": "stallfree.shards.writer",
-    "Manifest": "stallfree.shards.manifest",
-    "ShardInfo": "stallfree.shards.manifest",
+    "Manifest": "stallfree.shards.manifest.model",
+    "ShardInfo": "stallfree.shards.manifest.model",
 }
 
 __all__ = sorted(_EXPORTS)

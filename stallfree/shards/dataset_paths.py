@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from stallfree.shards.source_base import SourceError
+from stallfree.shards.sources.base import SourceError
 
 
 class OutsideDatasetError(SourceError, ValueError):

@@ -23,9 +23,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import fsspec
 
-from stallfree.shards.errors import ManifestError
-from stallfree.shards.idx import IdxSample
-from stallfree.shards.shard_info import ShardInfo
+from stallfree.errors import ManifestError
+from stallfree.shards.manifest.shard_info import ShardInfo
+from stallfree.shards.tar.idx import IdxSample
 from stallfree.shards.verify_report import KeyAt, ProgressFn, VerifyReport
 
 
@@ -186,14 +186,14 @@ class Format(Protocol):
 Ref = str | Format  # "package.module:attribute", or the format itself
 
 _FORMATS: dict[str, Ref] = {
-    "tar": "stallfree.shards.format_tar:TAR",
-    "arrow": "stallfree.shards.format_arrow:ARROW",
+    "tar": "stallfree.shards.tar.format:TAR",
+    "arrow": "stallfree.shards.arrow.format:ARROW",
 }
 # Formats ``open_dataset`` reads in place but nothing writes (``format_names``, ``choices`` and
 # ``stallfree shard --format`` leave them out): datasets other libraries wrote (``inplace.py``).
 _READ_ONLY: dict[str, Ref] = {
-    "mds": "stallfree.shards.format_mds:MDS",
-    "litdata": "stallfree.shards.format_litdata:LITDATA",
+    "mds": "stallfree.shards.inplace.mds:MDS",
+    "litdata": "stallfree.shards.inplace.litdata:LITDATA",
 }
 
 

@@ -27,15 +27,16 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import formats, remote
-from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import ManifestError, MissingShardError, ShardError, ShardReadError
+from stallfree.errors import ManifestError, MissingShardError, ShardError, ShardReadError
+from stallfree.shards import formats
 from stallfree.shards.formats import Format, ShardOpen, ShardReader
-from stallfree.shards.idx import IdxSample
-from stallfree.shards.jsonfile import parse_json
-from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, join
+from stallfree.shards.manifest.model import FORMAT_VERSION, MANIFEST_NAME, Manifest, join
 from stallfree.shards.scan import INDEX_JSON, resolve
+from stallfree.shards.tar.idx import IdxSample
 from stallfree.shards.verify import verify_manifest
+from stallfree.storage import remote
+from stallfree.storage.atomic import is_local
+from stallfree.storage.jsonfile import parse_json
 
 log = logging.getLogger(__name__)
 

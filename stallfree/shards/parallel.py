@@ -31,11 +31,10 @@ from typing import Any, Protocol
 
 import fsspec
 
+from stallfree.errors import DatasetExistsError, SampleDecodeError, WriteError
 from stallfree.shards import formats
-from stallfree.shards.atomic import check_writable, remove_stale_temps
-from stallfree.shards.errors import DatasetExistsError, SampleDecodeError, WriteError
 from stallfree.shards.formats import Format
-from stallfree.shards.manifest import (
+from stallfree.shards.manifest.model import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     Manifest,
@@ -43,7 +42,8 @@ from stallfree.shards.manifest import (
     files_in_use,
     generation_stem,
 )
-from stallfree.shards.sources import Item, Source, SourceError, SourceReadError, open_source
+from stallfree.shards.sources.registry import Item, Source, SourceError, SourceReadError, open_source
+from stallfree.storage.atomic import check_writable, remove_stale_temps
 
 log = logging.getLogger(__name__)
 

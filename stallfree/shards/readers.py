@@ -30,27 +30,27 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from stallfree.shards import stamps
-from stallfree.shards.arrow_check import (
+from stallfree.errors import (
+    CorruptShardError,
+    IndexMismatchError,
+    MissingShardError,
+)
+from stallfree.shards.arrow.check import (
     BatchChecks,
     DamagedArrowError,
     check_schema_names,
     row_span,
     warn_if_cut_short,
 )
-from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import (
-    CorruptShardError,
-    IndexMismatchError,
-    MissingShardError,
-)
-from stallfree.shards.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
-from stallfree.shards.manifest import ShardInfo
-from stallfree.shards.remote import RangeFile, VersionPin, read_file, read_ranges
+from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.scan import record_mismatches, scan_tar, sha256_of
-from stallfree.shards.sums import remote_member_check
-from stallfree.shards.tar import BLOCK, parse_header, split_name
-from stallfree.shards.tar_walk import RangeReader, walk_tar
+from stallfree.shards.tar.idx import IDX_VERSION, IdxSample, idx_path_for, parse_idx
+from stallfree.shards.tar.sums import remote_member_check
+from stallfree.shards.tar.walk import RangeReader, walk_tar
+from stallfree.shards.tar.writer import BLOCK, parse_header, split_name
+from stallfree.storage import stamps
+from stallfree.storage.atomic import is_local
+from stallfree.storage.remote import RangeFile, VersionPin, read_file, read_ranges
 
 log = logging.getLogger(__name__)
 
@@ -583,7 +583,7 @@ def open_batches(source: Any, path: str, shard: str, local: bool, fetch: Any, wa
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
-    from stallfree.shards.arrow_check import check_ipc_file
+    from stallfree.shards.arrow.check import check_ipc_file
 
     try:
         if path.endswith(".parquet"):
@@ -638,7 +638,7 @@ class ArrowShardReader:
     ) -> None:
         import pyarrow as pa
 
-        from stallfree.shards.arrow_check import TailCached
+        from stallfree.shards.arrow.check import TailCached
 
         self.fs, self.path, self.shard, self.info = fs, path, shard, info
         self.local = is_local(fs)
@@ -696,8 +696,8 @@ class ArrowShardReader:
                 total += self._rows_of(b)
             self._starts = starts
             self.rows = total
-        from stallfree.shards.arrow import row_converter
-        from stallfree.shards.hf import row_media_converter
+        from stallfree.shards.arrow.hf import row_media_converter
+        from stallfree.shards.arrow.writer import row_converter
 
         # Hugging Face Image()/Audio() struct cells -> their encoded bytes (a no-op otherwise)
         self._convert = row_media_converter(

@@ -20,15 +20,16 @@ from typing import Any
 
 import fsspec
 
-from stallfree.shards import formats, remote, stamps
-from stallfree.shards.atomic import is_local
+from stallfree.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
+from stallfree.shards import formats
+from stallfree.shards.arrow.hf import DATASET_DICT_FILE, SAVE_TO_DISK_FILES, splits_of_dataset_dict
 from stallfree.shards.dataset_paths import refuse_link_out
-from stallfree.shards.digests import ShardDigests
-from stallfree.shards.errors import CorruptShardError, HashMismatchError, MissingShardError, ShardError
-from stallfree.shards.hf import DATASET_DICT_FILE, SAVE_TO_DISK_FILES, splits_of_dataset_dict
-from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx, render_idx
-from stallfree.shards.manifest import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
-from stallfree.shards.tar_walk import RangeReader, group_samples, walk_tar
+from stallfree.shards.manifest.model import FORMAT_VERSION, MANIFEST_NAME, Manifest, ShardInfo
+from stallfree.shards.tar.idx import IdxSample, idx_path_for, parse_idx, render_idx
+from stallfree.shards.tar.walk import RangeReader, group_samples, walk_tar
+from stallfree.storage import remote, stamps
+from stallfree.storage.atomic import is_local
+from stallfree.storage.digests import ShardDigests
 
 log = logging.getLogger(__name__)
 

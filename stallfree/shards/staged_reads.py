@@ -30,11 +30,12 @@ from typing import Any, BinaryIO
 
 import fsspec
 
-from stallfree.shards import digests, file_copy, formats, remote
-from stallfree.shards.daemon_pool import DaemonThreadPool
-from stallfree.shards.errors import HashMismatchError, MissingShardError
+from stallfree.errors import HashMismatchError, MissingShardError
+from stallfree.shards import formats
 from stallfree.shards.formats import ShardOpen
-from stallfree.shards.staging import Expected, StagedFile, Staging, StagingArea, StagingFullError
+from stallfree.storage import digests, file_copy, remote
+from stallfree.storage.daemon_pool import DaemonThreadPool
+from stallfree.storage.staging import Expected, StagedFile, Staging, StagingArea, StagingFullError
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class StagedShards:
         # after a fork the dataset's client is the parent's (not fork-safe): warm() renews it
         dataset.warm([], executor)
         # the client is made at the first request: in a loader's workers often never, the main
-        # process stages their windows (loader/shardio.py, LeadStaging)
+        # process stages their windows (loader/lead_staging.py)
         self._fs = dataset.fs
         self._namespace = dataset.fingerprint
         self._executor = executor

@@ -27,8 +27,7 @@ from typing import IO, Any
 
 import fsspec
 
-from stallfree.shards import formats, remote
-from stallfree.shards.errors import (
+from stallfree.errors import (
     CorruptShardError,
     DuplicateKeyError,
     IndexMismatchError,
@@ -37,15 +36,17 @@ from stallfree.shards.errors import (
     ShardError,
     ShardReadError,
 )
+from stallfree.shards import formats
 from stallfree.shards.fields import is_image_field
-from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx
-from stallfree.shards.manifest import MANIFEST_NAME, Manifest, ShardInfo, join
+from stallfree.shards.manifest.model import MANIFEST_NAME, Manifest, ShardInfo, join
 from stallfree.shards.readers import check_stream_schema, unreadable_table
 from stallfree.shards.scan import file_size, record_mismatches
-from stallfree.shards.sums import checksum, mismatch, parse_sums, sums_path_for
-from stallfree.shards.tar import BLOCK
-from stallfree.shards.tar_walk import TarMember, group_samples, sample_parts, walk_tar
+from stallfree.shards.tar.idx import IdxSample, idx_path_for, parse_idx
+from stallfree.shards.tar.sums import checksum, mismatch, parse_sums, sums_path_for
+from stallfree.shards.tar.walk import TarMember, group_samples, sample_parts, walk_tar
+from stallfree.shards.tar.writer import BLOCK
 from stallfree.shards.verify_report import KeyAt, Problem, ProgressFn, VerifyReport
+from stallfree.storage import remote
 
 log = logging.getLogger(__name__)
 

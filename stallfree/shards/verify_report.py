@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from stallfree.shards.errors import ShardError
+from stallfree.errors import ShardError
 
 ProgressFn = Callable[[int], None]  # bytes checked
 KeyAt = tuple[str, int | None]  # a sample key and the byte offset of its first header (tar)

@@ -15,11 +15,11 @@ from typing import Any
 
 import fsspec
 
+from stallfree.errors import WriteError
 from stallfree.shards import formats
-from stallfree.shards.atomic import CommitOnExit, check_writable, remove_stale_temps
-from stallfree.shards.errors import WriteError
 from stallfree.shards.formats import ShardFileWriter
-from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo, files_in_use, generation_stem
+from stallfree.shards.manifest.model import FORMAT_VERSION, Manifest, ShardInfo, files_in_use, generation_stem
+from stallfree.storage.atomic import CommitOnExit, check_writable, remove_stale_temps
 
 _UNITS = {
     "": 1,

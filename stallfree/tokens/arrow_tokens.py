@@ -8,7 +8,7 @@ stream format) are memory-mapped only while they are opened, to find where each 
 lie; reads are then ``pread`` of those bytes (``tokens/base.py`` ``FlatFile``: a file cut short
 under a job is an error naming it, where a mapping was a SIGBUS). Parquet (compressed), remote
 Arrow files and compressed Arrow buffers are read into memory once per process, the column only,
-remote ones through ``shards/remote.py`` (every read's length checked, short or failed reads
+remote ones through ``storage/remote.py`` (every read's length checked, short or failed reads
 retried).
 """
 
@@ -24,14 +24,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
-from stallfree.shards import remote
-from stallfree.shards.arrow_check import check_ipc_file, check_schema_names, validate_batch
-from stallfree.shards.atomic import is_local
+from stallfree.errors import CorruptShardError, MissingShardError, ShardError
+from stallfree.shards.arrow.check import check_ipc_file, check_schema_names, validate_batch
 from stallfree.shards.dataset_paths import refuse_link_out
-from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
-from stallfree.shards.jsonfile import parse_json
-from stallfree.shards.manifest import MANIFEST_NAME, Manifest, join
-from stallfree.shards.manifest_paths import path_problem
+from stallfree.shards.manifest.model import MANIFEST_NAME, Manifest, join
+from stallfree.shards.manifest.paths import path_problem
+from stallfree.storage import remote
+from stallfree.storage.atomic import is_local
+from stallfree.storage.jsonfile import parse_json
 from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole
 
 _SUFFIXES = (".arrow", ".parquet")
@@ -85,7 +85,7 @@ def _dir_files(fs: fsspec.AbstractFileSystem, root: str, url: str) -> list[str]:
 
 
 def _parquet_file(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Any:
-    """A Parquet file to read: the local file, or ranged reads through ``shards/remote.py``
+    """A Parquet file to read: the local file, or ranged reads through ``storage/remote.py``
     (lengths checked, retried) for a remote one."""
     if is_local(fs):
         return fs.open(path, "rb")

@@ -15,9 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 import fsspec
 import numpy as np
 
-from stallfree.shards import remote
-from stallfree.shards.atomic import is_local
-from stallfree.shards.errors import CorruptShardError, MissingShardError, ShardError
+from stallfree.errors import CorruptShardError, MissingShardError, ShardError
+from stallfree.storage import remote
+from stallfree.storage.atomic import is_local
 
 INTEGER_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "uint64")
 
@@ -69,7 +69,7 @@ class FlatFile:
     ``CorruptShardError`` naming the file, the byte range and the file's size now. The read is the
     copy a window needs anyway, so it costs what the mapping's page faults did (bench_tokens.py
     ``--read-path``, benchmarks/RESULTS.md "Tokens"). Remote files: ranged reads through
-    ``shards/remote.py`` (lengths checked, short or failed reads retried, errors naming the URL).
+    ``storage/remote.py`` (lengths checked, short or failed reads retried, errors naming the URL).
     """
 
     def __init__(
@@ -133,7 +133,7 @@ class FlatFile:
 
     def read(self, start: int, stop: int) -> np.ndarray:
         """Tokens ``[start, stop)`` as a new array: ``pread`` locally, one checked ranged read
-        (``shards/remote.py``) remotely."""
+        (``storage/remote.py``) remotely."""
         return self.read_runs(np.array([start], np.int64), np.array([stop - start], np.int64))
 
     def read_runs(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

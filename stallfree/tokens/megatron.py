@@ -32,15 +32,15 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from stallfree.shards.atomic import AtomicFile, CommitOnExit
-from stallfree.shards.errors import (
+from stallfree.errors import (
     CorruptShardError,
     IndexMismatchError,
     MissingShardError,
     ShardError,
     WriteError,
 )
-from stallfree.shards.remote import url_to_fs
+from stallfree.storage.atomic import AtomicFile, CommitOnExit
+from stallfree.storage.remote import url_to_fs
 from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole, token_dtype
 
 MAGIC = b"MMIDIDX\x00\x00"

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.tokens.base import TokenSource, check_lengths, fingerprint_of
 
 POSITIONS = ("window", "document")
@@ -63,7 +63,7 @@ def open_tokens(
     ``name.idx``, or either file), a raw ``.bin`` (``dtype=`` required), the output directory of
     ``stallfree shard --tokenizer`` (opened by its ``tokens.json``, either layout), or an
     Arrow/Parquet dataset (file, directory, glob) with column ``field``."""
-    from stallfree.shards import remote
+    from stallfree.storage import remote
     from stallfree.tokens.megatron import MegatronSource, prefix_of
 
     fs, path = remote.url_to_fs(source, **storage_options)

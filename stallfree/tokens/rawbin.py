@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from stallfree.shards.errors import CorruptShardError
-from stallfree.shards.remote import url_to_fs
+from stallfree.errors import CorruptShardError
+from stallfree.storage.remote import url_to_fs
 from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, token_dtype
 
 _SCAN_TOKENS = 1 << 24  # tokens per chunk of the boundary scan

@@ -19,9 +19,9 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from stallfree.shards import remote
-from stallfree.shards.errors import CorruptShardError, ShardError
-from stallfree.shards.jsonfile import parse_json
+from stallfree.errors import CorruptShardError, ShardError
+from stallfree.storage import remote
+from stallfree.storage.jsonfile import parse_json
 from stallfree.tokens.base import TokenSource, read_whole
 
 TOKENS_MANIFEST = "tokens.json"

@@ -17,8 +17,8 @@ from typing import Any
 import fsspec
 import numpy as np
 
-from stallfree.shards.atomic import AtomicFile
-from stallfree.shards.errors import SampleDecodeError, ShardError, WriteError
+from stallfree.errors import SampleDecodeError, ShardError, WriteError
+from stallfree.storage.atomic import AtomicFile
 from stallfree.tokens.token_dir import LAYOUTS, TOKENS_FORMAT, TOKENS_MANIFEST
 
 log = logging.getLogger(__name__)

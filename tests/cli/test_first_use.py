@@ -14,10 +14,10 @@ import pytest
 
 import stallfree
 from stallfree.cli import build_parser, main
-from stallfree.shards.errors import DatasetExistsError, WriteError
-from stallfree.shards.indexing import index_tars
+from stallfree.errors import DatasetExistsError, WriteError
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
+from stallfree.shards.tar.indexing import index_tars
 from stallfree.shards.writer import ShardWriter
 
 

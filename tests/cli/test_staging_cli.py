@@ -1,5 +1,5 @@
 """``stallfree staging list`` / ``clear`` (``stallfree/cli/staging.py``, the library in
-``stallfree/shards/staging_admin.py``): what the node's staging area holds, and freeing it
+``stallfree/storage/staging_admin.py``): what the node's staging area holds, and freeing it
 without ever deleting a copy a running process reads or writes."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import time
 import pytest
 
 from stallfree.cli import main
-from stallfree.shards.staging import StagingArea
-from stallfree.shards.staging_admin import clear_staging, list_staging
+from stallfree.storage.staging import StagingArea
+from stallfree.storage.staging_admin import clear_staging, list_staging
 
 TIMEOUT = 60
 DAY = 86400
@@ -84,7 +84,7 @@ def test_a_refused_root_is_an_error_naming_it(tmp_path, capsys):
 
 _PIN = textwrap.dedent("""
     import sys
-    from stallfree.shards.staging import StagingArea
+    from stallfree.storage.staging import StagingArea
     area = StagingArea(sys.argv[1])
     pinned = area.stage("aaaa", "shard-0.tar", produce=lambda: b"a" * 3000)  # a reader's pin
     print("pinned", flush=True)

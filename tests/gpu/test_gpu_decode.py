@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode.augment import IMAGENET_STD
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.testing.images import base_photos, encode_jpeg, jpeg_bytes, make_image
 
 

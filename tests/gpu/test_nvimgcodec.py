@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode import registry, select
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD, Preset
 from stallfree.gpu_decode.backend import BackendOptions, OutputSpec
@@ -18,7 +19,6 @@ from stallfree.gpu_decode.header import probe
 from stallfree.gpu_decode.normalize import normalize
 from stallfree.gpu_decode.nvimgcodec import NvImageCodecDecoder, nvimgcodec_importable
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.testing.images import base_photos, encode_jpeg, jpeg_bytes, make_image
 
 _NO_CODEC = (

@@ -14,9 +14,9 @@ import traceback
 
 import numpy as np
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode.header import BadImageError, probe
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.testing.images import base_photos, make_image
 
 

@@ -12,9 +12,9 @@ import logging
 import resource
 import sys
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode.select import ImageDecode
 from stallfree.loader.dataloader import DataLoader
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.shards.open import open_dataset
 
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode import cpu
 from stallfree.gpu_decode.dali import dali_available
 from stallfree.gpu_decode.header import (
@@ -27,7 +28,6 @@ from stallfree.gpu_decode.header import (
     probe,
 )
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.shards.writer import ShardWriter
 
 from .test_limits import run_child

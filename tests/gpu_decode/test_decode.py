@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
+from stallfree.errors import BatchDecodeError, SampleDecodeError
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError, SampleDecodeError
 
 from .conftest import samples_from
 
@@ -180,7 +180,9 @@ def test_auto_without_cuda_picks_cpu_and_says_why():
 
 def test_forcing_dali_without_dali_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
-    with pytest.raises(ImportError, match=r"pip install 'stallfree\[dali-cuda13\]'.*'stallfree\[dali\]' for CUDA 12"):
+    with pytest.raises(
+        ImportError, match=r"pip install 'stallfree\[dali-cuda13\]'.*'stallfree\[dali\]' for CUDA 12"
+    ):
         ImageDecode(backend="dali")
     assert ImageDecode(backend="auto").stats()["backend"] == "cpu"  # no CUDA here: the CPU decoder
 

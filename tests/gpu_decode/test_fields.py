@@ -14,9 +14,9 @@ import torch
 
 import stallfree
 from stallfree.cli import main
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode.sample_fields import collate_values
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.shards.open import open_dataset
 from stallfree.testing.images import jpeg_bytes
 from tests.shards.test_source_litdata import write_litdata
@@ -285,6 +285,8 @@ def test_a_hugging_face_dataset_object_is_labelled_from_its_class_label_column(r
     loader = stallfree.DataLoader(encoded, batch_size=4, shuffle=False, num_workers=workers, decode=dec)
     got = [(i, lab) for b in loader for i, lab in zip(b["id"].tolist(), b["label"].tolist(), strict=True)]
     assert got == [(r["id"], r["label"]) for r in rows]
-    pil = stallfree.DataLoader(hf, batch_size=4, shuffle=False, num_workers=0, decode=ImageDecode(backend="cpu"))
+    pil = stallfree.DataLoader(
+        hf, batch_size=4, shuffle=False, num_workers=0, decode=ImageDecode(backend="cpu")
+    )
     with pytest.raises(BatchDecodeError, match=r"cast_column\('image', datasets.Image\(decode=False\)\)"):
         next(iter(pil))

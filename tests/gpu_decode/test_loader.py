@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode.normalize import normalize
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
 
@@ -110,7 +110,7 @@ def test_workers_decode_the_same_pixels_as_the_main_process(shards):
     stats = in_workers.stats()["decode"]
     assert stats["where"] == "workers" and stats["images"] == N and stats["backend"] == "cpu"
     # the main process's copy decoded only the pool's first batch, before the workers forked
-    # (loader/inline_first.py); the workers decoded every other one
+    # (loader/first_batch_inline.py); the workers decoded every other one
     assert dec.stats()["images"] == 6
     assert main.stats()["decode"]["where"] == "main"
 
@@ -141,7 +141,7 @@ def test_workers_decoding_skip_only_bad_samples_and_count_them(shards):
 
 
 def test_workers_decode_through_the_mapping_when_no_slot_file(shards, monkeypatch):
-    from stallfree.loader import shm
+    from stallfree.loader.shm import storage as shm
 
     main, _ = _loader(shards / "good", "cpu")
     monkeypatch.setattr(shm.SlotFile, "of", classmethod(lambda cls, storage: None))

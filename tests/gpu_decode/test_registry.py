@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode import registry
 from stallfree.gpu_decode.augment import Box
 from stallfree.gpu_decode.backend import Backend, BackendBase, BackendOptions, OutputSpec
 from stallfree.gpu_decode.header import ImageInfo, probe
 from stallfree.gpu_decode.select import ImageDecode
 from stallfree.loader.dataloader import DataLoader
-from stallfree.shards.errors import BatchDecodeError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
 

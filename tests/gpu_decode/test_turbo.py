@@ -10,11 +10,11 @@ import pytest
 import torch
 from PIL import Image
 
+from stallfree.errors import BatchDecodeError
 from stallfree.gpu_decode import cpu
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
 from stallfree.gpu_decode.normalize import normalize
 from stallfree.gpu_decode.select import ImageDecode
-from stallfree.shards.errors import BatchDecodeError
 
 from .conftest import samples_from
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from stallfree.errors import SampleDecodeError
 from stallfree.gpu_decode.augment import random_resized_crop
 from stallfree.harness import analyze, tune
 from stallfree.harness.datasets import (
@@ -18,7 +19,6 @@ from stallfree.harness.datasets import (
 from stallfree.harness.metrics import RankMetrics, job_summary, percentile
 from stallfree.harness.runner import BenchConfig
 from stallfree.harness.transforms import PILRecipe, label_of
-from stallfree.shards.errors import SampleDecodeError
 
 
 def test_percentile_matches_linear_interpolation():
@@ -343,8 +343,8 @@ def test_torch_style_loaders_get_the_same_worker_keywords():
 
 
 def test_error_line_is_the_message_or_the_wrapped_workers_own_error():
+    from stallfree.errors import CorruptShardError
     from stallfree.harness.errors import error_line
-    from stallfree.shards.errors import CorruptShardError
 
     assert (
         error_line(SampleDecodeError("cannot decode jpg: bad", key="k"))
@@ -355,7 +355,7 @@ def test_error_line_is_the_message_or_the_wrapped_workers_own_error():
         "Original Traceback (most recent call last):\n"
         '  File "x.py", line 1, in f\n'
         "    raise CorruptShardError(\n"
-        "stallfree.shards.errors.CorruptShardError: shard is truncated (shard a.tar, byte offset 9)\n"
+        "stallfree.errors.CorruptShardError: shard is truncated (shard a.tar, byte offset 9)\n"
     )
     assert error_line(wrapped) == "shard is truncated (shard a.tar, byte offset 9)"
     assert error_line(RuntimeError("Caught it.\nTraceback:\nValueError: x")) == "ValueError: x"

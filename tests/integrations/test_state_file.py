@@ -12,7 +12,7 @@ from stallfree.integrations import state_file
 from stallfree.integrations.state_file import LoaderStateFileError, MissingLoaderStateError
 
 STATE = {
-    "format": "stallfree.loader.state",
+    "format": "stallfree.loader.epoch.state",
     "version": 1,
     "mode": "fast",
     "seed": 3,

@@ -1,4 +1,4 @@
-"""``loader/allocator.py``: after ``keep_freed_memory`` a process that frees a batch of ~100 KB
+"""``loader/shm/heap.py``: after ``keep_freed_memory`` a process that frees a batch of ~100 KB
 objects and makes the next one takes its memory from the heap again, with no page fault; without
 it glibc hands the freed heap top back to the kernel every time. Counted in minor page faults of
 a fresh interpreter (the thresholds are per process), not timed."""
@@ -11,7 +11,7 @@ import pytest
 
 _CHILD = textwrap.dedent("""
     import resource, sys
-    from stallfree.loader import allocator
+    from stallfree.loader.shm import heap as allocator
     kept = allocator.keep_freed_memory() if sys.argv[1] == "1" else None
     again = allocator.keep_freed_memory() if sys.argv[1] == "1" else None
     def faults():

@@ -4,7 +4,15 @@ window reads, on any rank and after a resume, and never change the order itself.
 
 import numpy as np
 
-from stallfree.loader.order import Blocked, RankShare, Shuffled, batches, block_order, ramp_of, window_bounds
+from stallfree.loader.epoch.order import (
+    Blocked,
+    RankShare,
+    Shuffled,
+    batches,
+    block_order,
+    ramp_of,
+    window_bounds,
+)
 
 
 def _shard_of(sizes):

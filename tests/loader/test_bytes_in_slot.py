@@ -6,7 +6,7 @@ import os
 import torch
 
 from stallfree import DataLoader
-from stallfree.loader import shm
+from stallfree.loader.shm import storage as shm
 
 
 class RawSamples(torch.utils.data.Dataset):

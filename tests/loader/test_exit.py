@@ -204,7 +204,7 @@ def test_the_exit_hook_leaves_no_in_process_worker_thread_running(tmp_path):
     active exception", SIGABRT). Now queued tasks are dropped and the thread is joined."""
     body = """
     import threading, time
-    from stallfree.loader import dataloader, engine
+    from stallfree.loader import dataloader, pool as engine
 
     class Slow(Numbers):
         def __getitem__(self, i):

@@ -12,10 +12,10 @@ import pytest
 
 import stallfree
 from stallfree import DataLoader
+from stallfree.errors import SampleDecodeError
 from stallfree.loader import contracts
+from stallfree.loader.assembler import failure_budget
 from stallfree.loader.errors import FailureBudgetExceeded
-from stallfree.loader.prefetch import failure_budget
-from stallfree.shards.errors import SampleDecodeError
 from tests.loader.helpers import Failing, Numbers
 
 

@@ -9,9 +9,9 @@ import psutil
 import pytest
 import torch
 
+from stallfree.errors import BatchDecodeError
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.errors import FailureBudgetExceeded, WorkerDiedError, WorkerHungError
-from stallfree.shards.errors import BatchDecodeError
 from tests.loader.helpers import Big, Dies, Failing, Hangs, Numbers, WhoAmI, indices
 
 
@@ -183,7 +183,7 @@ def test_on_error_skip_drops_failed_samples_and_counts_them():
 
 def test_on_error_warn_logs(caplog):
     dl = DataLoader(Failing(12, {5}), batch_size=4, shuffle=True, seed=0, on_error="warn")
-    with caplog.at_level(logging.WARNING, logger="stallfree.loader.prefetch"):
+    with caplog.at_level(logging.WARNING, logger="stallfree.loader.assembler"):
         got = indices(dl)
     assert 5 not in got and len(got) == 11
     assert any("sample at index 5" in r.getMessage() for r in caplog.records)

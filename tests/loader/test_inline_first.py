@@ -17,7 +17,7 @@ import torch
 
 import stallfree
 from stallfree import ImageDecode, open_dataset
-from stallfree.shards.errors import BatchDecodeError
+from stallfree.errors import BatchDecodeError
 from stallfree.testing.images import jpeg_bytes
 
 N = 24
@@ -103,6 +103,7 @@ def test_a_persistent_pool_makes_only_its_first_epochs_first_batch_here(shards, 
 def test_no_decode_thread_is_left_running_here_when_the_workers_fork(shards, tmp_path):
     """The decoder's threads stop before the fork: a worker inherits no pool without threads
     (with num_threads given, use_threads changes nothing and only close() stops them)."""
+
     def decode_threads() -> set[threading.Thread]:
         return {t for t in threading.enumerate() if t.name.startswith("stallfree-decode")}
 

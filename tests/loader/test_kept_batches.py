@@ -22,8 +22,8 @@ import torch
 import torch.utils.data as tud
 
 from stallfree import DataLoader
-from stallfree.loader import slots as slots_mod
-from stallfree.loader.returns import SlotReturns
+from stallfree.loader.shm import slots as slots_mod
+from stallfree.loader.shm.returns import SlotReturns
 from tests.loader.helpers import Numbers
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,9 @@ import torch.utils.data as tud
 
 from stallfree import DataLoader
 from stallfree.cache import MemoryCache
+from stallfree.loader.epoch.state import LoaderState
+from stallfree.loader.epoch.world import World
 from stallfree.loader.options import LoaderOptions, plan
-from stallfree.loader.state import LoaderState
-from stallfree.loader.world import World
 from tests.loader.helpers import Numbers, Sharded
 
 

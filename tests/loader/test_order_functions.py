@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from stallfree.loader import order
-from stallfree.loader.order import Blocked, RankShare, Shuffled, make_order
+from stallfree.loader.epoch import order
+from stallfree.loader.epoch.order import Blocked, RankShare, Shuffled, make_order
 from stallfree.mix.permute import keys, permute_each, tweaks
 
 # 1, small primes, powers of two and their neighbours, a prime above 2^16, and an odd big one

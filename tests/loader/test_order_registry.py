@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from stallfree import DataLoader
-from stallfree.loader import order as order_mod
+from stallfree.loader.epoch import order as order_mod
+from stallfree.loader.epoch.world import World
 from stallfree.loader.options import LoaderOptions
-from stallfree.loader.world import World
 from tests.loader.helpers import Numbers
 
 

@@ -11,10 +11,10 @@ import torch.utils.data as tud
 
 from stallfree import DataLoader
 from stallfree.cache import MemoryCache
+from stallfree.loader.epoch.indices import OrderIndices, SamplerIndices, StreamIndices
+from stallfree.loader.epoch.world import World
 from stallfree.loader.options import LoaderOptions, plan
 from stallfree.loader.plan import Read, Where
-from stallfree.loader.sources import OrderIndices, SamplerIndices, StreamIndices
-from stallfree.loader.world import World
 from tests.loader.helpers import Numbers, Sharded
 
 

@@ -1,7 +1,7 @@
 """A package's privates stay inside it (DESIGN.md; issue 23.3): no module reads or writes an
 underscore attribute that only another stallfree package defines.
 
-Before, ``loader/shardio.py`` drove ``ShardedDataset``'s ``_open_reader``, ``_readers``,
+Before, ``loader/worker/shards.py`` drove ``ShardedDataset``'s ``_open_reader``, ``_readers``,
 ``_open_lock``, ``_setup`` and ``_pid``; concurrency over shards is now the shards package's own
 (``ShardedDataset.warm`` / ``get_many(executor=)``). Static and conservative: an attribute
 counts as a package's private when one of its modules defines it (``self._x = ...``, a

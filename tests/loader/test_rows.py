@@ -1,4 +1,4 @@
-"""Collate-while-decoding (loader/rows.py): the batch equals torch's default_collate of the same
+"""Collate-while-decoding (loader/shm/rows.py): the batch equals torch's default_collate of the same
 decoded samples, rows close up over skipped samples, odd samples fall back to torch's own rules."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.utils.data as tud
 
-from stallfree.loader import rows, shm
 from stallfree.loader.dataloader import DataLoader
+from stallfree.loader.shm import rows
+from stallfree.loader.shm import storage as shm
 from tests.loader.helpers import Numbers
 
 Pair = namedtuple("Pair", ["a", "b"])

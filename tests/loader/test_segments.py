@@ -1,4 +1,4 @@
-"""Slot segments by descriptor over a worker's socket pair (loader/segments.py): the storage the
+"""Slot segments by descriptor over a worker's socket pair (loader/shm/segments.py): the storage the
 main process maps is the worker's own memory, matched by serial however the batches arrive,
 and a segment that never arrives is an error naming the worker, never a hang."""
 
@@ -14,7 +14,7 @@ import torch
 
 from stallfree import DataLoader
 from stallfree.loader import _torch_compat as compat
-from stallfree.loader.segments import SegmentError, SegmentReceiver, SegmentSender, socket_pair
+from stallfree.loader.shm.segments import SegmentError, SegmentReceiver, SegmentSender, socket_pair
 from tests.loader.helpers import Numbers
 
 

@@ -1,4 +1,4 @@
-"""Remote shards: concurrent per-shard reads and opens ahead of need (stallfree.loader.shardio)."""
+"""Remote shards: concurrent per-shard reads and opens ahead of need (stallfree.loader.worker.shards)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ from collections import deque
 
 import pytest
 
-from stallfree.loader import fetch, shardio
-from stallfree.loader.context import WorkerContext
+from stallfree.errors import ShardError
+from stallfree.loader import contracts
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.messages import Task
 from stallfree.loader.plan import Read, ReadPath, Where, WorkerPlan
-from stallfree.shards.errors import ShardError
+from stallfree.loader.worker import read as fetch
+from stallfree.loader.worker import shards as shardio
+from stallfree.loader.worker.context import WorkerContext
 
 shards = pytest.importorskip("stallfree.shards.open")
 writer = pytest.importorskip("stallfree.shards.writer")
@@ -35,9 +37,9 @@ def _idx_requests(srv) -> dict[str, int]:
 
 def test_local_datasets_are_not_wrapped(tmp_path, served):
     local = shards.open_dataset(str(tmp_path / "ds"))
-    assert not shardio.wants_concurrency(local)
-    assert shardio.wants_concurrency(shards.open_dataset(served.url))
-    assert not shardio.wants_concurrency(list(range(5)))
+    assert not contracts.wants_concurrency(local)
+    assert contracts.wants_concurrency(shards.open_dataset(served.url))
+    assert not contracts.wants_concurrency(list(range(5)))
 
 
 def test_concurrent_get_many_is_byte_identical_and_opens_each_shard_once(served):

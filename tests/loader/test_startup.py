@@ -14,10 +14,10 @@ import time
 import pytest
 import torch
 
-from stallfree.loader import first_batch
 from stallfree.loader.dataloader import DataLoader
-from stallfree.loader.first_batch import FirstBatchGate, FirstDecode, lead_threads
 from stallfree.loader.plan import worker_cores
+from stallfree.loader.worker import first_batch_gate as first_batch
+from stallfree.loader.worker.first_batch_gate import FirstBatchGate, FirstDecode, lead_threads
 from tests.loader.helpers import Numbers
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from stallfree import DataLoader, mix
+from stallfree.loader.epoch.state import LoaderState
 from stallfree.loader.errors import StateMismatchError
-from stallfree.loader.state import LoaderState
 from tests.loader.helpers import Numbers, Sharded, indices
 
 ROOT = Path(__file__).resolve().parents[2]

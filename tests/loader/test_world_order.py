@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from stallfree.loader import order
-from stallfree.loader.state import LoaderState
-from stallfree.loader.world import World, resolve_world, split_for_worker, world_from_env
+from stallfree.loader.epoch import order
+from stallfree.loader.epoch.state import LoaderState
+from stallfree.loader.epoch.world import World, resolve_world, split_for_worker, world_from_env
 
 
 def test_world_fields_and_node():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import stallfree
-from stallfree.loader.order import rank_share
+from stallfree.loader.epoch.order import rank_share
 from stallfree.mix.mixture import Mixture, MixtureMismatch, collate_by_source
 from stallfree.mix.permute import keys, permute
 from stallfree.mix.schedule import bound, interleave, quotas

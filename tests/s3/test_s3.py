@@ -12,7 +12,7 @@ import tarfile
 
 import pytest
 
-from stallfree.shards.errors import MissingShardError, ShardReadError
+from stallfree.errors import MissingShardError, ShardReadError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
 

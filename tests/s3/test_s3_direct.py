@@ -1,4 +1,4 @@
-"""The direct route for staged parts (``shards/s3direct.py`` through ``file_copy.copy_parts``):
+"""The direct route for staged parts (``storage/s3direct.py`` through ``file_copy.copy_parts``):
 presigned GETs received straight into a file. Against moto's real S3 API for what S3 says (the
 signature, missing objects, refusals, objects shorter than asked), and against the loopback HTTP
 server's faults for what a transport does wrong (bodies cut short, ``Range`` ignored, 5xx, no
@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from stallfree.shards import file_copy, remote, s3direct
-from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardReadError
-from stallfree.shards.remote import RetryPolicy
+from stallfree.errors import MissingShardError, RemoteReadError, ShardReadError
+from stallfree.storage import file_copy, remote, s3direct
+from stallfree.storage.remote import RetryPolicy
 from stallfree.testing.httpserve import serve_directory
 
 FAST = RetryPolicy(attempts=3, backoff_s=0.0)
@@ -229,8 +229,8 @@ def test_a_server_dying_mid_body_is_an_error_not_data(tmp_path):
 def test_the_lead_says_when_it_stages_nothing(tmp_path):
     """A ``LeadStaging`` whose set-up failed stages nothing, and says so: the loader then leaves
     the next window's shards in the workers' tasks (``Task.stage_ahead``)."""
-    from stallfree.loader.shardio import LeadStaging
-    from stallfree.shards.staging import Staging
+    from stallfree.loader.lead_staging import LeadStaging
+    from stallfree.storage.staging import Staging
 
     lead = LeadStaging(object(), Staging(root=str(tmp_path / "stage")), [0], [1])
     assert lead.ahead([2, 3]) is False

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from stallfree.shards.open import open_dataset
-from stallfree.shards.remote import ObjectChangedError
 from stallfree.shards.writer import ShardWriter
+from stallfree.storage.remote import ObjectChangedError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -96,10 +96,10 @@ def test_dead_and_wrong_endpoints_are_named(s3):  # s3: skipped with the reason 
         assert (x["result"], x["type"], x["module"]) == (
             "error",
             "RemoteReadError",
-            "stallfree.shards.errors",
+            "stallfree.errors",
         ), x
         assert x["url"] == f"s3://dead/ds/{shard} (endpoint {where})", x
         assert f"(endpoint {where}) failed" in x["message"] and "onnect" in x["message"], x
     glob = out["glob-wrong"]  # a listing, not a read: botocore's error, reworded with the endpoint
-    assert (glob["type"], glob["module"]) == ("RemoteReadError", "stallfree.shards.errors"), glob
+    assert (glob["type"], glob["module"]) == ("RemoteReadError", "stallfree.errors"), glob
     assert glob["message"].startswith(f"cannot reach endpoint {wrong} (opening s3://dead/ds/*.tar): "), glob

@@ -16,11 +16,11 @@ import fsspec
 import pytest
 
 import stallfree
-from stallfree.shards import remote, stamps
-from stallfree.shards.errors import ChecksumMismatchError, RemoteReadError
+from stallfree.errors import ChecksumMismatchError, RemoteReadError
 from stallfree.shards.open import open_dataset
-from stallfree.shards.remote import ObjectChangedError, Timeouts, VersionPin
 from stallfree.shards.writer import ShardWriter
+from stallfree.storage import remote, stamps
+from stallfree.storage.remote import ObjectChangedError, Timeouts, VersionPin
 from stallfree.testing.httpserve import serve_directory
 
 N, SIZE = 20, 2000

@@ -1,4 +1,4 @@
-"""Node-local staging of whole shards (``shards/staging.py``, ``shards/staged_reads.py``) against a
+"""Node-local staging of whole shards (``storage/staging.py``, ``shards/staged_reads.py``) against a
 real S3 API server (moto in its own process); requests counted at the server. Block order over a
 bucket read sample by sample cost one GET per sample; staged, each shard file is fetched once
 per node, and the next epoch reads nothing remote."""
@@ -16,12 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from stallfree import DataLoader
-from stallfree.shards.errors import ChecksumMismatchError, HashMismatchError
-from stallfree.shards.manifest import Manifest
+from stallfree.errors import ChecksumMismatchError, HashMismatchError
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.staged_reads import StagedShards
-from stallfree.shards.staging import Staging, StagingArea, StagingFullError
 from stallfree.shards.writer import ShardWriter
+from stallfree.storage.staging import Staging, StagingArea, StagingFullError
 
 TIMEOUT = 120
 SHARDS, PER_SHARD = 8, 10
@@ -201,7 +201,7 @@ _SHARE = textwrap.dedent("""
     from concurrent.futures import ThreadPoolExecutor
     from stallfree.shards.open import open_dataset
     from stallfree.shards.staged_reads import StagedShards
-    from stallfree.shards.staging import Staging
+    from stallfree.storage.staging import Staging
     ds = open_dataset(sys.argv[1], **json.loads(sys.argv[2]))
     print("ready", flush=True)
     sys.stdin.readline()  # start together
@@ -237,7 +237,7 @@ def test_two_processes_of_a_node_share_one_staging_dir(s3, bucket, tmp_path):
 
 _DIE = textwrap.dedent("""
     import os, sys
-    from stallfree.shards.staging import StagingArea
+    from stallfree.storage.staging import StagingArea
     def fill(f):
         f.write(b"half of it")
         f.flush()
@@ -277,7 +277,7 @@ def test_a_pinned_file_is_never_evicted_and_the_cap_still_holds(tmp_path):
 
 
 def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
-    from stallfree.loader.order import Blocked, ramp_of
+    from stallfree.loader.epoch.order import Blocked, ramp_of
 
     url = f"s3://{bucket}/ds"
     _write(s3, url)
@@ -397,11 +397,11 @@ def test_a_full_staging_disk_falls_back_to_ranged_reads(s3, bucket, small_disk, 
 
 
 def test_the_main_process_lands_the_first_window_for_its_workers(s3, bucket, tmp_path):
-    """``shardio.LeadStaging``: the main process fetches the epoch's first window (its client
+    """``LeadStaging``: the main process fetches the epoch's first window (its client
     is connected already) while the workers start; the workers then open those copies, and
     every shard is still fetched once."""
-    from stallfree.loader.order import Blocked
-    from stallfree.loader.shardio import LeadStaging
+    from stallfree.loader.epoch.order import Blocked
+    from stallfree.loader.lead_staging import LeadStaging
 
     url = f"s3://{bucket}/ds"
     samples = _write(s3, url)
@@ -429,7 +429,7 @@ def test_the_lead_lands_the_first_window_alone_then_each_window_once(s3, bucket,
     """``LeadStaging.ahead``: what the loader asks for while the first window is on its way
     waits for it (the first batch shares the wire with nothing), then lands; a shard asked for
     again (every dispatched batch of a window names the next one) is fetched once."""
-    from stallfree.loader.shardio import LeadStaging
+    from stallfree.loader.lead_staging import LeadStaging
 
     url = f"s3://{bucket}/ds"
     _write(s3, url)

@@ -29,7 +29,7 @@ from typing import Any
 
 faulthandler.enable()
 
-from stallfree.shards.errors import ShardError  # noqa: E402
+from stallfree.errors import ShardError  # noqa: E402
 from stallfree.shards.open import open_dataset  # noqa: E402
 
 SPECIAL = (0xFFFFFFFF, 0x7FFFFFFF, 0x80000000, 0xFFFFFFF8, 0x00000000, 0x00010000)
@@ -114,7 +114,7 @@ def read_dataset(url: str, name: str, expected: list[dict[str, Any]], **options:
 
 def read_source(path: str, name: str, expected: list[dict[str, Any]]) -> dict[str, Any]:
     """The file as ``stallfree shard`` reads it (``open_source``, skipping what fails)."""
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
 
     result: dict[str, Any] = {"equal": 0, "typed": 0, "changed": [], "changed_like": [], "bad": []}
     by_key = {e["__key__"]: e for e in expected}
@@ -176,7 +176,7 @@ def main() -> None:
 
 
 def _source_rows(path: str):
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
 
     src = open_source(path)
     yield from src.read_many(src.items())

@@ -16,8 +16,8 @@ import sys
 import time
 from typing import Any
 
-from stallfree.shards import remote
 from stallfree.shards.open import open_dataset
+from stallfree.storage import remote
 from stallfree.testing.httpserve import serve_directory
 
 FAST = remote.RetryPolicy(attempts=3, backoff_s=0.01, max_backoff_s=0.05)

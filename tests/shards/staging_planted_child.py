@@ -8,8 +8,8 @@ import json
 import os
 import sys
 
-from stallfree.shards import digests
-from stallfree.shards.staging import NOTE_FILE, ROOM_FILE, Expected, StagingArea
+from stallfree.storage import digests
+from stallfree.storage.staging import NOTE_FILE, ROOM_FILE, Expected, StagingArea
 
 DATA = bytes(range(256)) * 20
 

@@ -3,8 +3,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from stallfree.shards.arrow import ArrowShardWriter
-from stallfree.shards.errors import DuplicateKeyError, WriteError
+from stallfree.errors import DuplicateKeyError, WriteError
+from stallfree.shards.arrow.writer import ArrowShardWriter
 
 
 def test_types_kept_one_row_per_batch(tmp_path):

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stallfree.shards.arrow_check import footer_span, ipc_file_blocks
+from stallfree.shards.arrow.check import footer_span, ipc_file_blocks
 from stallfree.shards.writer import ShardWriter
 
 from .conftest import make_samples
@@ -202,7 +202,7 @@ def _damage_batch(path: Path, batch: int) -> int:
 
 READ_CHILD = """
 import json, sys
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.shards.open import open_dataset
 ds = open_dataset(sys.argv[1])
 try:
@@ -265,7 +265,7 @@ def test_loader_skips_the_damaged_batch_and_delivers_the_rest(shard_dir):
 
 REMOTE_CHILD = """
 import json, sys
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.shards.open import open_dataset
 ds = open_dataset(sys.argv[1])
 out = {"keys": [], "errors": []}
@@ -353,7 +353,7 @@ def test_shard_of_a_damaged_hf_arrow_skips_or_names_the_batch(tmp_path, on_error
 def test_a_footer_pointing_two_batches_at_one_message_is_refused(shard_dir):
     """pyarrow would serve batch 6's row as row 7, silently: the footer check refuses blocks
     that overlap, naming the footer's byte offset."""
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.errors import CorruptShardError
     from stallfree.shards.open import open_dataset
 
     path = shard_dir / "shard-000000.arrow"
@@ -384,9 +384,9 @@ def test_a_footer_pointing_two_batches_at_one_message_is_refused(shard_dir):
 
 SCHEMA_CHILD = """
 import json, sys
-from stallfree.shards.errors import ShardError
+from stallfree.errors import ShardError
 from stallfree.shards.open import open_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 out = {}
 try:
     ds = open_dataset(sys.argv[1])
@@ -442,7 +442,7 @@ def test_a_stream_cut_on_a_message_boundary_is_read_with_a_warning(tmp_path, cap
     import logging
 
     from stallfree.shards.open import open_dataset
-    from stallfree.shards.sources import open_source
+    from stallfree.shards.sources.registry import open_source
 
     path = tmp_path / "data.arrow"
     write_hf_stream(path)
@@ -451,12 +451,12 @@ def test_a_stream_cut_on_a_message_boundary_is_read_with_a_warning(tmp_path, cap
     assert "cut short" not in caplog.text
     at = data.rindex(b"\xff\xff\xff\xff", 0, len(data) - 8) if cut == "after a batch" else len(data) - 8
     path.write_bytes(data[:at])
-    with caplog.at_level(logging.WARNING, logger="stallfree.shards.arrow_check"):
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.arrow.check"):
         rows = len(open_dataset(str(path)))
     assert rows == (whole - HF_BATCH if cut == "after a batch" else whole)
     assert f"data.arrow: the Arrow stream ends at byte {at} without its end-of-stream marker" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="stallfree.shards.arrow_check"):  # stallfree shard's reader
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.arrow.check"):  # stallfree shard's reader
         src = open_source(str(path))
         assert len(list(src.read_many(src.items()))) == rows
     assert f"{path}: the Arrow stream ends at byte {at} without its end-of-stream marker" in caplog.text

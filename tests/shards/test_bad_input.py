@@ -7,7 +7,7 @@ import tarfile
 
 import pytest
 
-from stallfree.shards.errors import (
+from stallfree.errors import (
     ChecksumMismatchError,
     CorruptShardError,
     DuplicateKeyError,
@@ -292,7 +292,7 @@ def test_deeply_nested_json_in_a_source_is_a_typed_error_naming_it(tmp_path):
     """A JSONL row, or a directory's index.json, nested 100,000 deep made ``json.loads`` raise
     RecursionError out of ``stallfree shard``; now the row is a SourceReadError naming the file
     and line, and the index.json is simply not an MDS / LitData one."""
-    from stallfree.shards.sources import SourceReadError, detect_kind, open_source
+    from stallfree.shards.sources.registry import SourceReadError, detect_kind, open_source
 
     deep = "[" * 100_000 + "]" * 100_000
     rows = tmp_path / "rows.jsonl"

@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow.ipc as ipc
 import pytest
 
-from stallfree.shards.manifest import Manifest
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
 from stallfree.testing.images import jpeg_bytes

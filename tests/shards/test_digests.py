@@ -11,8 +11,8 @@ import fsspec
 import pytest
 import xxhash
 
-from stallfree.shards.errors import ManifestError
-from stallfree.shards.manifest import Manifest, ShardInfo
+from stallfree.errors import ManifestError
+from stallfree.shards.manifest.model import Manifest, ShardInfo
 from stallfree.shards.scan import digests_of, manifest_for_tars
 from stallfree.shards.writer import ShardWriter
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stallfree.shards.errors import IndexMismatchError
-from stallfree.shards.idx import idx_path_for, parse_idx
+from stallfree.errors import IndexMismatchError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.readers import TarShardReader, uniform_columns
+from stallfree.shards.tar.idx import idx_path_for, parse_idx
 from stallfree.shards.writer import ShardWriter
 
 from .conftest import make_samples, tar_field

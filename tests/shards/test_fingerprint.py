@@ -11,11 +11,11 @@ import pytest
 
 from stallfree.cache.node import NodeCache
 from stallfree.loader.dataloader import DataLoader
-from stallfree.shards import stamps
-from stallfree.shards.idx import idx_path_for, parse_idx
-from stallfree.shards.manifest import Manifest
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
+from stallfree.shards.tar.idx import idx_path_for, parse_idx
 from stallfree.shards.writer import ShardWriter
+from stallfree.storage import stamps
 from stallfree.testing.httpserve import serve_directory
 
 N = 200

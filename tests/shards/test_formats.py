@@ -24,14 +24,14 @@ import fsspec
 import pytest
 
 from stallfree.cache.expect import raw_check
-from stallfree.shards import formats
-from stallfree.shards.errors import (
+from stallfree.errors import (
     CorruptShardError,
     HashMismatchError,
     IndexMismatchError,
     ManifestError,
     WriteError,
 )
+from stallfree.shards import formats
 from stallfree.shards.formats import (
     ScannedFiles,
     ShardCheck,
@@ -40,10 +40,10 @@ from stallfree.shards.formats import (
     get_format,
     register_format,
 )
-from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo
+from stallfree.shards.manifest.model import FORMAT_VERSION, Manifest, ShardInfo
 from stallfree.shards.open import ShardedDataset, open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 from stallfree.shards.verify import verify_dataset
 from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.shards.writer import ShardWriter
@@ -350,7 +350,7 @@ def test_a_dataset_of_an_unknown_format_never_reads_as_arrow(tmp_path):
 
 
 # -- no format branches outside the format files ----------------------------------------------------
-FORMAT_FILES = {"shards/formats.py", "shards/format_tar.py", "shards/format_arrow.py"}
+FORMAT_FILES = {"shards/formats.py", "shards/tar/format.py", "shards/arrow/format.py"}
 # Consumers that take one format only and refuse the rest (not a dispatch with a default branch).
 ONE_FORMAT_CONSUMERS = {
     "harness/loaders.py": "the WebDataset adapter reads tar shards only",

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from stallfree.shards.errors import ShardError
+from stallfree.errors import ShardError
 from stallfree.shards.open import open_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 from tests.shards.test_source_litdata import write_litdata
 from tests.shards.test_source_mds import write_mds
 

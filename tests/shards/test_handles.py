@@ -14,11 +14,12 @@ import fsspec
 import pytest
 from fsspec.implementations.http import HTTPFileSystem
 
-from stallfree.shards import readers, remote
-from stallfree.shards.errors import CorruptShardError, HashMismatchError, IndexMismatchError
-from stallfree.shards.manifest import ShardInfo
+from stallfree.errors import CorruptShardError, HashMismatchError, IndexMismatchError
+from stallfree.shards import readers
+from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.open import open_dataset
 from stallfree.shards.readers import ArrowShardReader, TarShardReader
+from stallfree.storage import remote
 from stallfree.testing.httpserve import serve_directory
 
 TAR = "shard-000001.tar"
@@ -264,7 +265,7 @@ def test_remote_arrow_row_count_mismatch_closes_its_file(remote_arrow):
 
 
 def test_unreadable_arrow_source_file_releases_its_mapping(tmp_path):
-    from stallfree.shards.sources import SourceReadError, open_source
+    from stallfree.shards.sources.registry import SourceReadError, open_source
 
     bad = tmp_path / "bad.arrow"
     bad.write_bytes(b"not arrow at all" * 64)

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.shards.open import open_dataset
 
 datasets = pytest.importorskip("datasets")

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from stallfree.shards.errors import IndexMismatchError
-from stallfree.shards.idx import IdxSample, idx_path_for, parse_idx, render_idx
-from stallfree.shards.tar import TarShardWriter
+from stallfree.errors import IndexMismatchError
+from stallfree.shards.tar.idx import IdxSample, idx_path_for, parse_idx, render_idx
+from stallfree.shards.tar.writer import TarShardWriter
 
 
 def test_matches_dali_wds2idx(tmp_path, samples):
@@ -113,7 +113,7 @@ def test_reader_names_the_real_line_of_a_bad_idx(tar_dataset):
 
 
 def test_pax_path_record_later_one_wins_and_bad_lengths_stop():
-    from stallfree.shards.tar_walk import pax_path
+    from stallfree.shards.tar.walk import pax_path
 
     def rec(key: str, value: str) -> bytes:
         body = f" {key}={value}\n"

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from stallfree.cli import main
+from stallfree.errors import ShardError
 from stallfree.shards.dataset_paths import OutsideDatasetError
-from stallfree.shards.errors import ShardError
 from stallfree.shards.open import open_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 from tests.shards.test_source_litdata import write_litdata
 from tests.shards.test_source_mds import write_mds
 

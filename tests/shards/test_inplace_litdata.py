@@ -20,7 +20,7 @@ import torch
 
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import SourceError
+from stallfree.shards.sources.registry import SourceError
 from stallfree.testing.images import jpeg_bytes
 from tests.shards.test_source_litdata import write_litdata
 

@@ -19,10 +19,10 @@ import fsspec
 import numpy as np
 import pytest
 
-from stallfree.shards.errors import CorruptShardError, IndexMismatchError, ShardError
+from stallfree.errors import CorruptShardError, IndexMismatchError, ShardError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import SourceError
+from stallfree.shards.sources.registry import SourceError
 from stallfree.testing.images import jpeg_bytes
 from tests.shards.test_source_mds import COLUMNS, write_mds
 
@@ -246,7 +246,8 @@ def test_a_truncated_raw_shard_names_file_and_offset(rows, tmp_path):
 
 
 def test_compressed_shards_decompress_once_when_read_not_for_keys(mds, monkeypatch):
-    from stallfree.shards import inplace, source_offsets
+    from stallfree.shards.inplace import base as inplace
+    from stallfree.shards.sources import offsets as source_offsets
 
     calls = []
     real = source_offsets.DECOMPRESSORS["gz"]
@@ -327,8 +328,8 @@ def test_a_shard_with_raw_and_compressed_files_opens_by_either_name(rows, sharde
     may have been parsed before that file landed: the shard is found by either name."""
     import shutil
 
-    from stallfree.shards.format_mds import MDS
     from stallfree.shards.formats import ShardOpen
+    from stallfree.shards.inplace.mds import MDS
 
     src = tmp_path / "src"
     write_mds(src, COLUMNS, rows, per_shard=6, gz_shards=(1,))

@@ -10,7 +10,7 @@ import struct
 
 import pytest
 
-from stallfree.shards.litdata_nested import MAX_DEPTH, nested_leaf_json
+from stallfree.shards.inplace.litdata_nested import MAX_DEPTH, nested_leaf_json
 
 
 def u32(n: int) -> bytes:

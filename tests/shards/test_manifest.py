@@ -2,8 +2,8 @@ import json
 
 import pytest
 
-from stallfree.shards.errors import ManifestError, MissingShardError
-from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo
+from stallfree.errors import ManifestError, MissingShardError
+from stallfree.shards.manifest.model import FORMAT_VERSION, Manifest, ShardInfo
 
 
 def _manifest() -> Manifest:
@@ -143,7 +143,7 @@ def test_fuzzed_manifests_give_typed_errors_naming_the_file(request, fmt):
     """300 seeded cases through ``open_dataset`` and every sample: each outcome is the right
     samples, or a ShardError whose message names the manifest or the shard file it is about
     (11 of 300 named no file, and ``"samples": 2**70`` was an OverflowError)."""
-    from stallfree.shards.errors import ShardError
+    from stallfree.errors import ShardError
     from stallfree.shards.open import open_dataset
 
     root = request.getfixturevalue(f"{fmt}_dataset")

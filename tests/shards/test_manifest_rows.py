@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 
-from stallfree.shards.manifest import Manifest, ShardInfo
-from stallfree.shards.manifest_rows import fingerprint_text
+from stallfree.shards.manifest.model import Manifest, ShardInfo
+from stallfree.shards.manifest.rows import fingerprint_text
 
 _ENTRIES = [
     {"path": "a.tar", "samples": 10, "bytes": 1000, "sha256": "0" * 64},

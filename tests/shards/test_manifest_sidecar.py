@@ -11,9 +11,9 @@ import zlib
 
 import pytest
 
-from stallfree.shards import manifest_sidecar as sc
-from stallfree.shards.errors import ManifestError
-from stallfree.shards.manifest import FORMAT_VERSION, Manifest, ShardInfo
+from stallfree.errors import ManifestError
+from stallfree.shards.manifest import sidecar as sc
+from stallfree.shards.manifest.model import FORMAT_VERSION, Manifest, ShardInfo
 from stallfree.shards.open import open_dataset
 
 HEADER, ENTRY = struct.Struct("<8sIIQQ32s"), struct.Struct("<QI")
@@ -179,7 +179,7 @@ def test_a_stale_sidecar_is_ignored_with_a_warning_and_the_json_wins(tmp_path, b
     shards[123] = ShardInfo(shards[123].path, 1, shards[123].bytes, None)
     changed.shards = shards
     changed.save(path, sidecar=False)  # a tool that rewrote manifest.json alone
-    with caplog.at_level(logging.WARNING, logger="stallfree.shards.manifest_sidecar"):
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.manifest.sidecar"):
         got = Manifest.load(path)
     assert isinstance(got.shards, list) and got.shards[123].samples == 1 and got.shards[123].sha256 is None
     assert got.fingerprint == changed.fingerprint != big.fingerprint
@@ -195,7 +195,7 @@ def test_a_newer_sidecar_format_is_ignored_for_the_json(tmp_path, big, caplog):
     data = bytearray(side.read_bytes())
     struct.pack_into("<I", data, 8, sc.VERSION + 1)
     side.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="stallfree.shards.manifest_sidecar"):
+    with caplog.at_level(logging.WARNING, logger="stallfree.shards.manifest.sidecar"):
         got = Manifest.load(path)
     assert isinstance(got.shards, list) and got.to_json() == big.to_json()
     assert any(f"sidecar format {sc.VERSION + 1}" in r.getMessage() for r in caplog.records)

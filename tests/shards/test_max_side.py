@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 from PIL import Image, JpegImagePlugin
 
+from stallfree.errors import ManifestError, SampleDecodeError
 from stallfree.gpu_decode.downscale import Downscale, target_size
-from stallfree.shards.errors import ManifestError, SampleDecodeError
-from stallfree.shards.manifest import Manifest
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 from stallfree.testing.images import base_photos, make_image
 
 REPO = Path(__file__).resolve().parents[2]

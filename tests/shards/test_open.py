@@ -6,12 +6,12 @@ import pickle
 import numpy as np
 import pytest
 
-from stallfree.shards.errors import MissingShardError, ShardError
-from stallfree.shards.idx import idx_path_for
-from stallfree.shards.indexing import index_tars
-from stallfree.shards.manifest import Manifest
+from stallfree.errors import MissingShardError, ShardError
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.scan import expand_braces
+from stallfree.shards.tar.idx import idx_path_for
+from stallfree.shards.tar.indexing import index_tars
 from stallfree.shards.writer import ShardWriter
 
 from .conftest import make_samples, tar_field
@@ -193,7 +193,7 @@ def test_expand_braces():
 
 
 def test_retain_freed_memory_is_harmless(tar_dataset, samples):
-    from stallfree.shards.memory import retain_freed_memory
+    from stallfree.loader.shm.heap import retain_freed_memory
 
     assert retain_freed_memory() in (True, False)  # False only off glibc
     assert open_dataset(str(tar_dataset)).get_many(range(23)) == [_as_tar(s) for s in samples]

@@ -10,8 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stallfree.shards.errors import ShardError
-from stallfree.shards.format_arrow import schema_differences
+from stallfree.errors import ShardError
+from stallfree.shards.arrow.format import schema_differences
 from stallfree.shards.open import open_dataset
 
 

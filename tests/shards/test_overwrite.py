@@ -261,8 +261,8 @@ import json, sys, logging
 import fsspec
 from fsspec.implementations.memory import MemoryFileSystem
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
-from stallfree.shards.errors import ShardError
+from stallfree.shards.sources.registry import open_source
+from stallfree.errors import ShardError
 
 class Faulty(MemoryFileSystem):
     """memory:// (the same store) whose ``fault`` step fails once, as a remote store might."""
@@ -452,7 +452,7 @@ def test_a_killed_runs_temp_files_are_removed_by_the_next_run(tmp_path: Path, wo
 
 
 def _alive(pid: int) -> bool:
-    from stallfree.shards.atomic import _pid_alive
+    from stallfree.storage.atomic import _pid_alive
 
     return _pid_alive(pid)
 

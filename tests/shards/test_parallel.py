@@ -14,9 +14,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stallfree.shards.errors import WriteError
+from stallfree.errors import WriteError
 from stallfree.shards.parallel import item_cost, plan_shards, shard_dataset
-from stallfree.shards.sources import Item, SourceReadError, open_source
+from stallfree.shards.sources.registry import Item, SourceReadError, open_source
 from stallfree.testing.images import jpeg_bytes, make_image_folder
 
 
@@ -256,7 +256,7 @@ def test_shard_bytes_and_hash_match_plain_tar_writer(
     import hashlib
 
     from stallfree.shards import parallel
-    from stallfree.shards.tar import TarShardWriter
+    from stallfree.shards.tar.writer import TarShardWriter
 
     monkeypatch.setattr(parallel, "_OVERLAP_HASH", overlap)
     source = open_source(folder)
@@ -271,7 +271,7 @@ def test_shard_bytes_and_hash_match_plain_tar_writer(
 
 
 def test_empty_source_is_an_error(tmp_path: Path) -> None:
-    from stallfree.shards.sources import SourceError
+    from stallfree.shards.sources.registry import SourceError
 
     (tmp_path / "rows.jsonl").write_text("\n\n")
     with pytest.raises(SourceError, match="no samples to shard in the jsonl source"):
@@ -287,7 +287,7 @@ def test_memory_destination_with_workers_falls_back_to_one(folder: Path) -> None
 
 
 def test_shuffled_parquet_rows_read_each_row_group_once_per_shard(tmp_path: Path, monkeypatch) -> None:
-    from stallfree.shards.sources import TableSource
+    from stallfree.shards.sources.registry import TableSource
 
     table = pa.table({"x": pa.array(range(40), pa.int32()), "s": [f"v{i}" for i in range(40)]})
     pq.write_table(table, tmp_path / "t.parquet", row_group_size=8)

@@ -9,7 +9,7 @@ import os
 import fsspec
 import pytest
 
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.shards.readers import TarShardReader
 
 from .test_handles import TAR, mapped, shard_info

@@ -132,7 +132,7 @@ def test_remote_missing_shard(served, tmp_path):
     os.makedirs(root / "gone", exist_ok=True)
     for name in ("manifest.json", "shard-000000.tar", "shard-000000.idx"):
         (root / "gone" / name).write_bytes((root / "tar" / name).read_bytes())
-    from stallfree.shards.errors import MissingShardError
+    from stallfree.errors import MissingShardError
 
     ds = open_dataset(f"{server.url}/gone")
     assert ds[0]["__key__"] == "sample00000"
@@ -167,7 +167,7 @@ def test_remote_shard_removed_after_open(served):
         "shard-000001.idx",
     ):
         (root / "removed" / name).write_bytes((root / "tar" / name).read_bytes())
-    from stallfree.shards.errors import MissingShardError
+    from stallfree.errors import MissingShardError
 
     ds = open_dataset(f"{server.url}/removed")
     assert ds[1]["__key__"] == "sample00001"  # shard 0 open, its index read

@@ -141,7 +141,7 @@ def test_process_exits_after_an_unstaged_loader_without_workers_gives_up():
 def test_daemon_pool_runs_what_is_submitted_and_cancels_what_has_not_started():
     import threading
 
-    from stallfree.shards.daemon_pool import DaemonThreadPool
+    from stallfree.storage.daemon_pool import DaemonThreadPool
 
     pool = DaemonThreadPool(2, thread_name_prefix="t-pool")
     assert [f.result(timeout=10) for f in [pool.submit(pow, 2, k) for k in range(5)]] == [1, 2, 4, 8, 16]
@@ -200,8 +200,8 @@ def _first_header_check(idx: bytes) -> tuple[int, int]:
 
 
 def _s3_scenarios(endpoint: str, scenarios: list[str]) -> None:
-    from stallfree.shards import file_copy, remote
     from stallfree.shards.open import open_dataset
+    from stallfree.storage import file_copy, remote
     from stallfree.testing.netlab import TrickleRelay
     from stallfree.testing.s3serve import S3Server
 
@@ -243,8 +243,8 @@ def _s3_scenarios(endpoint: str, scenarios: list[str]) -> None:
 
 
 def _http_scenario() -> None:
-    from stallfree.shards import remote
     from stallfree.shards.open import open_dataset
+    from stallfree.storage import remote
     from stallfree.testing.httpserve import serve_directory
     from stallfree.testing.netlab import TrickleRelay
 
@@ -265,10 +265,10 @@ def _http_scenario() -> None:
 
 def _exit_staged(endpoint: str, tmp: str) -> None:
     """Start staging shard 0 through a trickling relay, wait until its body trickles, return."""
-    from stallfree.loader.shardio import LeadStaging
-    from stallfree.shards import remote
+    from stallfree.loader.lead_staging import LeadStaging
     from stallfree.shards.open import open_dataset
-    from stallfree.shards.staging import Staging
+    from stallfree.storage import remote
+    from stallfree.storage.staging import Staging
     from stallfree.testing.netlab import TrickleRelay
     from stallfree.testing.s3serve import S3Server
 
@@ -285,7 +285,7 @@ def _exit_shorter(endpoint: str, tmp: str) -> None:
     """A loader with workers staging a dataset whose second shard was rewritten shorter."""
     import stallfree
     from stallfree.shards.open import open_dataset
-    from stallfree.shards.staging import Staging
+    from stallfree.storage.staging import Staging
     from stallfree.testing.s3serve import S3Server
 
     s3 = S3Server(int(endpoint.rsplit(":", 1)[1]), None)
@@ -310,8 +310,8 @@ def _exit_shorter(endpoint: str, tmp: str) -> None:
 def _exit_fetch() -> None:
     """An unstaged loader without workers over a trickling HTTP server gives up; return."""
     import stallfree
-    from stallfree.shards import remote
     from stallfree.shards.open import open_dataset
+    from stallfree.storage import remote
     from stallfree.testing.httpserve import serve_directory
     from stallfree.testing.netlab import TrickleRelay
 

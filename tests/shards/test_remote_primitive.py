@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from stallfree.shards import remote
-from stallfree.shards.errors import MissingShardError, RemoteReadError, ShardReadError
+from stallfree.errors import MissingShardError, RemoteReadError, ShardReadError
+from stallfree.storage import remote
 
 DATA = bytes(range(256)) * 8
 FAST = remote.RetryPolicy(attempts=3, backoff_s=0.0)

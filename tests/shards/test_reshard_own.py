@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from stallfree.cli import main
-from stallfree.shards.errors import WriteError
+from stallfree.errors import WriteError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 from stallfree.shards.writer import ShardWriter
 
 from .conftest import make_samples

@@ -11,7 +11,7 @@ import pytest
 
 from stallfree.cli import main
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import SourceError, open_source
+from stallfree.shards.sources.registry import SourceError, open_source
 from stallfree.testing.images import jpeg_bytes
 
 datasets = pytest.importorskip("datasets")
@@ -95,7 +95,7 @@ def test_remote_path_only_media_read_inside_the_dataset(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.errors import CorruptShardError
     from stallfree.shards.open import open_dataset
 
     image = jpeg_bytes(1, seed=3, sizes=((32, 24),))[0]

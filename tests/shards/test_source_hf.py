@@ -16,7 +16,7 @@ import pytest
 from stallfree.cli import main
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import SourceError, SourceReadError, open_source
+from stallfree.shards.sources.registry import SourceError, SourceReadError, open_source
 from stallfree.testing.images import jpeg_bytes
 
 datasets = pytest.importorskip("datasets")
@@ -211,7 +211,7 @@ def test_media_paths_outside_the_dataset_are_refused(images, tmp_path, path, mes
     summary = shard_dataset(open_source(str(src), on_error="skip"), str(tmp_path / "skip"), on_error="skip")
     assert summary.samples == 1 and message in summary.skipped[0]["error"]
     assert b"not yours" not in b"".join(p.read_bytes() for p in (tmp_path / "skip").glob("*.tar"))
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.errors import CorruptShardError
 
     ds = open_dataset(str(src))
     assert ds[0]["image"] == images[0]

@@ -19,8 +19,8 @@ from torch.utils._pytree import tree_flatten, treespec_dumps
 
 from stallfree.cli import main
 from stallfree.shards.open import open_dataset
-from stallfree.shards.source_litdata import leaf_names
-from stallfree.shards.sources import SourceError, open_source
+from stallfree.shards.sources.litdata import leaf_names
+from stallfree.shards.sources.registry import SourceError, open_source
 from stallfree.testing.images import jpeg_bytes
 
 NUMPY_CODES = {"int8": 0, "int16": 1, "int32": 2, "int64": 3, "uint8": 4, "float32": 9, "float64": 10}

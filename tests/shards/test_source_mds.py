@@ -20,7 +20,7 @@ import pytest
 from stallfree.cli import main
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import SourceError, SourceReadError, open_source
+from stallfree.shards.sources.registry import SourceError, SourceReadError, open_source
 from stallfree.testing.images import jpeg_bytes
 
 FIXED = {"int": 8, "uint8": 1, "int32": 4, "float32": 4, "float64": 8}
@@ -219,7 +219,7 @@ def test_an_index_json_of_another_kind_is_just_a_file(tmp_path):
 def test_compressed_shards_decompressed_once_per_read_in_any_order(rows, tmp_path, monkeypatch):
     import random
 
-    from stallfree.shards import source_offsets
+    from stallfree.shards.sources import offsets as source_offsets
 
     write_mds(
         tmp_path / "ds", {"image": "jpeg", "label": "int"}, rows, per_shard=5, gz_shards=(0, 1, 2, 3, 4)

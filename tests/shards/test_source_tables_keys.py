@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stallfree.shards.errors import ShardError
+from stallfree.errors import ShardError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
 
 KEYS = ["a", "../x", "b", "/abs", "dir/c", "d.e"]
 GOOD = ["a", "b", "dir/c"]

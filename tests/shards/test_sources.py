@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stallfree.shards.sources import (
+from stallfree.shards.sources.registry import (
     SourceError,
     SourceReadError,
     detect_kind,
@@ -220,16 +220,14 @@ def test_detection_and_bad_sources(tmp_path: Path) -> None:
 def test_every_name_still_imports_from_sources():
     """``sources`` is split into one module per kind; the old import path keeps every name, and
     they are the very objects the kind modules define (pickles and isinstance checks agree)."""
-    from stallfree.shards import (
-        source_base,
-        source_files,
-        source_hf,
-        source_litdata,
-        source_mds,
-        source_tables,
-        source_tar,
-        sources,
-    )
+    from stallfree.shards.sources import base as source_base
+    from stallfree.shards.sources import files as source_files
+    from stallfree.shards.sources import hf as source_hf
+    from stallfree.shards.sources import litdata as source_litdata
+    from stallfree.shards.sources import mds as source_mds
+    from stallfree.shards.sources import registry as sources
+    from stallfree.shards.sources import tables as source_tables
+    from stallfree.shards.sources import tar as source_tar
 
     home = {
         "Item": source_base,
@@ -289,7 +287,7 @@ def test_table_files_opened_once_per_read_not_per_batch(tmp_path, monkeypatch):
 
     import pyarrow as pa
 
-    from stallfree.shards import source_tables
+    from stallfree.shards.sources import tables as source_tables
 
     paths = []
     for f in range(2):

@@ -1,4 +1,4 @@
-"""A forked child never keeps the staging area's locks (shards/staging.py ``_Held``).
+"""A forked child never keeps the staging area's locks (storage/staging.py ``_Held``).
 
 A ``flock`` belongs to the open file description, which a forked child shares. A loader worker
 forked while the main process was fetching a shard kept that shard's fetch lock after the main
@@ -17,7 +17,7 @@ TIMEOUT = 60
 _FETCH_WHILE_FORKED = textwrap.dedent(
     """
     import os, sys, threading, time
-    from stallfree.shards.staging import StagingArea
+    from stallfree.storage.staging import StagingArea
 
     root = sys.argv[1]
     area = StagingArea(root, 1 << 30)
@@ -37,7 +37,7 @@ _FETCH_WHILE_FORKED = textwrap.dedent(
         os._exit(0)
     waiter = __import__("subprocess").Popen(
         [sys.executable, "-c",
-         "import sys; from stallfree.shards.staging import StagingArea; "
+         "import sys; from stallfree.storage.staging import StagingArea; "
          "f = StagingArea(sys.argv[1], 1 << 30).stage('ns', 'x', produce=lambda: b'again'); "
          "print(open(f.path, 'rb').read().decode())",
          root],
@@ -72,7 +72,7 @@ def test_a_fetch_lock_is_released_though_a_worker_was_forked_while_it_was_held(t
 _PIN_WHILE_FORKED = textwrap.dedent(
     """
     import os, sys, time
-    from stallfree.shards.staging import StagingArea, _evict
+    from stallfree.storage.staging import StagingArea, _evict
 
     area = StagingArea(sys.argv[1], 1 << 30)
     pin = area.stage("ns", "y", produce=lambda: b"y" * 100)
@@ -98,7 +98,7 @@ def test_a_pin_released_by_the_parent_is_not_kept_by_a_forked_child(tmp_path):
 _FORK_WHILE_A_READ_LOCK_IS_HELD = textwrap.dedent(
     """
     import os, signal, socket, threading, time
-    from stallfree.shards import file_copy, remote, s3direct
+    from stallfree.storage import file_copy, remote, s3direct
 
     # what another thread of the parent holds at the moment of the fork: the deadline watchdog's
     # lock (its thread holds it between waits) and the two module locks of the read path

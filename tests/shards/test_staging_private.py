@@ -10,7 +10,7 @@ import pickle
 
 import pytest
 
-from stallfree.shards.staging import StagingArea, StagingDirError
+from stallfree.storage.staging import StagingArea, StagingDirError
 
 OTHER_UID = 65534
 

@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from stallfree.shards import digests, staging
-from stallfree.shards.staging import Expected, StagingArea, StagingFullError
+from stallfree.storage import digests, staging
+from stallfree.storage.staging import Expected, StagingArea, StagingFullError
 
 DATA = bytes(range(256)) * 40
 
@@ -90,7 +90,7 @@ def test_a_damaged_copy_is_deleted_and_fetched_again(tmp_path, hashes, monkeypat
     else:
         os.chown(path, 65534, 65534)
     monkeypatch.setattr(staging, "_CHECKED", {})  # a later process
-    with caplog.at_level(logging.WARNING, logger="stallfree.shards.staging"):
+    with caplog.at_level(logging.WARNING, logger="stallfree.storage.staging"):
         with _stage(area, fill) as staged:
             assert open(staged.path, "rb").read() == DATA
     assert fill.calls == 2

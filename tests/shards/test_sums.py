@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from stallfree.errors import ChecksumMismatchError, ManifestError, MissingShardError
 from stallfree.loader.dataloader import DataLoader
-from stallfree.shards.errors import ChecksumMismatchError, ManifestError, MissingShardError
-from stallfree.shards.idx import parse_idx
-from stallfree.shards.manifest import Manifest
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
-from stallfree.shards.sums import parse_sums, render_sums, sums_path_for
+from stallfree.shards.sources.registry import open_source
+from stallfree.shards.tar.idx import parse_idx
+from stallfree.shards.tar.sums import parse_sums, render_sums, sums_path_for
 from stallfree.shards.verify import verify_dataset
 from stallfree.shards.writer import ShardWriter
 from stallfree.testing.httpserve import serve_directory

@@ -5,8 +5,8 @@ import tarfile
 import numpy as np
 import pytest
 
-from stallfree.shards.errors import CorruptShardError, DuplicateKeyError, WriteError
-from stallfree.shards.tar import TarShardWriter, member_header, parse_header, split_name
+from stallfree.errors import CorruptShardError, DuplicateKeyError, WriteError
+from stallfree.shards.tar.writer import TarShardWriter, member_header, parse_header, split_name
 
 
 def _write(path, samples):

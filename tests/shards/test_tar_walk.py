@@ -12,13 +12,13 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from stallfree.shards.errors import CorruptShardError, DuplicateKeyError
-from stallfree.shards.idx import IdxSample, parse_idx
+from stallfree.errors import CorruptShardError, DuplicateKeyError
 from stallfree.shards.open import open_dataset
 from stallfree.shards.readers import TarShardReader
 from stallfree.shards.scan import scan_tar
-from stallfree.shards.sources import SourceReadError, open_source
-from stallfree.shards.tar_walk import RangeReader, TarMember, group_samples, walk_tar
+from stallfree.shards.sources.registry import SourceReadError, open_source
+from stallfree.shards.tar.idx import IdxSample, parse_idx
+from stallfree.shards.tar.walk import RangeReader, TarMember, group_samples, walk_tar
 from stallfree.shards.verify import verify_dataset
 from stallfree.shards.writer import ShardWriter
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from stallfree.shards.idx import parse_idx
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
-from stallfree.shards.sources import open_source
+from stallfree.shards.sources.registry import open_source
+from stallfree.shards.tar.idx import parse_idx
 from stallfree.shards.verify import verify_dataset
 from stallfree.testing.images import make_image_folder
 

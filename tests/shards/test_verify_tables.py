@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from stallfree.cli import main
-from stallfree.shards.errors import MissingShardError
-from stallfree.shards.manifest import ShardInfo
+from stallfree.errors import MissingShardError
+from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.open import open_dataset
 from stallfree.shards.scan import resolve
 from stallfree.shards.verify import VerifyReport, verify_arrow_shard

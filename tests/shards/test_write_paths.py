@@ -11,10 +11,10 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from stallfree.shards import atomic
-from stallfree.shards.atomic import AtomicFile, OverlappedHashFile
-from stallfree.shards.errors import WriteError
-from stallfree.shards.tar import TarShardWriter
+from stallfree.errors import WriteError
+from stallfree.shards.tar.writer import TarShardWriter
+from stallfree.storage import atomic
+from stallfree.storage.atomic import AtomicFile, OverlappedHashFile
 
 from .conftest import make_samples
 

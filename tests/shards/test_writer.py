@@ -5,8 +5,8 @@ import tarfile
 import pyarrow.ipc as ipc
 import pytest
 
-from stallfree.shards.errors import DuplicateKeyError, WriteError
-from stallfree.shards.manifest import Manifest
+from stallfree.errors import DuplicateKeyError, WriteError
+from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.writer import ShardWriter, parse_size
 
 from .conftest import make_samples

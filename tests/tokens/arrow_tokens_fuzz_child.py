@@ -32,7 +32,7 @@ import pyarrow.parquet as pq  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "shards"))
 from arrow_fuzz_child import mutate  # noqa: E402
 
-from stallfree.shards.errors import ShardError  # noqa: E402
+from stallfree.errors import ShardError  # noqa: E402
 from stallfree.tokens.arrow_tokens import ArrowTokenSource  # noqa: E402
 
 

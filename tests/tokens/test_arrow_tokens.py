@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from stallfree.shards.errors import ShardError
+from stallfree.errors import ShardError
 from stallfree.shards.writer import ShardWriter
 from stallfree.tokens.packing import TokenDataset
 from tests.tokens.helpers import check_windows, random_docs
@@ -119,7 +119,7 @@ def test_files_of_different_int_types_and_windows_across_batches(tmp_path):
 def test_a_damaged_arrow_token_file_is_an_error_naming_it(tmp_path, content):
     # the format is chosen by the file's magic: garbage goes the stream way, a file-format head
     # with nothing after it the file way; both are errors naming the file, never tokens
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.errors import CorruptShardError
     from stallfree.tokens.arrow_tokens import ArrowTokenSource
 
     bad = tmp_path / "bad.arrow"
@@ -135,7 +135,10 @@ def _hf_dir(root, files):
 
     root.mkdir()
     t = table(random_docs(6, n=5))
-    with pa.OSFile(str(root / "data-00000-of-00001.arrow"), "wb") as sink, ipc.new_stream(sink, t.schema) as w:
+    with (
+        pa.OSFile(str(root / "data-00000-of-00001.arrow"), "wb") as sink,
+        ipc.new_stream(sink, t.schema) as w,
+    ):
         w.write_table(t)
     (root / "state.json").write_text(json.dumps({"_data_files": [{"filename": f} for f in files]}))
     return root
@@ -166,7 +169,9 @@ def test_a_state_json_file_linked_out_or_nested_deep_is_refused(tmp_path):
         w.write_table(t)
     root = _hf_dir(tmp_path / "hf", ["data-00000-of-00001.arrow", "linked.arrow"])
     (root / "linked.arrow").symlink_to(tmp_path / "elsewhere.arrow")
-    with pytest.raises(ShardError, match="linked.arrow is a symbolic link to .*outside the dataset directory"):
+    with pytest.raises(
+        ShardError, match="linked.arrow is a symbolic link to .*outside the dataset directory"
+    ):
         TokenDataset(str(root), 4)
     (root / "state.json").write_text('{"_data_files": ' + "[" * 5000 + "]" * 5000 + "}")
     with pytest.raises(ShardError, match="unreadable Hugging Face state.json: .*nested too deeply"):

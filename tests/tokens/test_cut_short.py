@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.tokens.packing import TokenDataset, open_tokens
 from stallfree.tokens.rawbin import RawBinSource
 from tests.tokens.helpers import write_megatron
@@ -30,7 +30,7 @@ _SCRIPT = textwrap.dedent(
     """
     import json, os, sys
     import stallfree
-    from stallfree.shards.errors import CorruptShardError
+    from stallfree.errors import CorruptShardError
 
     source, bin_path, workers = sys.argv[1], sys.argv[2], int(sys.argv[3])
     ds = stallfree.TokenDataset(source, {seq}, dtype="int32")

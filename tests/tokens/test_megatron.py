@@ -10,7 +10,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from stallfree.shards.errors import CorruptShardError, IndexMismatchError, ShardError
+from stallfree.errors import CorruptShardError, IndexMismatchError, ShardError
 from stallfree.tokens.megatron import MegatronSource, MegatronWriter
 from stallfree.tokens.packing import TokenDataset
 from tests.tokens.helpers import check_windows, random_docs, write_megatron

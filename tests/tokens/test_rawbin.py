@@ -6,7 +6,7 @@ import fsspec
 import numpy as np
 import pytest
 
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.tokens.packing import TokenDataset
 from stallfree.tokens.rawbin import RawBinSource
 from tests.tokens.helpers import check_windows, random_docs

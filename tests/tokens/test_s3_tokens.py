@@ -1,6 +1,6 @@
 """Token files on a real S3 API (moto's server on loopback, through s3fs, as users run it) read
 back window by window equal to the same files on local disk: Megatron ``.bin``/``.idx``, a raw
-``.bin``, Parquet and Arrow IPC ``input_ids``. Every read goes through ``shards/remote.py``: it
+``.bin``, Parquet and Arrow IPC ``input_ids``. Every read goes through ``storage/remote.py``: it
 used to call ``cat_file(path, lo, hi)`` positionally, which s3fs takes as ``version_id``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import stallfree
-from stallfree.shards.errors import RemoteReadError
+from stallfree.errors import RemoteReadError
 from stallfree.testing.s3serve import moto_available, serve_s3
 from stallfree.tokens.packing import TokenDataset
 from tests.tokens.helpers import random_docs, write_megatron

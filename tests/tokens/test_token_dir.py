@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import stallfree
-from stallfree.shards.errors import CorruptShardError, ShardError
+from stallfree.errors import CorruptShardError, ShardError
 from stallfree.tokens.packing import TokenDataset
 from tests.tokens.helpers import TEXTS, check_windows, stream_of
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from stallfree.shards.errors import SampleDecodeError
+from stallfree.errors import SampleDecodeError
 from stallfree.tokens.packing import TokenDataset
 from stallfree.tokens.tokenize import tokenize_files
 from tests.tokens.helpers import TEXTS, check_windows

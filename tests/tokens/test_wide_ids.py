@@ -9,7 +9,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pytest
 
-from stallfree.shards.errors import CorruptShardError
+from stallfree.errors import CorruptShardError
 from stallfree.tokens.packing import TokenDataset
 
 TOP = 2**63 - 1
