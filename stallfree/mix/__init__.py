@@ -23,6 +23,11 @@ _EXPORTS = {
     "collate_by_source": "stallfree.mix.mixture",
     "quotas": "stallfree.mix.schedule",
     "interleave": "stallfree.mix.schedule",
+    "Schedule": "stallfree.mix.weights",
+    "stages": "stallfree.mix.weights",
+    "linear": "stallfree.mix.weights",
+    "cosine": "stallfree.mix.weights",
+    "from_function": "stallfree.mix.weights",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -8,6 +8,11 @@ memory for long ones) gives the source and the occurrence number ``j`` of that s
 (seed, epoch, source, cycle) (``permute.py``) picks the sample. Each sample of a source appears
 ``floor`` or ``ceil`` of ``quota / len`` times per epoch. Everything is a pure function of
 (seed, epoch, position): world size and worker count play no part.
+
+With a weight schedule (weights.py) the source of a position comes from ``staged.py`` instead,
+keyed on the global position ``epoch * samples_per_epoch + position``, and occurrence numbers
+count from the start of training: a source's cycles (and their permutations, keyed by seed,
+source and cycle) run across epochs, so changing weights never re-reads a source early.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from stallfree.mix import collate as collate_mod
 from stallfree.mix import permute as perm_mod
 from stallfree.mix import schedule as sched_mod
 from stallfree.mix.collate import collate_by_source
+from stallfree.mix.staged import Staged
+from stallfree.mix.weights import Schedule
 
 __all__ = ["Mixture", "MixtureMismatch", "Ordered", "collate_by_source", "mix"]
 
 STATE_FORMAT = "stallfree.mix.state"
 STATE_VERSION = 1
+_ACROSS_EPOCHS = -1  # the epoch slot of a scheduled mixture's permutation keys (cycles span epochs)
 
 
 @runtime_checkable
@@ -56,7 +64,7 @@ class Mixture:
     def __init__(
         self,
         datasets: Mapping[str, Any],
-        weights: Mapping[str, float],
+        weights: Mapping[str, float] | Schedule,
         *,
         samples_per_epoch: int | None = None,
         seed: int = 0,
@@ -64,6 +72,9 @@ class Mixture:
     ) -> None:
         if not datasets:
             raise ValueError("mix() needs at least one dataset")
+        self.schedule: Schedule | None = weights if isinstance(weights, Schedule) else None
+        if self.schedule is not None:
+            weights = self.schedule.layout(sorted(datasets)).shares_at(0)
         if set(datasets) != set(weights):
             raise ValueError(
                 f"datasets and weights must name the same sources: datasets {sorted(datasets)}, "
@@ -93,6 +104,11 @@ class Mixture:
                     "decode whole batches with DataLoader(decode=...)"
                 )
         self.lengths = {n: len(ds) for n, ds in self.datasets.items()}
+        self._staged: Staged | None = None
+        if self.schedule is not None:
+            self._staged = Staged(self.schedule.layout(self.names))
+            ever = self._staged.segments.weights.max(axis=0)  # any weight > 0 anywhere in the schedule
+            self.weights = {n: float(w) for n, w in zip(self.names, ever, strict=True)}
         empty = [n for n in self.names if self.weights[n] > 0 and self.lengths[n] == 0]
         if empty:
             raise ValueError(f"sources {empty} have weight > 0 but no samples")
@@ -102,9 +118,12 @@ class Mixture:
         self.samples_per_epoch = total
         self.seed = int(seed)
         self.epoch = 0
-        counts = sched_mod.quotas(total, [self.weights[n] for n in self.names])
-        self.quotas = {n: int(c) for n, c in zip(self.names, counts, strict=True)}
-        self._schedule = sched_mod.make(counts)  # laid out when short, a function of position when long
+        if self._staged is None:
+            counts = sched_mod.quotas(total, [self.weights[n] for n in self.names])
+            self.quotas = {n: int(c) for n, c in zip(self.names, counts, strict=True)}
+            self._schedule = sched_mod.make(counts)  # laid out when short, a function of position when long
+        else:
+            self.quotas = self._epoch_counts(0)
         self._lens = np.array([self.lengths[n] for n in self.names], np.int64)
         self._salt = [zlib.crc32(n.encode()) for n in self.names]  # adding a source keeps the others' order
         self._keys: dict[tuple[int, int, int], np.ndarray] = {}
@@ -138,7 +157,11 @@ class Mixture:
         """(source numbers into ``names``, sample indices in those sources) for positions."""
         e = self.epoch if epoch is None else int(epoch)
         pos = self._positions(indices)
-        src, occ = self._schedule.locate(pos)
+        if self._staged is None:
+            src, occ = self._schedule.locate(pos)
+        else:  # global occurrences: cycles run across epochs, so the permutation key has no epoch
+            src, occ = self._staged.locate(pos + e * self.samples_per_epoch)
+            e = _ACROSS_EPOCHS
         lens = self._lens[src]
         cycle, off = occ // lens, occ % lens
         out = np.empty(len(pos), np.int64)
@@ -162,21 +185,46 @@ class Mixture:
         return key_of(j) if key_of is not None else None
 
     def source_of(self, index: int) -> str:
-        """The source filling ``index`` (the same in every epoch)."""
-        return self.names[int(self._schedule.locate(self._positions([index]))[0][0])]
+        """The source filling ``index`` (the same in every epoch with constant weights; the
+        current epoch's under a schedule)."""
+        pos = self._positions([index])
+        if self._staged is not None:
+            return self.names[int(self._staged.locate(pos + self.epoch * self.samples_per_epoch)[0][0])]
+        return self.names[int(self._schedule.locate(pos)[0][0])]
 
-    def counts(self, start: int, stop: int) -> dict[str, int]:
-        """Samples of each source among positions ``[start, stop)`` (for ``stats()["mix"]``)."""
+    def counts(self, start: int, stop: int, epoch: int | None = None) -> dict[str, int]:
+        """Samples of each source among positions ``[start, stop)`` of ``epoch`` (default: the
+        current one; for ``stats()["mix"]``)."""
         lo = min(max(0, start), self.samples_per_epoch)
         hi = min(max(lo, stop), self.samples_per_epoch)
-        a, b = self._schedule.prefix(lo), self._schedule.prefix(hi)
+        a, b = self._prefix(lo, epoch), self._prefix(hi, epoch)
         return {n: int(b[s] - a[s]) for s, n in enumerate(self.names)}
+
+    def _prefix(self, position: int, epoch: int | None) -> list[int]:
+        if self._staged is None:
+            return self._schedule.prefix(position)
+        e = self.epoch if epoch is None else int(epoch)
+        return self._staged.prefix(e * self.samples_per_epoch + position)
+
+    def _epoch_counts(self, epoch: int) -> dict[str, int]:
+        return self.counts(0, self.samples_per_epoch, epoch)
+
+    def target_shares(self, position: int, epoch: int | None = None) -> dict[str, float]:
+        """The weights (normalised to sum to 1) in force at ``position`` of ``epoch``: constant,
+        or the schedule's at that global position."""
+        if self._staged is None:
+            total = sum(self.weights.values())
+            return {n: w / total for n, w in self.weights.items()}
+        e = self.epoch if epoch is None else int(epoch)
+        return self._staged.segments.shares_at(e * self.samples_per_epoch + int(position))
 
     def window_bound(self, name: str) -> float:
         """The most ``name``'s count in any window of ``B`` positions may differ from ``B`` times
         its share (schedule.py: below 2 for epochs laid out by Tijdeman's algorithm; split.py for
-        longer ones; exactly 1 with two sources either way)."""
-        return self._schedule.window_bounds()[self.names.index(name)]
+        longer ones; exactly 1 with two sources either way). Under a schedule: in any window
+        inside one segment of constant weights (staged.py), the largest over the segments."""
+        bounds = self._schedule.window_bounds() if self._staged is None else self._staged.window_bounds()
+        return bounds[self.names.index(name)]
 
     # -- samples --------------------------------------------------------------------------
     def __getitem__(self, index: int) -> Any:
@@ -220,6 +268,13 @@ class Mixture:
         return hashlib.sha256(body.encode()).hexdigest()[:32]
 
     def _identity(self) -> dict[str, Any]:
+        if self.schedule is not None:
+            return {
+                "schedule": self.schedule.describe(),
+                "lengths": self.lengths,
+                "samples_per_epoch": self.samples_per_epoch,
+                "seed": self.seed,
+            }
         return {
             "weights": self.weights,
             "lengths": self.lengths,
@@ -259,6 +314,11 @@ class Mixture:
         raise MixtureMismatch(f"the saved state is for a different mixture: {detail}{hint}")
 
     def __repr__(self) -> str:
+        if self.schedule is not None:
+            names = ", ".join(f"{n}: {self.lengths[n]}" for n in self.names)
+            return (
+                f"Mixture({names}; {self.schedule!r}; {self.samples_per_epoch} per epoch, seed={self.seed})"
+            )
         parts = ", ".join(f"{n}: {self.quotas[n]}/{self.lengths[n]}" for n in self.names)
         return f"Mixture({parts}; {self.samples_per_epoch} per epoch, seed={self.seed})"
 
@@ -269,7 +329,7 @@ def _plain(value: Any) -> Any:
 
 def mix(
     datasets: Mapping[str, Any],
-    weights: Mapping[str, float],
+    weights: Mapping[str, float] | Schedule,
     *,
     samples_per_epoch: int | None = None,
     seed: int = 0,
@@ -278,6 +338,10 @@ def mix(
     """A map-style dataset mixing ``datasets`` (name -> any map-style dataset) in ``weights``'
     shares (relative; ``samples_per_epoch`` defaults to the sources' total length). Read its
     positions in order (``shuffle=False``); dict samples gain ``"__source__": name``.
+
+    ``weights`` may be a schedule keyed on the global sample position (``epoch *
+    samples_per_epoch + position``): ``stallfree.mix.stages``, ``linear``, ``cosine`` or
+    ``from_function`` (weights.py); the same on any world size, resumed exactly anywhere.
 
     ``decode``: name -> decoder for that source only (``ImageDecode(..., backend="cpu")`` or a
     per-sample callable); the loader then batches by source (collate.py):
