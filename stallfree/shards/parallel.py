@@ -164,6 +164,117 @@ class ShardSummary:
         }
 
 
+@dataclass(frozen=True)
+class ShardJob:
+    """What every shard task of one run shares, sent once to whatever runs the tasks: the source
+    (it pickles as its paths and listing), how to write, and where (``dst`` with its fsspec
+    options, so a task on another machine opens the destination itself)."""
+
+    source: Source
+    format: str
+    on_error: str
+    schema: Any
+    transform: SampleTransform | None
+    dst: str
+    storage_options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ShardTask:
+    """One planned shard: its index in the plan, its final path and the items it holds. A task is
+    a pure function of the plan, so any attempt on any machine writes the same bytes."""
+
+    index: int
+    path: str
+    items: list[Item]
+
+
+class TaskRunner(Protocol):
+    """The executor seam: runs a planned run's shard tasks somewhere (local processes, Ray, Spark;
+    ``stallfree/engines/``). The plan, the names and the manifest stay on the driver
+    (``shard_dataset``); a runner only writes shards, each under a temp name renamed into place.
+    ``remote`` runners run tasks whose results may be lost with the task (a retried or killed
+    attempt), so a failed run removes every planned shard rather than only the reported ones."""
+
+    remote: bool
+
+    def prepare(self, job: ShardJob) -> None:
+        """Refuse, before anything is written, what the tasks could not reach."""
+        ...
+
+    def run(
+        self,
+        job: ShardJob,
+        tasks: Sequence[ShardTask],
+        on_result: Callable[[ShardResult], None],
+        progress: ProgressFn | None,
+    ) -> None:
+        """Write every task's shard; ``on_result`` for each as it finishes; raise on the first
+        task that failed (after the engine's retries)."""
+        ...
+
+
+def run_task(job: ShardJob, task: ShardTask, progress: ProgressFn | None = None) -> ShardResult:
+    """Write one planned shard wherever this runs (a Ray or Spark task), opening the destination
+    from the job's URL and options."""
+    fs = fsspec.core.url_to_fs(job.dst, **job.storage_options)[0]
+    return write_shard(
+        job.source,
+        task.items,
+        task.index,
+        task.path,
+        job.format,
+        fs,
+        on_error=job.on_error,
+        schema=job.schema,
+        progress=progress,
+        transform=job.transform,
+    )
+
+
+@dataclass
+class LocalRunner:
+    """Today's ``--workers``: in this process for one worker, forked worker processes for more."""
+
+    workers: int = 1
+    remote: bool = False
+
+    def prepare(self, job: ShardJob) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+
+    def run(
+        self,
+        job: ShardJob,
+        tasks: Sequence[ShardTask],
+        on_result: Callable[[ShardResult], None],
+        progress: ProgressFn | None,
+    ) -> None:
+        workers = self.workers
+        fs = fsspec.core.url_to_fs(job.dst, **job.storage_options)[0]
+        if workers > 1 and "memory" in _protocols(fs):
+            log.warning("memory:// lives in one process: writing with 1 worker instead of %d", workers)
+            workers = 1
+        if workers == 1 or len(tasks) <= 1:
+            for task in tasks:
+                on_result(
+                    write_shard(
+                        job.source,
+                        task.items,
+                        task.index,
+                        task.path,
+                        job.format,
+                        fs,
+                        on_error=job.on_error,
+                        schema=job.schema,
+                        progress=progress,
+                        transform=job.transform,
+                    )
+                )
+            return
+        _run_pool(job, tasks, workers, progress, on_result)
+
+
 def write_shard(
     source: Source,
     items: Sequence[Item],
@@ -309,6 +420,7 @@ def shard_dataset(
     progress: ProgressFn | None = None,
     on_plan: Callable[[int, int, int], None] | None = None,
     transform: SampleTransform | None = None,
+    executor: TaskRunner | None = None,
     **storage_options: Any,
 ) -> ShardSummary:
     """Shard ``source`` into ``dst`` (any fsspec URL). ``source`` is a ``Source``, or anything
@@ -318,13 +430,15 @@ def shard_dataset(
     rest; an int shuffles with that seed; None keeps source order. The seed used is the manifest's ``shuffle_seed``.
     ``on_plan(samples, shards, bytes)`` is called once the plan is made; ``progress(samples,
     bytes)`` as samples are written; ``transform`` rewrites each sample before it is written
-    (recorded in the manifest)."""
+    (recorded in the manifest). ``executor`` runs the shard tasks (``stallfree.engines``: Ray,
+    Spark); by default ``workers`` local processes. The output is the same bytes on any."""
     if on_error not in ("raise", "skip"):
         raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
     if not isinstance(source, Source):
         source = open_source(source, on_error=on_error)
     shuffle_seed = resolve_shuffle(source, shuffle_seed)
-    if workers < 1:
+    runner: TaskRunner = executor if executor is not None else LocalRunner(workers)
+    if executor is None and workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
     spec = _format(format)
     try:
@@ -337,6 +451,7 @@ def shard_dataset(
     fs, root = fsspec.core.url_to_fs(dst, **storage_options)
     root = root.rstrip("/") or root
     check_destination(source, fs, root, dst, overwrite=overwrite)
+    runner.prepare(ShardJob(source, format, on_error, None, transform, dst, dict(storage_options)))
     manifest_path = posixpath.join(root, MANIFEST_NAME)
     if fs.exists(manifest_path) and not overwrite:
         raise DatasetExistsError(f"{dst} already holds a dataset ({MANIFEST_NAME})")
@@ -351,50 +466,19 @@ def shard_dataset(
             f"no samples to shard in the {source.kind} source"
             + (f" ({len(skipped)} unreadable item(s) skipped)" if skipped else "")
         )
-    if workers > 1 and "memory" in _protocols(fs):
-        log.warning("memory:// lives in one process: writing with 1 worker instead of %d", workers)
-        workers = 1
     plan = plan_shards(items, format, max_bytes=max_bytes, max_samples=max_samples, shuffle_seed=shuffle_seed)
     if on_plan is not None:
         on_plan(len(items), len(plan), sum(spec.item_cost(it.sizes) for it in items))
     schema = spec.source_schema(source)
     paths = [posixpath.join(root, rel) for rel in shard_names(name, len(plan), format, root, in_use)]
-    jobs = [([items[j] for j in shard], i, paths[i]) for i, shard in enumerate(plan)]
+    job = ShardJob(source, format, on_error, schema, transform, dst, dict(storage_options))
+    tasks = [ShardTask(i, paths[i], [items[j] for j in shard]) for i, shard in enumerate(plan)]
 
     results: list[ShardResult] = []
     try:
-        if workers == 1 or len(jobs) <= 1:
-            for shard_items, i, path in jobs:
-                results.append(
-                    write_shard(
-                        source,
-                        shard_items,
-                        i,
-                        path,
-                        format,
-                        fs,
-                        on_error=on_error,
-                        schema=schema,
-                        progress=progress,
-                        transform=transform,
-                    )
-                )
-        else:
-            _run_pool(
-                source,
-                jobs,
-                format,
-                on_error,
-                schema,
-                workers,
-                dst,
-                storage_options,
-                progress,
-                results,
-                transform,
-            )
+        runner.run(job, tasks, results.append, progress)
     except BaseException:
-        _remove_written(fs, spec, results, root, in_use)
+        _remove_written(fs, spec, _undo_list(runner, results, tasks), root, in_use)
         raise
 
     results.sort(key=lambda r: r.index)
@@ -422,7 +506,7 @@ def shard_dataset(
     try:
         written = manifest.commit(fs, root, replacing=old)
     except BaseException:
-        _remove_written(fs, spec, results, root, in_use)
+        _remove_written(fs, spec, _undo_list(runner, results, tasks), root, in_use)
         raise
     return ShardSummary(manifest, written, time.perf_counter() - t0, skipped)
 
@@ -501,32 +585,29 @@ def _provenance(source: Source, shuffle_seed: int | None) -> dict[str, Any]:
 
 
 def _run_pool(
-    source: Source,
-    jobs: list[tuple[list[Item], int, str]],
-    fmt: str,
-    on_error: str,
-    schema: Any,
+    job: ShardJob,
+    tasks: Sequence[ShardTask],
     workers: int,
-    dst: str,
-    storage_options: dict,
     progress: ProgressFn | None,
-    results: list[ShardResult],
-    transform: SampleTransform | None = None,
+    on_result: Callable[[ShardResult], None],
 ) -> None:
-    """Run the jobs on worker processes, appending to ``results`` as shards finish (so that on
+    """Run the tasks on worker processes, reporting each shard as it finishes (so that on
     failure the caller knows which finished shards to remove)."""
     ctx = _mp_context()
     progress_q = ctx.SimpleQueue() if ctx.get_start_method() == "fork" else ctx.Manager().Queue()
     with ProcessPoolExecutor(
-        max_workers=min(workers, len(jobs)),
+        max_workers=min(workers, len(tasks)),
         mp_context=ctx,
         initializer=_init_worker,
-        initargs=(source, dst, storage_options, progress_q, os.getpid()),
+        initargs=(job.source, job.dst, job.storage_options, progress_q, os.getpid()),
     ) as pool:
         futures: set[Future] = {
-            pool.submit(_worker_shard, shard_items, i, path, fmt, on_error, schema, transform)
-            for shard_items, i, path in jobs
-        }
+            pool.submit(
+                _worker_shard, task.items, task.index, task.path, job.format, job.on_error, job.schema,
+                job.transform,
+            )
+            for task in tasks
+        }  # fmt: skip
         try:
             while futures:
                 done, futures = wait(futures, timeout=0.1, return_when=FIRST_EXCEPTION)
@@ -534,7 +615,7 @@ def _run_pool(
                 error: BaseException | None = None
                 for fut in done:  # keep every finished shard (so it can be removed) before raising
                     try:
-                        results.append(fut.result())
+                        on_result(fut.result())
                     except BaseException as exc:  # noqa: BLE001 - re-raised below
                         error = error or exc
                 if error is not None:
@@ -544,7 +625,7 @@ def _run_pool(
                 fut.cancel()
             for fut in futures:  # let running shards finish or abort so their files can be removed
                 with contextlib.suppress(BaseException):
-                    results.append(fut.result())
+                    on_result(fut.result())
             raise
         _drain(progress_q, progress)
 
@@ -567,6 +648,16 @@ def shard_names(name: str, count: int, fmt: str, root: str, in_use: set[str]) ->
         if in_use.isdisjoint(paths):
             return rels
     raise AssertionError("unreachable")
+
+
+def _undo_list(
+    runner: TaskRunner, results: list[ShardResult], tasks: Sequence[ShardTask]
+) -> list[ShardResult]:
+    """What a failed run removes: the shards reported written; for a remote runner every planned
+    one (an attempt may have renamed its shard into place and died before reporting it)."""
+    if not getattr(runner, "remote", False):
+        return results
+    return [ShardResult(t.index, ShardInfo(posixpath.basename(t.path), 0, 0), [], None) for t in tasks]
 
 
 def _remove_written(
