@@ -290,13 +290,13 @@ def test_the_checker_catches_what_it_is_for(index: Index):
     assert not path_exists("loader/mmap_reader.py")
     assert is_repo_path("benchmarks/RESULTS.md") and is_repo_path("tests/gpu/")
     assert not any(map(is_repo_path, ["/", "s3://b/x.py", 'open_dataset("a/b.py")', "path/name", "x/*.py"]))
-    assert symbol_problem("shm.materialise", index) is None
+    assert symbol_problem("shm.storage.materialise", index) is None
     assert symbol_problem("MainPlan.depth", index) is None
     assert symbol_problem("Task(gen, seq, indices, decode_seed, epoch)", index) is None
     assert symbol_problem("stallfree.normalize", index) is None
     assert symbol_problem('uneven="pad"', index) is None
     assert symbol_problem("os.environ", index) is None
-    assert "no 'materialize'" in symbol_problem("shm.materialize", index)
+    assert "no 'materialize'" in symbol_problem("shm.storage.materialize", index)
     assert "has no 'deepth'" in symbol_problem("MainPlan.deepth", index)
     assert "no 'NoSuchReader'" in symbol_problem("NoSuchReader", index)
     assert symbol_problem("v1.2 N", index) is None  # not a name
