@@ -17,7 +17,10 @@ EPILOG = """examples:
   stallfree bench http://127.0.0.1:8000/shards --loader stallfree,torch,webdataset --analyze
   stallfree bench ./in1k --loader torch --tune --tune-workers 1,2,4
   torchrun --nproc-per-node 8 -m stallfree bench s3://bucket/in1k --step model
+  stallfree bench ./au-data --workload unet3d --accelerator h100 --json au.json --plot au.png
 """
+
+DEFAULT_LOADERS = "stallfree,torch"
 
 
 def _int_list(text: str) -> list[int]:
@@ -51,11 +54,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EPILOG,
     )
-    p.add_argument("dataset", help="shard dataset path or URL (http://, s3://, ...), or synthetic:N[:WxH]")
+    p.add_argument(
+        "dataset",
+        help="shard dataset path or URL (http://, s3://, ...), or synthetic:N[:WxH]; with --workload the "
+        "folder its data is written to (created, or reused when it holds the same workload's data)",
+    )
     p.add_argument(
         "--nproc", type=int, default=2, help="ranks to launch (ignored inside torchrun; default 2)"
     )
-    p.add_argument("--loader", default="stallfree,torch", help="comma list: stallfree,torch,webdataset,dali")
+    p.add_argument(
+        "--loader",
+        default=None,
+        help="comma list: stallfree,torch,webdataset,dali (default stallfree,torch; with --workload all four)",
+    )
     p.add_argument(
         "--step",
         default="sleep",
@@ -68,8 +79,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--prefetch", type=int, default=None, help="loader prefetch factor (default: the loader's)"
     )
-    p.add_argument("--steps", type=int, default=50, help="measured steps per loader (default 50)")
-    p.add_argument("--warmup", type=int, default=3, help="steps run before measuring (default 3)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="measured steps per loader (default 50; --workload: 2 s of emulated compute, at least 8)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps run before measuring (default 3; --workload: a tenth of the steps, at least 2)",
+    )
     p.add_argument("--image-size", type=int, default=64, help="crop size of the decode recipe (default 64)")
     p.add_argument(
         "--decode",
@@ -102,6 +123,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the full report (with environment) here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG timeline + stall bar chart here")
     p.add_argument("--no-per-rank", action="store_true", help="table: job rows only")
+    w = p.add_argument_group(
+        "MLPerf Storage workloads (--workload)",
+        "N emulated accelerators (ranks sleeping the config's compute time per batch) read the "
+        "workload's records without decoding them; per loader, the largest N whose accelerator "
+        "utilisation (compute time / wall time, mean over ranks) stays at or above the threshold "
+        "(90%% resnet50 and unet3d, 70%% cosmoflow). Uses --workers, --steps, --seed, --loader.",
+    )
+    w.add_argument("--workload", choices=["resnet50", "unet3d", "cosmoflow"], default=None)
+    w.add_argument("--accelerator", choices=["h100", "a100", "b200"], default="h100", help="default h100")
+    w.add_argument(
+        "--scale",
+        type=int,
+        default=None,
+        help="divide record sizes by this (default: resnet50 1, unet3d 64, cosmoflow 8)",
+    )
+    w.add_argument("--max-accelerators", type=int, default=8, help="largest N searched (default 8)")
+    w.add_argument("--samples", type=int, default=None, help="samples to write (default per workload)")
     a = p.add_argument_group("analysis (--analyze)")
     a.add_argument(
         "--analyze", action="store_true", help="split stall into fetch vs prep and check a what-if"
@@ -212,15 +250,15 @@ def config_from_args(args: argparse.Namespace):
     world = _torchrun_world()
     cfg = BenchConfig(
         dataset=args.dataset,
-        loaders=[v.strip() for v in args.loader.split(",") if v.strip()],
+        loaders=_loaders(args.loader or DEFAULT_LOADERS),
         nproc=int(world.pop("nproc", args.nproc)),
         step=args.step,
         step_ms=args.step_ms,
         batch_size=args.batch_size,
         workers=args.workers,
         prefetch=args.prefetch,
-        steps=args.steps,
-        warmup=args.warmup,
+        steps=50 if args.steps is None else args.steps,
+        warmup=3 if args.warmup is None else args.warmup,
         image_size=args.image_size,
         seed=args.seed,
         device=_device(args.device),
@@ -243,6 +281,68 @@ def config_from_args(args: argparse.Namespace):
     return cfg
 
 
+def _loaders(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def au_config_from_args(args: argparse.Namespace):
+    """The AUConfig of a ``--workload`` bench (its own flags, and the shared ones it uses)."""
+    from stallfree.harness.au_bench import DEFAULT_LOADERS as AU_LOADERS
+    from stallfree.harness.au_bench import AUConfig
+
+    return AUConfig(
+        data=str(args.dataset),
+        workload=args.workload,
+        accelerator=args.accelerator,
+        scale=args.scale,
+        samples=args.samples,
+        loaders=tuple(_loaders(args.loader)) if args.loader else AU_LOADERS,
+        max_n=args.max_accelerators,
+        workers=args.workers,
+        steps=args.steps,
+        warmup=args.warmup,
+        seed=args.seed,
+        worker_start=args.worker_start,
+        loader_options=dict(args.loader_option),
+    )
+
+
+def run_workload(args: argparse.Namespace) -> int:
+    """``--workload``: the largest number of emulated accelerators per loader (au_bench.py)."""
+    from stallfree.harness.au_bench import run_au_bench
+    from stallfree.harness.au_report import format_au_table, write_au_plot
+    from stallfree.harness.errors import RankFailed, error_line
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.plot:
+        from stallfree.extras import require
+
+        require("matplotlib", "plot", "stallfree bench --plot")
+    try:
+        check_loader_options(dict(args.loader_option))
+        for flag, path in (("--json", args.json), ("--plot", args.plot)):
+            if path:
+                check_writable(flag, path)
+        result = run_au_bench(au_config_from_args(args), progress)
+    except RankFailed as exc:
+        return fail("bench", error_line(exc))
+    except ValueError as exc:
+        return fail("bench", error_line(exc), code=2)
+    print(format_au_table(result))
+    try:
+        if args.json:
+            args.json.write_text(json.dumps(_finite(result), indent=1))
+            print(f"report: {args.json}", file=sys.stderr)
+        if args.plot:
+            write_au_plot(result, args.plot)
+            print(f"plot: {args.plot}", file=sys.stderr)
+    except OSError as exc:
+        return fail("bench", f"writing the report: {exc}")
+    return 0
+
+
 def _finite(value):
     """JSON has no infinity: write unbounded rates as null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -262,6 +362,8 @@ def run(args: argparse.Namespace) -> int:
     from stallfree.harness.errors import RankFailed, error_line
     from stallfree.harness.runner import run_bench
 
+    if args.workload:
+        return run_workload(args)
     dataset = str(args.dataset)
     if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():
         return fail("bench", f"dataset {dataset} does not exist", code=2)

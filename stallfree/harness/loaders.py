@@ -205,7 +205,7 @@ class StallfreeAdapter(Adapter):
         elif decode == "recipe":
             kwargs["decode"] = PILRecipe(s.image_size, s.seed)
             kwargs["collate_fn"] = collate_pairs
-        else:
+        elif decode != "none":  # none: the samples as stored (the --workload benches, workload_loaders.py)
             raise ValueError(f"unknown decode mode {decode!r}; choose auto, recipe or image-decode")
         if s.workers > 0:
             kwargs["persistent_workers"] = True
