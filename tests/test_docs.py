@@ -309,3 +309,99 @@ def test_the_checker_catches_what_it_is_for(index: Index):
         "| `stallfree/c/` | job | anything |"
     )
     assert table == {"a": set(), "b": {"a", "stallfree"}, "c": None}
+
+
+# ---- the README as a front page, and the figures it links (issue 31 item 5) ---------------------
+
+README = ROOT / "README.md"
+RESULTS = ROOT / "benchmarks" / "RESULTS.md"
+README_MAX_BYTES = 8 * 1024
+
+
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading: lower case, punctuation dropped (word
+    characters, spaces and hyphens kept), each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    return {
+        github_anchor(m.group(1))
+        for m in re.finditer(r"^#{1,6} (.+)$", path.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    }
+
+
+def front_page(text: str) -> str:
+    """What a newcomer reads first: the README up to its list of guide pages."""
+    return text[: text.index("\n## The guide")]
+
+
+def test_the_readme_is_a_front_page():
+    text = README.read_text(encoding="utf-8")
+    assert len(text.encode()) <= README_MAX_BYTES, f"README.md is {len(text.encode())} bytes"
+    first = front_page(text)
+    # the swap, first of all
+    swap = first[first.index("```python") : first.index("```", first.index("```python") + 3)]
+    assert "from stallfree import DataLoader" in swap and "from torch.utils.data import DataLoader" in swap
+    assert len(swap.strip().splitlines()) - 1 <= 6
+    # the Quick start: exactly the two commands
+    quick = first[first.index("\n## Quick start") :]
+    block = quick[quick.index("```bash\n") + 8 : quick.index("\n```", quick.index("```bash\n"))]
+    commands = [line.split("#", 1)[0].strip() for line in block.splitlines() if line.strip()]
+    assert commands == ["bash scripts/quickstart.sh", "bash scripts/test.sh"]
+    assert "pip install stallfree" in first and "| extra | installs | for |" in first
+    # no test-suite timings before the guide (docs/development.md has them)
+    assert not re.search(r"\d+\s*min(utes)?\b|\d+:\d\d\b", first), (
+        "a test timing on the README's first screen"
+    )
+
+
+def test_the_readme_headline_ratios_name_a_baseline_and_link_their_table():
+    first = front_page(README.read_text(encoding="utf-8"))
+    measured = first[first.index("\n## Measured") :]
+    headlines = re.findall(r"^- \*\*(.+?)\*\*(.*?)(?=^- |\Z)", measured, flags=re.MULTILINE | re.DOTALL)
+    assert len(headlines) == 3
+    for bold, rest in headlines:
+        assert re.search(r"\d(\.\d+)?x", bold), bold  # a ratio
+        assert re.search(r"\(\d{4}-\d\d-\d\d;", rest), bold  # dated
+        assert "benchmarks/RESULTS.md#" in rest, bold  # linked to its table
+
+
+def test_every_link_to_a_results_section_names_one():
+    known = anchors(RESULTS)
+    broken = [
+        f"{doc.relative_to(ROOT)}: #{frag}"
+        for doc in [README, *PATH_DOCS[1:], RESULTS]
+        for frag in re.findall(r"RESULTS\.md#([\w-]+)\)", doc.read_text(encoding="utf-8"))
+        + (re.findall(r"\]\(#([\w-]+)\)", doc.read_text(encoding="utf-8")) if doc == RESULTS else [])
+        if frag not in known
+    ]
+    assert not broken, "links to no heading of benchmarks/RESULTS.md:\n" + "\n".join(broken)
+
+
+def test_results_open_with_the_current_figures_table():
+    text = RESULTS.read_text(encoding="utf-8")
+    assert re.findall(r"^## (.+)$", text, flags=re.MULTILINE)[0] == "Current figures"
+    table = text[
+        text.index("\n## Current figures") : text.index("\n## ", text.index("\n## Current figures") + 1)
+    ]
+    header, rule, *rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert header == "| capability | our figure | baseline (peer) | ratio | date (UTC) | command |"
+    assert len(rows) >= 10
+    capabilities = [re.match(r"^\| \[([^\]]+)\]\(#([\w-]+)\) \|", row) for row in rows]
+    assert all(capabilities), rows
+    assert len({m.group(2) for m in capabilities}) == len(rows), "a capability with two rows"
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split(" | ")]
+        assert len(cells) == 6, row
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d", cells[4]), row
+        assert cells[5].startswith("`") and "benchmarks/" in cells[5], row
+
+
+def test_github_anchor():
+    assert github_anchor("Decode + augment") == "decode--augment"
+    assert github_anchor("Object storage (S3)") == "object-storage-s3"
+    assert (
+        github_anchor("Multi-node: stall per node, storage per epoch")
+        == "multi-node-stall-per-node-storage-per-epoch"
+    )
