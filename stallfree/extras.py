@@ -78,6 +78,12 @@ EXTRAS: dict[str, Extra] = {
             ("transformers", "accelerate"),
             "stallfree.integrations (transformers Trainer, accelerate)",
         ),
+        Extra(
+            "spark",
+            ("pyspark>=3.5",),
+            ("pyspark",),
+            "sharding on Spark (stallfree shard --engine spark, stallfree.shards.write_spark)",
+        ),
     )
 }
 

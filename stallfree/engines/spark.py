@@ -1,0 +1,221 @@
+"""``stallfree shard --engine spark[:MASTER]``: the planned shard tasks as one Spark job.
+
+The plan is an RDD with one shard task per partition; each Spark task writes its shard (temp
+name, renamed into place: ``write_shard``) and returns a small typed outcome. Spark retries a
+task that raised (``spark.task.maxFailures``), so a crash, a lost executor or an I/O error gets
+another attempt; an attempt writes the same bytes under the same final name, so a retried or
+speculative one never leaves a duplicate or a half shard. A data error (``ShardError``: an
+unreadable sample under ``--on-error raise``) is not retried: it would fail the same way, so it
+comes back as the outcome and the driver raises it. The driver writes the manifest only after
+every task succeeded (``shard_dataset``). Progress (tasks and bytes) comes from a Spark
+accumulator polled on the driver while the job runs.
+
+``write_spark`` (``stallfree.shards.write_spark``) writes shards from a DataFrame's own rows:
+``stallfree/shards/write_engines.py`` does the writing, this module the Spark side.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from stallfree.engines.executor import ShardTaskError, check_reachable, is_this_machine
+from stallfree.errors import ShardError
+from stallfree.extras import require
+from stallfree.shards.parallel import ProgressFn, ShardJob, ShardResult, ShardTask, run_task
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.2
+_NO_NODES = "<no executor registered yet>"  # not this machine: local paths are refused
+
+
+@dataclass(frozen=True)
+class TaskOutcome:
+    """What one Spark task sends back: its shard's result, or the data error that ended it."""
+
+    index: int
+    result: ShardResult | None
+    error: ShardError | None = None
+
+
+class _PairSum:
+    """Accumulator of (samples, bytes) written by finished tasks (Spark merges only successful
+    attempts' updates, so a retried task is counted once)."""
+
+    def zero(self, value: tuple[int, int]) -> tuple[int, int]:
+        return (0, 0)
+
+    def addInPlace(self, a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:  # noqa: N802 - Spark's name
+        return (a[0] + b[0], a[1] + b[1])
+
+
+def _run_partition(job: ShardJob, written: Any) -> Callable[[Iterator[ShardTask]], Iterator[TaskOutcome]]:
+    def run(tasks: Iterator[ShardTask]) -> Iterator[TaskOutcome]:
+        for task in tasks:
+            try:
+                result = run_task(job, task)
+            except ShardError as exc:  # deterministic: another attempt fails the same way
+                yield TaskOutcome(task.index, None, exc)
+                continue
+            if result.info is not None:
+                written.add((result.info.samples, result.info.bytes))
+            yield TaskOutcome(task.index, result)
+
+    return run
+
+
+def _is_local_master(master: str) -> bool:
+    """``local``, ``local[N]``, ``local[N,F]``, ``local-cluster[...]``: every executor is a
+    process of this machine."""
+    return master == "local" or master.startswith(("local[", "local-cluster["))
+
+
+class SparkExecutor:
+    """Runs shard tasks on Spark. ``master``: a Spark master URL (a session is made and stopped by
+    ``close``), or None for the active session (``SparkSession.getActiveSession()``), else a new
+    ``local[*]`` one. ``spark``: a session to use (never stopped here). ``shared_fs``: local paths
+    are on a filesystem every node mounts at the same path."""
+
+    name = "spark"
+    remote = True
+
+    def __init__(
+        self,
+        master: str | None = None,
+        *,
+        workers: int = 1,
+        spark: Any = None,
+        shared_fs: bool = False,
+        conf: dict[str, str] | None = None,
+    ) -> None:
+        require("pyspark", "spark", "stallfree shard --engine spark")
+        from pyspark.sql import SparkSession
+
+        self.shared_fs = shared_fs
+        self._owned = False
+        if spark is None and master is None:
+            spark = SparkSession.getActiveSession()
+        if spark is None:
+            builder = SparkSession.builder.master(master or "local[*]").appName("stallfree shard")
+            if _is_local_master(master or "local[*]"):
+                builder = builder.config("spark.driver.host", "127.0.0.1").config(
+                    "spark.driver.bindAddress", "127.0.0.1"
+                )
+            builder = builder.config("spark.ui.showConsoleProgress", "false")
+            for key, value in (conf or {}).items():
+                builder = builder.config(key, value)
+            spark = builder.getOrCreate()
+            self._owned = True
+            if _is_local_master(master or "local[*]") and spark.sparkContext.pythonExec == "python3":
+                # pyspark runs its workers with PYSPARK_PYTHON or ``python3`` from PATH, not this
+                # interpreter: on this machine's executors they must import what the driver does
+                spark.sparkContext.pythonExec = sys.executable
+        self.spark = spark
+        self.master = spark.sparkContext.master
+
+    # -- where tasks run ---------------------------------------------------------------------------
+    def nodes(self) -> list[str]:
+        """The hosts tasks run on: this machine for a local master; else the executors Spark
+        has registered (none yet: a placeholder that is not this machine)."""
+        if _is_local_master(self.master):
+            return ["127.0.0.1"]
+        infos = self.spark.sparkContext._jsc.sc().statusTracker().getExecutorInfos()
+        hosts = sorted({info.host() for info in infos})
+        return hosts if len(hosts) > 1 or (hosts and not is_this_machine(hosts[0])) else [*hosts, _NO_NODES]
+
+    def prepare(self, job: ShardJob) -> None:
+        check_reachable(f"spark ({self.master})", self.nodes(), job, shared_fs=self.shared_fs)
+
+    # -- the job -----------------------------------------------------------------------------------
+    def run(
+        self,
+        job: ShardJob,
+        tasks: Sequence[ShardTask],
+        on_result: Callable[[ShardResult], None],
+        progress: ProgressFn | None,
+    ) -> None:
+        if not tasks:
+            return
+        sc = self.spark.sparkContext
+        written = sc.accumulator((0, 0), _PairSum())
+        rdd = sc.parallelize(list(tasks), len(tasks)).mapPartitions(_run_partition(job, written))
+        group = f"stallfree-shard-{uuid.uuid4().hex[:12]}"
+        box: dict[str, Any] = {}
+
+        def collect() -> None:
+            sc.setJobGroup(group, f"stallfree shard: {len(tasks)} shard(s) to {job.dst}", True)
+            try:
+                box["outcomes"] = rdd.collect()
+            except BaseException as exc:  # noqa: BLE001 - handed to the driver thread
+                box["error"] = exc
+
+        from pyspark import InheritableThread
+
+        thread = InheritableThread(target=collect, name="stallfree-spark-collect", daemon=True)
+        thread.start()
+        reported = (0, 0)
+        try:
+            while thread.is_alive():
+                thread.join(_POLL_S)
+                reported = _report(written.value, reported, progress)
+        except BaseException:
+            sc.cancelJobGroup(group)
+            thread.join(30)
+            raise
+        _report(written.value, reported, progress)
+        if "error" in box:
+            raise _task_error(box["error"], tasks) from None
+        outcomes: list[TaskOutcome] = box["outcomes"]
+        error = next((o for o in outcomes if o.error is not None), None)
+        for outcome in outcomes:
+            if outcome.result is not None:
+                on_result(outcome.result)
+        if error is not None:
+            raise error.error  # type: ignore[misc]
+
+    def close(self) -> None:
+        if self._owned:
+            self.spark.stop()
+            self._owned = False
+
+    def __enter__(self) -> SparkExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _report(
+    value: tuple[int, int], reported: tuple[int, int], progress: ProgressFn | None
+) -> tuple[int, int]:
+    if progress is not None and value != reported:
+        progress(value[0] - reported[0], value[1] - reported[1])
+    return value
+
+
+def _task_error(exc: BaseException, tasks: Sequence[ShardTask]) -> BaseException:
+    """A failed Spark job as a ``ShardTaskError``: the Python error of the last attempt (the last
+    line of the worker's traceback), not the JVM's pages of stack."""
+    text = str(exc)
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    cause = next(
+        (ln for ln in reversed(lines) if _looks_like_python_error(ln)), lines[0] if lines else repr(exc)
+    )
+    return ShardTaskError(
+        f"a shard task failed on Spark after its retries ({len(tasks)} task(s) planned; no manifest "
+        f"written, the shards of this run removed): {cause}"
+    )
+
+
+def _looks_like_python_error(line: str) -> bool:
+    head = line.split(":", 1)[0]
+    return (
+        head.replace(".", "").replace("_", "").isalnum()
+        and head[:1].isupper()
+        and (head.endswith(("Error", "Exception", "Exit", "Interrupt")) or "." in head)
+    )
