@@ -165,7 +165,7 @@ def test_the_parent_death_signal_is_set_without_looking_for_libc():
         pytest.skip("prctl is Linux's")
     code = (
         "import ctypes, signal\n"
-        "from stallfree.loader import lifeline\n"
+        "from stallfree.loader.worker import lifeline\n"
         "assert lifeline._set_pdeathsig(signal.SIGUSR1)\n"
         "got = ctypes.c_int(0)\n"
         "assert ctypes.CDLL(None).prctl(2, ctypes.byref(got), 0, 0, 0) == 0\n"  # PR_GET_PDEATHSIG
