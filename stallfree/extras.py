@@ -84,6 +84,12 @@ EXTRAS: dict[str, Extra] = {
             ("pyspark",),
             "sharding on Spark (stallfree shard --engine spark, stallfree.shards.write_spark)",
         ),
+        Extra(
+            "ray",
+            ("ray>=2.40",),
+            ("ray",),
+            "remote workers on a Ray cluster (stallfree.RayWorkers, DataLoader(remote=...))",
+        ),
     )
 }
 
