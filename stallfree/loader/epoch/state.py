@@ -6,6 +6,8 @@ state is never continued on another one; the world size and worker count at save
 for information and never required to match. The dataset's identity (its length, and its content
 fingerprint where it has one) is kept so a state is never continued on other data by mistake;
 states saved before it was recorded (length 0 outside our order, no fingerprint) still load.
+Our order's states also carry the run's timeline (``step``, ``history``, ``skips``: timeline.py),
+from which the samples of any step follow without a log; states without one still load.
 
 A state comes from outside (a checkpoint file): ``from_dict`` checks every field's type and
 bounds how deeply its values nest, so a malformed or hostile one is a ``ValueError``, never a
@@ -19,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-FORMAT = "stallfree.loader.epoch.state"
+FORMAT = "stallfree.loader.state"  # a name on disk, not a module path: it never moves with the code
+_READS = (FORMAT, "stallfree.loader.epoch.state")  # the second: written briefly after the layout move
 VERSION = 1
 MAX_DEPTH = 32  # nesting allowed in a state's values (a mixture's description uses 3)
 MAX_ITEMS = 100_000  # containers and leaves walked in a state's values
@@ -37,6 +40,9 @@ class LoaderState:
     dataset: dict[str, Any] | None = None  # what the dataset needs to check a resume (a mixture's state)
     order: str | None = None  # the order's layout (order.order_identity); None: torch's sampler, a stream
     fingerprint: str | None = None  # the dataset's content fingerprint, where it has one
+    step: int | None = None  # steps (batches per rank) delivered since the run began (our order)
+    history: tuple[dict[str, Any], ...] = ()  # the run's spans (timeline.py): what samples_at reads
+    skips: tuple[dict[str, Any], ...] = ()  # position ranges left out by skip_steps= (timeline.py)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,11 +58,14 @@ class LoaderState:
             **({"dataset": dict(self.dataset)} if self.dataset is not None else {}),
             **({"order": self.order} if self.order is not None else {}),
             **({"fingerprint": self.fingerprint} if self.fingerprint is not None else {}),
+            **({"step": self.step} if self.step is not None else {}),
+            **({"history": [dict(h) for h in self.history]} if self.history else {}),
+            **({"skips": [dict(k) for k in self.skips]} if self.skips else {}),
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoaderState:
-        if not isinstance(d, Mapping) or d.get("format") != FORMAT:
+        if not isinstance(d, Mapping) or d.get("format") not in _READS:
             raise ValueError(
                 f"not a stallfree loader state (format {d.get('format') if isinstance(d, Mapping) else d!r})"
             )
@@ -78,6 +87,9 @@ class LoaderState:
                 dataset=dict(d["dataset"]) if isinstance(d.get("dataset"), Mapping) else None,
                 order=str(d["order"]) if d.get("order") is not None else None,
                 fingerprint=_str(d, "fingerprint"),
+                step=_int(d, "step", low=0) if d.get("step") is not None else None,
+                history=_entries(d, "history"),
+                skips=_entries(d, "skips"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed loader state: {exc}") from exc
@@ -101,6 +113,16 @@ def _int(d: Mapping[str, Any], name: str, default: int | None = None, *, low: in
     if low is not None and number < low:
         raise ValueError(f"{name!r} is {number}, must be >= {low}")
     return number
+
+
+def _entries(d: Mapping[str, Any], name: str) -> tuple[dict[str, Any], ...]:
+    """A list of objects (the timeline's spans or skips; timeline.py checks their fields)."""
+    value = d.get(name)
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, Mapping) for v in value):
+        raise TypeError(f"{name!r} must be a list of objects, got {type(value).__name__}")
+    return tuple(dict(v) for v in value)
 
 
 def _str(d: Mapping[str, Any], name: str) -> str | None:
