@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             "a MosaicML MDS or LitData dataset directory (index.json), or existing tar shards "
             "(re-shard). ImageFolder and grouped-file sources, and Hugging Face rows sorted by their "
             "ClassLabel, are shuffled (seed 0, recorded in the manifest) unless --no-shuffle: shards in class order give single-class batches to "
-            "readers that stream shards in order. Output is identical for any --workers."
+            "readers that stream shards in order. Output is identical for any --workers and --engine."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
             "  stallfree shard ./mds-dataset ./shards --no-shuffle\n"
             "  stallfree shard s3://bucket/hf-dataset ./shards --source-option anon=true\n"
             "  stallfree shard ./imagenet/train ./in1k-320 --max-side 320 --quality 90 --workers 8\n"
+            "  stallfree shard s3://bucket/raw.parquet s3://bucket/shards --engine spark:spark://head:7077\n"
+            "  stallfree shard s3://bucket/images s3://bucket/shards --engine ray:auto\n"
             "  stallfree shard 'text/*.jsonl' ./tokens --tokenizer tokenizer.json --token-layout megatron"
         ),
     )
@@ -53,6 +55,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-bytes", default="256MB", help="shard size limit, e.g. 256MB, 1GiB (default 256MB)")
     p.add_argument("--max-samples", type=int, default=None, help="at most N samples per shard")
     p.add_argument("--workers", type=int, default=1, help="processes writing shards in parallel (default 1)")
+    p.add_argument(
+        "--engine",
+        default="local",
+        metavar="local|ray[:ADDRESS]|spark[:MASTER]",
+        help="where the shard tasks run: local processes (--workers, the default), a Ray cluster "
+        "(ray:auto, ray:HOST:PORT; stallfree[ray]) or Spark (spark:local[4], spark:spark://HOST:7077; "
+        "stallfree[spark]); the plan and manifest stay here, the output is the same bytes",
+    )
+    p.add_argument(
+        "--shared-fs",
+        action="store_true",
+        help="local SRC/DST paths are on a filesystem every node of the --engine cluster mounts at "
+        "the same path (without it a cluster with other machines is refused local paths)",
+    )
     order = p.add_mutually_exclusive_group()
     order.add_argument(
         "--shuffle-seed",
@@ -239,6 +255,7 @@ def run_shard(args: argparse.Namespace) -> int:
             raise ValueError(f"--max-samples must be positive, got {args.max_samples}")
         if args.workers < 1:
             raise ValueError(f"--workers must be >= 1, got {args.workers}")
+        engine = _engine(args)
         transform = _downscale(args)
     except ValueError as exc:
         return fail("shard", exc, 2)
@@ -267,6 +284,11 @@ def run_shard(args: argparse.Namespace) -> int:
             bar[0].update(nbytes)
 
     try:
+        executor = None
+        if engine.name != "local":
+            from stallfree.engines.executor import make_executor
+
+            executor = make_executor(engine, workers=args.workers, shared_fs=args.shared_fs)
         source = open_source(args.src, args.source, on_error=args.on_error, storage_options=src_options)
         summary = shard_dataset(
             source,
@@ -282,12 +304,16 @@ def run_shard(args: argparse.Namespace) -> int:
             progress=progress,
             on_plan=on_plan,
             transform=transform,
+            executor=executor,
             **options,
         )
     except (ShardError, ValueError, OSError) as exc:
         if bar:
             bar[0].close()
         return fail("shard", exc)
+    finally:
+        if executor is not None:
+            executor.close()
     if bar:
         bar[0].close()
     info = summary.to_json()
@@ -313,6 +339,18 @@ def run_shard(args: argparse.Namespace) -> int:
     else:
         print("skipped: none")
     return 0
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    """``--engine``, parsed (ValueError for an unknown one, or flags it does not take)."""
+    from stallfree.engines.executor import parse_engine
+
+    engine = parse_engine(args.engine)
+    if engine.name != "local" and args.tokenizer is not None:
+        raise ValueError("--engine applies to sample shards, not with --tokenizer (which runs here)")
+    if engine.name == "local" and args.shared_fs:
+        raise ValueError("--shared-fs applies only with a cluster --engine (ray, spark)")
+    return engine
 
 
 def _downscale(args: argparse.Namespace) -> Any:
