@@ -107,6 +107,14 @@ class CountsSources(Protocol):
 
 
 @runtime_checkable
+class ReportsShares(Protocol):
+    """Achieved per-source fractions beside the targets over a range of positions (a
+    mixture's ``stats()['mix']['fractions']``)."""
+
+    def fractions(self, start: int, stop: int, window: int) -> Any: ...
+
+
+@runtime_checkable
 class EpochAware(Protocol):
     """A sampler (or batch sampler's sampler) told the epoch, as DistributedSampler is."""
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -41,10 +42,12 @@ import torch.utils.data as tud
 from stallfree.loader import _torch_compat as compat
 from stallfree.loader import contracts, fdlimit
 from stallfree.loader.assembler import Assembler, failure_budget
-from stallfree.loader.epoch.indices import EpochIndices, IndexSource, StreamIndices
+from stallfree.loader.epoch.indices import EpochIndices, IndexSource, OrderIndices, StreamIndices
 from stallfree.loader.epoch.order import Batches
 from stallfree.loader.epoch.progress import EpochProgress
+from stallfree.loader.epoch.record import RecordWriter
 from stallfree.loader.epoch.state import LoaderState
+from stallfree.loader.epoch.steps import StepClock
 from stallfree.loader.epoch.world import World, resolve_world
 from stallfree.loader.errors import IteratorSupersededError, StateMismatchError
 from stallfree.loader.iterator import SHARED_EPOCH, SHARED_POOL, LoaderIterator, superseded_message
@@ -79,7 +82,9 @@ class DataLoader(tud.DataLoader[T_co]):
     of batches in flight from queue occupancy and consumer waits, within ``memory_budget`` bytes),
     ``staging`` (None: for block order over remote shards each worker stages whole shards in a
     node-local directory shared by the node's processes and reads samples from there; False:
-    off; a directory or a ``stallfree.storage.staging.Staging(root=, cap_bytes=)``).
+    off; a directory or a ``stallfree.storage.staging.Staging(root=, cap_bytes=)``), ``record_keys``
+    (a directory: each rank appends the epoch positions it delivers to a compact binary log there,
+    for ``stallfree audit DIR``; our order only).
 
     Iterators: each ``iter()`` gives an independent iterator over the next epoch (its own workers;
     fast, sampler and iterable modes alike), as torch's. With ``persistent_workers=True`` and
@@ -131,6 +136,7 @@ class DataLoader(tud.DataLoader[T_co]):
         autotune: bool = False,
         memory_budget: int = 1 << 30,
         staging: Any = None,
+        record_keys: str | os.PathLike[str] | None = None,
     ) -> None:
         if collate_fn is None and batch_size is not None and contracts.orders_itself(dataset):
             collate_fn = contracts.own_collate_of(dataset)  # a mixture batches its sources (mix/collate.py)
@@ -186,6 +192,7 @@ class DataLoader(tud.DataLoader[T_co]):
             autotune=bool(autotune),
             memory_budget=int(memory_budget),
             staging=staging,
+            record_keys=None if record_keys is None else os.fspath(record_keys),
             job_world=resolve_world(None),
             cuda=torch.cuda.is_available(),
             worker_cores=worker_cores(self.num_workers),
@@ -203,6 +210,8 @@ class DataLoader(tud.DataLoader[T_co]):
         self._engine: Engine | None = None
         self._lead: LeadStaging | None = None  # the main process staging a first window
         self._progress: EpochProgress | None = None
+        self._clock = self._make_clock()  # steps and the run's timeline (our order only)
+        self._record: RecordWriter | None = None  # record_keys=: this process's delivery record
         self._restored_epoch: int | None = None  # load_state_dict's epoch, until iterated or moved off
         _LOADERS.add(self)
 
@@ -286,8 +295,10 @@ class DataLoader(tud.DataLoader[T_co]):
         p, source = self._progress, self._index_source()
         epoch, resume = self._next_epoch, self._resume_from
         if p is not None:
-            epoch, resume = (p.epoch + 1, 0) if p.done else (p.epoch, source.resume_point(p))
+            epoch, resume = (p.epoch + 1, 0) if p.done else (p.epoch, self._resume_point(p))
         fields = source.state_fields(resume)
+        if self._clock is not None:
+            fields.update(self._clock.state_fields())
         if not fields["dataset_len"]:  # torch's sampler, a stream: the length is the identity still
             fields["dataset_len"] = _length_of(self.dataset) or 0
         return LoaderState(
@@ -301,7 +312,12 @@ class DataLoader(tud.DataLoader[T_co]):
         ).to_dict()
 
     def load_state_dict(
-        self, state: Mapping[str, Any], *, allow_reweight: bool = False, allow_other_dataset: bool = False
+        self,
+        state: Mapping[str, Any],
+        *,
+        allow_reweight: bool = False,
+        allow_other_dataset: bool = False,
+        skip_steps: Sequence[tuple[int, int]] = (),
     ) -> None:
         """Continue from ``state`` on the next ``iter()`` (any world size / worker count).
 
@@ -314,8 +330,16 @@ class DataLoader(tud.DataLoader[T_co]):
 
         A mixture refuses a state saved for other weights unless ``allow_reweight=True``: the
         explicit choice to go on from the saved position of the *new* order (its earlier positions
-        hold other samples than those consumed), never a silent reshuffle."""
+        hold other samples than those consumed), never a silent reshuffle.
+
+        ``skip_steps=[(first, end), ...]``: leave out the global batches steps ``first..end-1``
+        of the state's run held (known-bad data, a loss spike), on every rank alike; the rest of
+        the order is unchanged and the skips are kept in the state (``samples_at`` knows them).
+        Steps are the state's numbering (``state["step"]``: batches per rank since the run
+        began); step ``first`` of the resumed run is the batch that was step ``end``."""
         st = LoaderState.from_dict(state)
+        if skip_steps and self._clock is None:
+            raise ValueError("skip_steps= needs our own order (the fast path), not a sampler or a stream")
         mode = self._plan.mode
         if st.mode != mode:
             raise ValueError(f"state was saved by the {st.mode} path but this loader uses the {mode} path")
@@ -328,6 +352,8 @@ class DataLoader(tud.DataLoader[T_co]):
         elif not allow_other_dataset:
             self._check_identity(st)
         self._resume_from = self._index_source().resume_from(st, reweighted=reweighted)
+        if self._clock is not None:
+            self._clock.restore(st, skip_steps)
         self._plan = self._plan.with_seed(st.seed)
         self._next_epoch = st.epoch
         self._restored_epoch = st.epoch
@@ -355,8 +381,45 @@ class DataLoader(tud.DataLoader[T_co]):
         counts, p = contracts.mixture_counts(self.dataset), self._progress
         if counts is None or p is None:
             return None
-        stop = len(self.dataset) if p.done else self._index_source().resume_point(p)
-        return {"epoch": p.epoch, "positions": [p.start, stop], "delivered": counts(p.start, stop)}
+        stop = len(self.dataset) if p.done else self._resume_point(p)
+        out = {"epoch": p.epoch, "positions": [p.start, stop], "delivered": counts(p.start, stop)}
+        if isinstance(self.dataset, contracts.ReportsShares):  # targets beside achieved fractions
+            window = self.world.size * (self.batch_size or 1)
+            out["fractions"] = self.dataset.fractions(p.start, stop, window)
+        return out
+
+    def _resume_point(self, progress: EpochProgress) -> int:
+        """The global position reached (skipped ranges of the epoch stepped over)."""
+        skipped = self._clock.skipped(progress.epoch) if self._clock is not None else ()
+        return self._index_source().resume_point(progress, skipped)
+
+    def _make_clock(self) -> StepClock | None:
+        source = self._plan.source
+        if not isinstance(source, OrderIndices):
+            return None
+        return StepClock(
+            len(self.dataset), self.world.size, source.batch_size, source.drop_last, source.uneven
+        )
+
+    def samples_at(self, step: int, rank: int | None = None) -> Any:
+        """The samples of step ``step``'s batch on ``rank`` (default: this one), computed from
+        the order and the run's timeline, never from a log: a ``stallfree.trace.StepSamples``
+        naming each sample's position, index and, where the dataset tells, source, shard, key
+        or packed documents with token offsets. Past, present or future steps alike (a future
+        one as the current world size would read it); after ``load_state_dict`` the restored
+        run's steps, skips included."""
+        if self._clock is None:
+            raise ValueError("samples_at needs our own order (the fast path), not a sampler or a stream")
+        from stallfree.trace.steps import step_samples
+
+        timeline = self._clock.timeline
+        if self._progress is None:  # nothing iterated since the start or a restore: the next epoch's span
+            timeline = self._clock.preview(self._next_epoch, self._resume_from)
+        source = self._index_source()
+        assert isinstance(source, OrderIndices)
+        return step_samples(
+            self.dataset, source.epoch_order, timeline, step, self.world.rank if rank is None else rank
+        )
 
     def stats(self) -> dict[str, Any]:
         """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""
@@ -410,6 +473,9 @@ class DataLoader(tud.DataLoader[T_co]):
         lead, self._lead = self._lead, None
         if lead is not None:
             lead.close()
+        record, self._record = self._record, None
+        if record is not None:
+            record.close()
 
     def _supersede_live(self, why: str) -> None:
         """The new iterator cannot run beside the live ones (``why``): they end, and one still
@@ -447,7 +513,7 @@ class DataLoader(tud.DataLoader[T_co]):
         self._restored_epoch = None
         epoch, resume = self._next_epoch, self._resume_from
         self._next_epoch, self._resume_from = epoch + 1, 0
-        ep: EpochIndices = self._index_source().epoch(epoch, resume)
+        ep: EpochIndices = self._epoch_indices(epoch, resume)
         if self._plan.ordered:
             if self.num_workers == 0:  # read here, through the one epoch setting the live ones use too
                 self._supersede_live(SHARED_EPOCH)
@@ -485,9 +551,23 @@ class DataLoader(tud.DataLoader[T_co]):
                 engine.shutdown(graceful=False)
             raise
         self._progress = ep.progress
+        if self._clock is not None:
+            self._clock.started(ep.progress)
         it = LoaderIterator(core, ep.progress, self._stats, ep.total, owner=self)
         self._live.add(it)
         return it
+
+    def _epoch_indices(self, epoch: int, resume: int) -> EpochIndices:
+        """The epoch's indices; for our order also its first step and skipped ranges, recorded
+        with ``record_keys=``."""
+        source = self._index_source()
+        if self._clock is None or not isinstance(source, OrderIndices):
+            return source.epoch(epoch, resume)
+        step, skipped = self._clock.starting(epoch, resume)
+        directory = self._options.record_keys
+        if directory is not None and self._record is None:
+            self._record = RecordWriter(directory, self.world.rank)
+        return source.epoch(epoch, resume, skipped=skipped, step=step, writer=self._record)
 
     def _stage_first_window(self, batches: Any) -> None:
         """Block order over remote shards, staged: the main process starts fetching the epoch's

@@ -77,6 +77,7 @@ class LoaderOptions:
     # None: stage whole shards node-locally for block order over remote shards; False: never;
     # a directory, or a shards.staging.Staging (where, how many bytes at most)
     staging: Any = None
+    record_keys: str | None = None  # a directory: each rank logs the positions it delivers (epoch/record.py)
 
     def __post_init__(self) -> None:
         if self.on_error not in ON_ERROR:
@@ -95,13 +96,18 @@ class LoaderOptions:
             raise ValueError(f"memory_budget must be > 0 bytes, got {self.memory_budget}")
         if not (self.staging is None or isinstance(self.staging, bool | str | Staging)):
             raise ValueError(f"staging must be None, a bool, a directory or a Staging, got {self.staging!r}")
+        if self.record_keys is not None and (not isinstance(self.record_keys, str) or not self.record_keys):
+            raise ValueError(f"record_keys must be a directory (a path string), got {self.record_keys!r}")
         if self.iterable and (self.cache is not None or self.decode is not None):
             raise ValueError("cache= and decode= need a map-style dataset (one with __getitem__ and __len__)")
 
     @property
     def ours(self) -> bool:
         """One of our own options that only our order serves was given."""
-        return any(x is not None for x in (self.seed, self.cache, self.decode, self.world, self.device))
+        return any(
+            x is not None
+            for x in (self.seed, self.cache, self.decode, self.world, self.device, self.record_keys)
+        )
 
 
 @dataclass(frozen=True)

@@ -218,6 +218,28 @@ class Mixture:
         e = self.epoch if epoch is None else int(epoch)
         return self._staged.segments.shares_at(e * self.samples_per_epoch + int(position))
 
+    def fractions(self, start: int, stop: int, window: int) -> dict[str, Any]:
+        """What ``stats()["mix"]["fractions"]`` reports once positions ``[start, stop)`` of the
+        current epoch are consumed: ``target`` (the weights in force at the last one, as
+        shares), ``window`` (each source's fraction of the last ``window`` positions: a global
+        batch) and ``cumulative`` (of all positions since training began), so a schedule's
+        drift from its targets shows beside them."""
+        e, n = self.epoch, self.samples_per_epoch
+        hi = min(max(0, stop), n)
+        lo = max(min(max(0, start), hi), hi - max(1, int(window)))
+        recent = self.counts(lo, hi)
+        if self._staged is not None:
+            total = self._staged.prefix(e * n + hi)
+        else:
+            here = self._schedule.prefix(hi)
+            total = [e * self.quotas[name] + int(here[s]) for s, name in enumerate(self.names)]
+        seen = sum(total)
+        return {
+            "target": self.target_shares(max(hi - 1, 0)),
+            "window": {name: (c / (hi - lo) if hi > lo else 0.0) for name, c in recent.items()},
+            "cumulative": {name: (total[s] / seen if seen else 0.0) for s, name in enumerate(self.names)},
+        }
+
     def window_bound(self, name: str) -> float:
         """The most ``name``'s count in any window of ``B`` positions may differ from ``B`` times
         its share (schedule.py: below 2 for epochs laid out by Tijdeman's algorithm; split.py for

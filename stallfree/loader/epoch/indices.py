@@ -14,6 +14,7 @@ itself what each worker yields, so it runs on torch's own iterator (dataloader.p
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -24,6 +25,7 @@ import torch
 from stallfree.loader import contracts
 from stallfree.loader.epoch import order as order_mod
 from stallfree.loader.epoch.progress import EpochProgress
+from stallfree.loader.epoch.record import Begin, EpochRecorder, RecordedProgress, RecordWriter
 from stallfree.loader.epoch.state import LoaderState
 from stallfree.loader.epoch.world import World
 from stallfree.loader.errors import StateMismatchError
@@ -80,21 +82,46 @@ class OrderIndices:
             first_window=self.first_window,
         )
 
-    def epoch(self, epoch: int, resume_from: int) -> EpochIndices:
+    def epoch(
+        self,
+        epoch: int,
+        resume_from: int,
+        *,
+        skipped: tuple[tuple[int, int], ...] = (),
+        step: int = 0,
+        writer: RecordWriter | None = None,
+    ) -> EpochIndices:
+        """One epoch of this rank from ``resume_from``, leaving out the ``skipped`` position
+        ranges (``skip_steps=``); with a ``writer`` (``record_keys=``) every batch the consumer
+        receives is recorded, numbered from ``step``."""
         start = min(resume_from, len(self.dataset))  # a saved end-of-epoch state: nothing left
         w = self.world
-        share = order_mod.RankShare(self.epoch_order(epoch), start, w.rank, w.size, self.uneven)
+        share = order_mod.RankShare(self.epoch_order(epoch), start, w.rank, w.size, self.uneven, skipped)
         plan = order_mod.batches(
             share, self.batch_size, self.drop_last
         )  # each batch computed when dispatched
         samples = plan.samples
-        progress = EpochProgress(epoch, self.unit, start=start, planned=samples, samples=samples)
         base_seed = _derived_seed(self.seed, epoch, w.rank, 7)
+        if writer is None:
+            progress = EpochProgress(epoch, self.unit, start=start, planned=samples, samples=samples)
+            return EpochIndices(plan, len(plan), progress, base_seed)
+        begin = Begin(
+            w.rank, w.size, epoch, start, step, len(self.dataset), time.time_ns(),
+            self.batch_size, self.uneven, self.drop_last,
+        )  # fmt: skip
+        recorder = EpochRecorder(writer, share, self.batch_size, begin)
+        progress = RecordedProgress(
+            epoch, self.unit, start=start, planned=samples, samples=samples,
+            recorder=recorder, batch_size=self.batch_size,
+        )  # fmt: skip
         return EpochIndices(plan, len(plan), progress, base_seed)
 
-    def consumed(self, progress: EpochProgress) -> int:
-        """Global position reached once every rank has received what this one has."""
-        return order_mod.consumed_after(progress.start, progress.received, self.world.size, len(self.dataset))
+    def consumed(self, progress: EpochProgress, skipped: tuple[tuple[int, int], ...] = ()) -> int:
+        """Global position reached once every rank has received what this one has (skipped
+        ranges count as consumed when reached)."""
+        return order_mod.consumed_after(
+            progress.start, progress.received, self.world.size, len(self.dataset), skipped
+        )
 
     # -- resume state: what state_dict saves and load_state_dict restores (no mode branch there)
     resume_point = consumed
@@ -142,7 +169,7 @@ class BatchResume:
         """Unchanged: torch's sampler (or the stream) draws its own randomness."""
         return self
 
-    def resume_point(self, progress: EpochProgress) -> int:
+    def resume_point(self, progress: EpochProgress, skipped: tuple[tuple[int, int], ...] = ()) -> int:
         return progress.received
 
     def state_fields(self, resume: int) -> dict[str, int]:

@@ -312,6 +312,71 @@ def epoch_order(
 
 
 @dataclass(frozen=True)
+class Kept:
+    """The positions of an epoch of ``n`` left after skipping ``skipped`` (sorted, disjoint
+    ``(lo, hi)`` ranges: known-bad steps a resume jumps over), numbered ``0..len-1`` in order:
+    ``pos(k)`` is the ``k``-th kept position, ``index(p)`` how many kept positions lie before
+    ``p``. With nothing skipped both are the identity, so a share without skips is unchanged."""
+
+    n: int
+    skipped: tuple[tuple[int, int], ...] = ()
+    _kstarts: np.ndarray = field(init=False, repr=False, compare=False)  # kept index where range i starts
+    _before: np.ndarray = field(init=False, repr=False, compare=False)  # skipped positions before range i
+    _los: np.ndarray = field(init=False, repr=False, compare=False)
+    _his: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        ranges = merge_ranges(self.skipped, self.n)
+        object.__setattr__(self, "skipped", ranges)
+        lo = np.array([a for a, _ in ranges], np.int64)
+        hi = np.array([b for _, b in ranges], np.int64)
+        lengths = hi - lo
+        before = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        object.__setattr__(self, "_los", lo)
+        object.__setattr__(self, "_his", hi)
+        object.__setattr__(self, "_before", before)
+        object.__setattr__(self, "_kstarts", lo - before[:-1])
+
+    def __len__(self) -> int:
+        return self.n - int(self._before[-1])
+
+    def pos(self, k: np.ndarray) -> np.ndarray:
+        """The ``k``-th kept positions (vectorised)."""
+        k = np.asarray(k, np.int64)
+        if not self.skipped:
+            return k
+        return k + self._before[np.searchsorted(self._kstarts, k, side="right")]
+
+    def index(self, position: int) -> int:
+        """Kept positions before ``position`` (a skipped position counts as its range's end)."""
+        p = int(position)
+        if not self.skipped:
+            return p
+        i = int(np.searchsorted(self._los, p, side="right"))  # ranges starting at or before p
+        if i and p < int(self._his[i - 1]):
+            p = int(self._his[i - 1])
+        return p - int(self._before[i])
+
+    def position_after(self, k: int) -> int:
+        """The position a consumer who has the first ``k`` kept positions resumes from (``n``
+        once all are had): skipped ranges right after them count as consumed too."""
+        return self.n if k >= len(self) else int(self.pos(np.array([k]))[0])
+
+
+def merge_ranges(ranges: Sequence[tuple[int, int]], n: int) -> tuple[tuple[int, int], ...]:
+    """``ranges`` clipped to ``[0, n)``, sorted, overlapping or touching ones merged, empty dropped."""
+    out: list[list[int]] = []
+    for lo, hi in sorted((max(0, int(a)), min(n, int(b))) for a, b in ranges):
+        if hi <= lo:
+            continue
+        if out and lo <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return tuple((a, b) for a, b in out)
+
+
+@dataclass(frozen=True)
 class RankShare:
     """What rank ``rank`` of ``world_size`` reads of ``order`` from global position ``start``,
     computed from positions, never stored.
@@ -327,17 +392,25 @@ class RankShare:
     rank: int
     world_size: int
     uneven: str = "pad"
+    skipped: tuple[tuple[int, int], ...] = ()  # position ranges left out (known-bad steps): ``Kept``
+    kept: Kept = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.uneven not in UNEVEN:
             raise ValueError(f"uneven must be one of {UNEVEN}, got {self.uneven!r}")
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside world of size {self.world_size}")
+        object.__setattr__(self, "kept", Kept(self.order.n, self.skipped))
+
+    @property
+    def begin(self) -> int:
+        """Kept positions before ``start`` (``start`` itself when nothing is skipped)."""
+        return self.kept.index(min(max(self.start, 0), self.order.n))
 
     @property
     def rest(self) -> int:
-        """Positions left of the epoch from ``start``."""
-        return self.order.n - min(max(self.start, 0), self.order.n)
+        """Positions left of the epoch from ``start`` (kept ones: skipped ranges left out)."""
+        return len(self.kept) - self.begin
 
     def __len__(self) -> int:
         rest, w = self.rest, self.world_size
@@ -354,11 +427,17 @@ class RankShare:
         """The epoch positions of this rank's ``k``-th reads (what ``at`` maps to samples)."""
         k = np.asarray(k, np.int64).reshape(-1)
         q = self.rank + k * self.world_size
-        rest, n = self.rest, self.order.n
-        begin = n - rest
+        begin = self.begin
+        kept = len(self.kept)
+        rest = kept - begin
         # Pad from the epoch's first positions, not the resume point's: the padded sequence is then
         # one fixed function of (order, world_size), and a resume continues it exactly.
-        return np.where(q < rest, begin + q, (q - rest) % max(n, 1))
+        return self.kept.pos(np.where(q < rest, begin + q, (q - rest) % max(kept, 1)))
+
+    def padded(self, k: np.ndarray | Sequence[int]) -> np.ndarray:
+        """Whether this rank's ``k``-th reads are padding (repeats that even out the ranks)."""
+        k = np.asarray(k, np.int64).reshape(-1)
+        return self.rank + k * self.world_size >= self.rest
 
     def slice(self, lo: int, hi: int) -> np.ndarray:
         return self.at(np.arange(max(lo, 0), min(hi, len(self)), dtype=np.int64))
@@ -391,9 +470,15 @@ def rank_share(
     return share.slice(0, len(share))
 
 
-def consumed_after(start: int, received_on_rank: int, world_size: int, n: int) -> int:
-    """Global position reached once every rank has received ``received_on_rank`` samples."""
-    return min(start + received_on_rank * world_size, n)
+def consumed_after(
+    start: int, received_on_rank: int, world_size: int, n: int, skipped: tuple[tuple[int, int], ...] = ()
+) -> int:
+    """Global position reached once every rank has received ``received_on_rank`` samples
+    (skipped ranges, when given, are stepped over: ``Kept``)."""
+    if not skipped:
+        return min(start + received_on_rank * world_size, n)
+    kept = Kept(n, skipped)
+    return kept.position_after(kept.index(start) + received_on_rank * world_size)
 
 
 class Batches(Sequence[np.ndarray]):

@@ -1,0 +1,239 @@
+"""The delivery record (``DataLoader(record_keys=DIR)``): per rank, a compact binary log of the
+epoch positions each step handed to the consumer, so ``stallfree audit DIR`` can prove every
+sample of each epoch was delivered exactly once across ranks, resumes, world sizes and skips.
+
+One file per loader per process (``rank00003-<ns>-<pid>.sfkeys``), written with one
+``os.write`` per record on an ``O_APPEND`` descriptor: nothing waits in a Python buffer, so a
+killed run's file holds every batch it delivered (at most its last record cut short, which the
+reader reports and leaves out). No pickle: little-endian fixed-size headers (``struct``) and
+int64 positions, read back with bounds on every size.
+
+Records (after the 8-byte magic):
+
+- ``BEGIN``: a loader starts an epoch: rank, world size, epoch, start position, step, the
+  epoch's length, batch size, tail rule, wall time (orders the runs of a directory);
+- ``SKIP``: a position range of that epoch the run leaves out (``skip_steps=``);
+- ``BATCH``: step, epoch, then the positions of that step's batch on this rank (a padded read,
+  a repeat that evens out the ranks, stored as ``-(position + 1)``);
+- ``END``: this rank received its whole share of the epoch.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from stallfree.errors import CorruptShardError
+from stallfree.loader.epoch.order import RankShare
+from stallfree.loader.epoch.progress import EpochProgress
+
+MAGIC = b"SFKEYS\x00\x01"
+SUFFIX = ".sfkeys"
+BEGIN, SKIP, BATCH, END = 1, 2, 3, 4
+_BEGIN = struct.Struct(
+    "<BIIqqqqqIBB"
+)  # type, rank, world, epoch, start, step, n, time_ns, batch, pad, drop_last
+_SKIP = struct.Struct("<Bqqq")  # type, epoch, lo, hi
+_BATCH = struct.Struct("<BqqI")  # type, step, epoch, count (then count int64)
+_END = struct.Struct("<Bqq")  # type, epoch, step
+MAX_BATCH = 1 << 24  # positions one BATCH record may hold (a bound for the reader)
+
+
+@dataclass(frozen=True)
+class Begin:
+    rank: int
+    world_size: int
+    epoch: int
+    start: int
+    step: int
+    n: int
+    time_ns: int
+    batch_size: int
+    uneven: str
+    drop_last: bool
+
+
+@dataclass(frozen=True)
+class SkipRange:
+    epoch: int
+    lo: int
+    hi: int
+
+
+@dataclass(frozen=True)
+class Batch:
+    step: int
+    epoch: int
+    positions: np.ndarray  # int64; a padded read as -(position + 1)
+
+
+@dataclass(frozen=True)
+class End:
+    epoch: int
+    step: int
+
+
+Record = Begin | SkipRange | Batch | End
+
+
+class RecordWriter:
+    """Appends records for one rank to its own file under ``directory`` (made if missing)."""
+
+    def __init__(self, directory: str | os.PathLike[str], rank: int) -> None:
+        root = Path(directory)
+        root.mkdir(parents=True, exist_ok=True)
+        self.path = root / f"rank{int(rank):05d}-{time.time_ns()}-{os.getpid()}{SUFFIX}"
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND, 0o644)
+        self._pid = os.getpid()
+        os.write(self._fd, MAGIC)
+
+    def begin(self, b: Begin, skipped: tuple[tuple[int, int], ...]) -> None:
+        head = _BEGIN.pack(
+            BEGIN,
+            b.rank,
+            b.world_size,
+            b.epoch,
+            b.start,
+            b.step,
+            b.n,
+            b.time_ns,
+            b.batch_size,
+            b.uneven == "pad",
+            b.drop_last,
+        )
+        self._write(head + b"".join(_SKIP.pack(SKIP, b.epoch, lo, hi) for lo, hi in skipped))
+
+    def batch(self, step: int, epoch: int, positions: np.ndarray) -> None:
+        pos = np.ascontiguousarray(positions, "<i8")
+        self._write(_BATCH.pack(BATCH, step, epoch, len(pos)) + pos.tobytes())
+
+    def end(self, epoch: int, step: int) -> None:
+        self._write(_END.pack(END, epoch, step))
+
+    def _write(self, data: bytes) -> None:
+        if self._fd < 0 or self._pid != os.getpid():  # closed, or a forked child's copy
+            return
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, -1
+        if fd >= 0 and self._pid == os.getpid():
+            os.close(fd)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001, S110 - a finaliser never raises
+            pass
+
+
+@dataclass(frozen=True)
+class RecordFile:
+    """One file read back: its records, and whether its last record was cut short."""
+
+    path: Path
+    records: tuple[Record, ...]
+    truncated: bool
+
+
+def read_records(path: str | os.PathLike[str]) -> RecordFile:
+    """Every whole record of ``path``; a malformed one (not a cut-short tail) is a
+    ``CorruptShardError`` naming the file and byte offset."""
+    p = Path(path)
+    data = p.read_bytes()
+    if data[: len(MAGIC)] != MAGIC:
+        raise CorruptShardError(
+            f"not a stallfree delivery record (magic {data[:8]!r})", shard=str(p), offset=0
+        )
+    return RecordFile(p, tuple(_records(data, str(p), out := [False])), out[0])
+
+
+def _records(data: bytes, name: str, truncated: list[bool]) -> Iterator[Record]:
+    at = len(MAGIC)
+    sizes = {BEGIN: _BEGIN, SKIP: _SKIP, BATCH: _BATCH, END: _END}
+    while at < len(data):
+        kind = data[at]
+        head = sizes.get(kind)
+        if head is None:
+            raise CorruptShardError(f"unknown record type {kind}", shard=name, offset=at)
+        if at + head.size > len(data):
+            truncated[0] = True
+            return
+        fields = head.unpack_from(data, at)
+        if kind == BEGIN:
+            _, rank, world, epoch, start, step, n, t, bs, pad, drop = fields
+            yield Begin(rank, world, epoch, start, step, n, t, bs, "pad" if pad else "drop", bool(drop))
+        elif kind == SKIP:
+            yield SkipRange(*fields[1:])
+        elif kind == END:
+            yield End(*fields[1:])
+        else:
+            _, step, epoch, count = fields
+            if count > MAX_BATCH:
+                raise CorruptShardError(
+                    f"a batch record of {count} positions (at most {MAX_BATCH})", shard=name, offset=at
+                )
+            end = at + head.size + 8 * count
+            if end > len(data):
+                truncated[0] = True
+                return
+            positions = np.frombuffer(data, "<i8", count, at + head.size).astype(np.int64)
+            yield Batch(step, epoch, positions)
+            at = end
+            continue
+        at += head.size
+
+
+def record_files(directory: str | os.PathLike[str]) -> list[Path]:
+    """The delivery record files in ``directory``, sorted by name."""
+    return sorted(Path(directory).glob(f"*{SUFFIX}"))
+
+
+class EpochRecorder:
+    """Writes what one rank's epoch delivers: its BEGIN (with the skipped ranges) at once, a
+    BATCH per batch received (step ``first_step + seq``), END when the share is all received."""
+
+    def __init__(self, writer: RecordWriter, share: RankShare, batch_size: int, begin: Begin) -> None:
+        self.writer, self.share, self.batch_size, self.first = writer, share, batch_size, begin
+        writer.begin(begin, share.kept.skipped)
+        self._ended = False
+
+    def batch(self, seq: int) -> None:
+        bs = self.batch_size
+        k = np.arange(seq * bs, min((seq + 1) * bs, len(self.share)), dtype=np.int64)
+        pos = self.share.positions(k)
+        padded = self.share.padded(k)
+        self.writer.batch(self.first.step + seq, self.first.epoch, np.where(padded, -pos - 1, pos))
+
+    def end(self, batches: int) -> None:
+        if not self._ended:
+            self._ended = True
+            self.writer.end(self.first.epoch, self.first.step + batches)
+
+
+@dataclass
+class RecordedProgress(EpochProgress):
+    """An epoch's progress that also records each batch the consumer receives (``EpochRecorder``)."""
+
+    recorder: EpochRecorder | None = None
+    batch_size: int = 1
+
+    def on_batch(self, positions: int, seq: int | None = None) -> None:
+        super().on_batch(positions, seq)
+        if self.recorder is not None and seq is not None:
+            self.recorder.batch(seq)
+            if self.done:
+                self.recorder.end(-(-self.received // self.batch_size))
+
+    def finish(self) -> None:
+        super().finish()
+        if self.recorder is not None:
+            self.recorder.end(-(-self.received // self.batch_size))
