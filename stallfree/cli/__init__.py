@@ -30,6 +30,8 @@ _COMMANDS = {
     "demo": "demo",
     "doctor": "doctor",
     "staging": "staging",
+    "trace": "trace",
+    "audit": "audit",
 }
 
 # the exit status of a process killed by SIGPIPE in a shell (128 + 13): what `set -o pipefail`
