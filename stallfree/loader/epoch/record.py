@@ -45,6 +45,10 @@ _END = struct.Struct("<Bqq")  # type, epoch, step
 MAX_BATCH = 1 << 24  # positions one BATCH record may hold (a bound for the reader)
 
 
+class RecordError(CorruptShardError, ValueError):
+    """A delivery record file that does not parse: names the file and byte offset."""
+
+
 @dataclass(frozen=True)
 class Begin:
     rank: int
@@ -146,13 +150,11 @@ class RecordFile:
 
 def read_records(path: str | os.PathLike[str]) -> RecordFile:
     """Every whole record of ``path``; a malformed one (not a cut-short tail) is a
-    ``CorruptShardError`` naming the file and byte offset."""
+    ``RecordError`` naming the file and byte offset."""
     p = Path(path)
     data = p.read_bytes()
     if data[: len(MAGIC)] != MAGIC:
-        raise CorruptShardError(
-            f"not a stallfree delivery record (magic {data[:8]!r})", shard=str(p), offset=0
-        )
+        raise RecordError(f"not a stallfree delivery record (magic {data[:8]!r})", shard=str(p), offset=0)
     return RecordFile(p, tuple(_records(data, str(p), out := [False])), out[0])
 
 
@@ -163,7 +165,7 @@ def _records(data: bytes, name: str, truncated: list[bool]) -> Iterator[Record]:
         kind = data[at]
         head = sizes.get(kind)
         if head is None:
-            raise CorruptShardError(f"unknown record type {kind}", shard=name, offset=at)
+            raise RecordError(f"unknown record type {kind}", shard=name, offset=at)
         if at + head.size > len(data):
             truncated[0] = True
             return
@@ -178,7 +180,7 @@ def _records(data: bytes, name: str, truncated: list[bool]) -> Iterator[Record]:
         else:
             _, step, epoch, count = fields
             if count > MAX_BATCH:
-                raise CorruptShardError(
+                raise RecordError(
                     f"a batch record of {count} positions (at most {MAX_BATCH})", shard=name, offset=at
                 )
             end = at + head.size + 8 * count

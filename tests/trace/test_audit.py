@@ -1,0 +1,137 @@
+"""The delivery record (``record_keys=DIR``) and ``stallfree audit``: exactly once per epoch across
+ranks, a kill and resume from an earlier checkpoint, a world-size change and skipped steps; a
+planted duplicate and a planted loss are named."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from stallfree.cli import main
+from stallfree.loader.dataloader import DataLoader
+from stallfree.loader.epoch.record import BATCH, MAGIC, read_records, record_files
+from stallfree.trace.audit import audit
+from tests.trace.helpers import three_stage_mixture
+from tests.trace.test_skips import Numbers
+
+
+def _ranks(directory, world, *, state=None, skip=(), batches=None, epochs=1, dataset=Numbers, workers=0):
+    """Run ``world`` ranks in this process (one after another: positions, not timing, matter)."""
+    last = None
+    for rank in range(world):
+        dl = DataLoader(
+            dataset(), batch_size=4, shuffle=True, seed=3, world=(rank, world), num_workers=workers,
+            record_keys=directory,
+        )  # fmt: skip
+        if state is not None:
+            dl.load_state_dict(state, skip_steps=skip)
+        stream = itertools.chain.from_iterable(iter(dl) for _ in range(epochs))
+        for _ in itertools.islice(stream, batches):
+            pass
+        last = dl.state_dict()
+        dl.close()
+    return last
+
+
+def test_kill_resume_on_fewer_ranks_and_a_skip_audit_clean(tmp_path):
+    keys = tmp_path / "keys"
+    checkpoint = _ranks(keys, 3, batches=3)  # the checkpoint at step 3 ...
+    _ranks(keys, 3, state=checkpoint, batches=4)  # ... a run that got to step 7, then died
+    resumed = _ranks(keys, 2, state=checkpoint, skip=[(5, 6)], epochs=2)  # rolled back to step 3
+    report = audit(keys)
+    assert report.ok, report.first
+    assert report.runs == 4  # epoch 0 three times (from 0, from 12 twice), epoch 1 once
+    assert report.epochs[0]["skipped"] == 12 and report.epochs[0]["lost"] == 0
+    assert report.epochs[1] == {
+        "n": 101,
+        "delivered": 101,
+        "skipped": 0,
+        "duplicates": 0,
+        "lost": 0,
+        "complete": 1,
+    }
+    assert resumed["epoch"] == 2
+
+
+def test_a_planted_duplicate_is_named_with_both_deliveries(tmp_path):
+    keys = tmp_path / "keys"
+    _ranks(keys, 2)
+    victim = record_files(keys)[1]
+    first = next(r for r in read_records(victim).records if type(r).__name__ == "Batch")
+    # the same delivery appended again, as a second rank would have read it
+    with open(victim, "ab") as f:
+        f.write(bytes([BATCH]) + np.array([99], "<i8").tobytes() + np.array([0], "<i8").tobytes())
+        f.write(np.array([1], "<u4").tobytes() + np.array([first.positions[0]], "<i8").tobytes())
+    report = audit(keys)
+    assert not report.ok and report.first.kind == "duplicate"
+    assert report.first.position == int(first.positions[0]) and report.first.epoch == 0
+    assert sorted(s for _, s, _ in report.first.seen) == [first.step, 99]
+    assert main(["audit", str(keys)]) == 1
+
+
+def test_a_planted_loss_is_named(tmp_path, capsys):
+    keys = tmp_path / "keys"
+    _ranks(keys, 2)
+    victim = record_files(keys)[0]
+    records = read_records(victim).records
+    dropped = records[3]  # BEGIN, then batches: one of them goes missing
+    data = victim.read_bytes()
+    cut = bytes([BATCH]) + np.array([dropped.step], "<i8").tobytes()
+    at = data.index(cut)
+    size = 1 + 8 + 8 + 4 + 8 * len(dropped.positions)
+    victim.write_bytes(data[:at] + data[at + size :])
+    report = audit(keys)
+    assert not report.ok and report.first.kind == "lost"
+    assert report.first.position == int(min(p for p in dropped.positions if p >= 0))
+    assert main(["audit", str(keys), "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["first_violation"]["kind"] == "lost" and out["lost"] == len(dropped.positions)
+
+
+def test_a_scheduled_mixture_with_workers_audits_clean_and_a_cut_tail_is_read(tmp_path):
+    keys = tmp_path / "keys"
+    state = _ranks(keys, 2, dataset=three_stage_mixture, workers=1, batches=5)
+    _ranks(keys, 3, dataset=three_stage_mixture, state=state, epochs=2)
+    victim = record_files(keys)[-1]
+    with open(victim, "ab") as f:
+        f.write(bytes([BATCH]) + b"\x00\x01")  # a record cut short by a kill
+    report = audit(keys)
+    assert report.ok, report.first
+    assert report.truncated == (victim.name,)
+    assert report.epochs[0]["complete"] == 1 and report.epochs[1]["delivered"] == 97
+
+
+def test_a_killed_rank_leaves_a_record_the_audit_reads(tmp_path):
+    """A rank killed mid-epoch (SIGKILL: nothing flushed at exit) loses no record it wrote."""
+    keys = tmp_path / "keys"
+    child = f"""
+import itertools, os, signal, sys
+sys.path.insert(0, {os.getcwd()!r})
+from stallfree.loader.dataloader import DataLoader
+from tests.trace.test_skips import Numbers
+dl = DataLoader(Numbers(), batch_size=4, shuffle=True, seed=3, record_keys={str(keys)!r})
+for _ in itertools.islice(dl, 7):
+    pass
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+    proc = subprocess.run([sys.executable, "-c", child], timeout=120, capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()
+    records = read_records(record_files(keys)[0]).records
+    assert [type(r).__name__ for r in records] == ["Begin"] + ["Batch"] * 7
+    report = audit(keys)
+    assert report.ok and report.epochs[0]["delivered"] == 28 and not report.epochs[0]["complete"]
+
+
+def test_not_a_record_is_a_clear_error(tmp_path):
+    (tmp_path / "x.sfkeys").write_bytes(b"not one")
+    with pytest.raises(ValueError, match="not a stallfree delivery record"):
+        audit(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no delivery record"):
+        audit(tmp_path / "empty")
+    assert MAGIC.startswith(b"SFKEYS")
