@@ -182,10 +182,28 @@ def check_reachable(engine: str, nodes: Iterable[str], job: ShardJob, *, shared_
     reach: ``memory://`` always (it lives in this process); a local path when some node is
     another machine, unless ``shared_fs`` (the user says every node mounts it at the same path).
     An engine that cannot list its nodes passes one it cannot place, so local paths are refused."""
-    foreign = sorted(n for n in nodes if not is_this_machine(n))
     dst_fs = fsspec.core.url_to_fs(job.dst, **job.storage_options)[0]
     places = [("destination", job.dst, dst_fs)]
     places += [("source", where, fs) for fs, where in source_locations(job.source)]
+    _check_places(engine, nodes, places, shared_fs)
+
+
+def check_destination_reachable(
+    engine: str, nodes: Iterable[str], dst: str, storage_options: dict[str, Any], *, shared_fs: bool = False
+) -> None:
+    """``check_reachable`` for a destination alone (``write_spark``, ``write_ray``: the source
+    is the engine's own data)."""
+    fs = fsspec.core.url_to_fs(dst, **storage_options)[0]
+    _check_places(engine, nodes, [("destination", dst, fs)], shared_fs)
+
+
+def _check_places(
+    engine: str,
+    nodes: Iterable[str],
+    places: list[tuple[str, str, fsspec.AbstractFileSystem]],
+    shared_fs: bool,
+) -> None:
+    foreign = sorted(n for n in nodes if not is_this_machine(n))
     for role, shown, fs in places:
         protocols = _protocols(fs)
         if protocols & _PROCESS_LOCAL:

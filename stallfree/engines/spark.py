@@ -16,17 +16,33 @@ accumulator polled on the driver while the job runs.
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from stallfree.engines.executor import ShardTaskError, check_reachable, is_this_machine
+from stallfree.engines.executor import (
+    ShardTaskError,
+    check_destination_reachable,
+    check_reachable,
+    is_this_machine,
+)
 from stallfree.errors import ShardError
 from stallfree.extras import require
-from stallfree.shards.parallel import ProgressFn, ShardJob, ShardResult, ShardTask, run_task
+from stallfree.shards.parallel import ProgressFn, ShardJob, ShardResult, ShardSummary, ShardTask, run_task
+from stallfree.shards.write_engines import (
+    PartitionPart,
+    PartitionWrite,
+    commit_parts,
+    open_destination,
+    remove_run_files,
+    write_partition,
+)
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +222,10 @@ def _task_error(exc: BaseException, tasks: Sequence[ShardTask]) -> BaseException
     cause = next(
         (ln for ln in reversed(lines) if _looks_like_python_error(ln)), lines[0] if lines else repr(exc)
     )
+    planned = f"{len(tasks)} task(s) planned; " if tasks else ""
     return ShardTaskError(
-        f"a shard task failed on Spark after its retries ({len(tasks)} task(s) planned; no manifest "
-        f"written, the shards of this run removed): {cause}"
+        f"a shard task failed on Spark after its retries ({planned}no manifest written, the shards "
+        f"of this run removed): {cause}"
     )
 
 
@@ -219,3 +236,68 @@ def _looks_like_python_error(line: str) -> bool:
         and head[:1].isupper()
         and (head.endswith(("Error", "Exception", "Exit", "Interrupt")) or "." in head)
     )
+
+
+# -- write_spark: shards from a DataFrame's own rows ------------------------------------------------
+def write_spark(
+    df: Any,
+    dst: str,
+    *,
+    format: str = "tar",
+    max_bytes: int = 256_000_000,
+    max_samples: int | None = None,
+    overwrite: bool = False,
+    on_error: str = "raise",
+    shared_fs: bool = False,
+    **storage_options: Any,
+) -> ShardSummary:
+    """Write a Spark DataFrame as stallfree shards at ``dst`` (any fsspec URL the executors
+    reach) with one manifest: WebDataset-compatible tars + ``.idx`` (``format="tar"``) or Arrow
+    IPC shards (``"arrow"``), read back by ``open_dataset(dst)``. Each partition writes its own
+    shards (``part-PPPPP-NNNN``) in a Spark task (``mapInArrow``; Spark retries a failed one); the
+    manifest is written on the driver once every partition has succeeded, and a failed run
+    leaves a dataset already at ``dst`` (``overwrite=True``) as it was. Columns become fields:
+    binary columns as their bytes; ``__key__`` or ``key`` names each sample, else
+    partition-row. The output depends on the DataFrame's partitions and their row order: the
+    same DataFrame gives the same bytes."""
+    require("pyspark", "spark", "stallfree.shards.write_spark")
+    import pyarrow as pa
+
+    spec = PartitionWrite(dst, dict(storage_options), format, max_bytes, max_samples, on_error)
+    spark = df.sparkSession
+    master = spark.sparkContext.master
+    nodes = SparkExecutor(spark=spark).nodes()
+    check_destination_reachable(f"spark ({master})", nodes, dst, storage_options, shared_fs=shared_fs)
+    started = time.perf_counter()
+    dest = open_destination(dst, overwrite=overwrite, storage_options=dict(storage_options))
+
+    def write(batches: Iterator[Any]) -> Iterator[Any]:
+        from pyspark import TaskContext
+
+        partition = TaskContext.get().partitionId()
+        first = next(batches, None)
+        rows = [] if first is None else itertools.chain([first], batches)
+        try:
+            part = write_partition(spec, partition, rows, None if first is None else first.schema).dumps()
+        except ShardError as exc:  # a bad row fails every attempt alike: reported, not retried
+            part = json.dumps({"partition": partition, "error": str(exc)})
+        yield pa.RecordBatch.from_pydict({"part": [part]})
+
+    try:
+        rows = df.mapInArrow(write, "part string").collect()
+        texts = [row.part for row in rows]
+        errors = [json.loads(t) for t in texts if '"error"' in t[:200] and "error" in json.loads(t)]
+        if errors:
+            first = min(errors, key=lambda e: e["partition"])
+            raise ShardTaskError(f"partition {first['partition']} of the DataFrame: {first['error']}")
+        parts = [PartitionPart.loads(t) for t in texts]
+    except BaseException as exc:
+        remove_run_files(dest)
+        if isinstance(exc, ShardError) or not _is_java_error(exc):
+            raise
+        raise _task_error(exc, ()) from None
+    return commit_parts(dest, spec, parts, started, {"writer": "write_spark"})
+
+
+def _is_java_error(exc: BaseException) -> bool:
+    return type(exc).__module__.startswith(("py4j", "pyspark"))

@@ -10,6 +10,8 @@ _EXPORTS = {
     "ShardWriter": "stallfree.shards.writer",
     "Manifest": "stallfree.shards.manifest.model",
     "ShardInfo": "stallfree.shards.manifest.model",
+    "write_spark": "stallfree.engines.spark",  # the Spark glue; the writing: shards/write_engines.py
+    "write_ray": "stallfree.engines.ray_shard",  # the Ray Datasink; the same writing
 }
 
 __all__ = sorted(_EXPORTS)

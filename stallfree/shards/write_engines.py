@@ -1,0 +1,246 @@
+"""Shards from an engine's own data (a Spark DataFrame: ``write_spark``; a Ray Dataset:
+``write_ray``), the engine-neutral half. The engine glue lives in ``stallfree/engines/``.
+
+Each partition task writes its rows, as Arrow record batches, into shards named for its
+partition (``part-00003-0000.tar``: partition 3, its first shard) with ``ShardWriter`` (temp
+names renamed into place, rolled at ``max_bytes`` / ``max_samples``), and returns its part of
+the manifest as JSON (no pickle). The driver merges the parts in partition order and commits
+one manifest: before that commit the destination's old dataset is whole, and a run that fails
+removes every file of its own (named by the pattern, in a generation the old dataset does not
+use), so a retried or speculative attempt (same partition, same rows, same names, same bytes)
+never leaves a duplicate or half shard. Columns become fields: binary columns are written as
+their bytes, strings as UTF-8, numbers as text (tar), or typed columns (Arrow); the key is the
+``__key__`` (or ``key``) column, else ``PPPPP-RRRRRRRRR`` (partition, row within it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import re
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import fsspec
+
+from stallfree.errors import DatasetExistsError, WriteError
+from stallfree.shards import formats
+from stallfree.shards.manifest.model import FORMAT_VERSION, MANIFEST_NAME, Manifest, files_in_use
+from stallfree.shards.parallel import ShardSummary
+from stallfree.shards.sources.registry import SourceReadError
+from stallfree.shards.sources.tables import row_sample
+from stallfree.shards.writer import ShardWriter
+from stallfree.storage.atomic import check_writable, remove_stale_temps
+
+log = logging.getLogger(__name__)
+
+PARTITION_STEM = "part-{partition:05d}-{index:04d}"
+# every file a run may write: a partition's shard (any generation) and its sidecars
+_RUN_FILE = re.compile(r"^part-\d{5,}-\d{4,}(\.g\d+)?\.[A-Za-z0-9]+$")
+
+
+@dataclass(frozen=True)
+class PartitionWrite:
+    """How every partition task writes (sent once to each task): where, which format, the shard
+    limits, the error policy for rows that cannot be samples (a key no shard may hold)."""
+
+    dst: str
+    storage_options: dict[str, Any]
+    format: str = "tar"
+    max_bytes: int = 256_000_000
+    max_samples: int | None = None
+    on_error: str = "raise"
+
+    def __post_init__(self) -> None:
+        if self.format not in formats.format_names():
+            raise ValueError(f"format must be {formats.choices(quote=True)}, not {self.format!r}")
+        if self.on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error must be 'raise' or 'skip', not {self.on_error!r}")
+        if isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int) or self.max_bytes <= 0:
+            raise ValueError(f"max_bytes must be a positive integer, got {self.max_bytes!r}")
+        if self.max_samples is not None and (
+            isinstance(self.max_samples, bool)
+            or not isinstance(self.max_samples, int)
+            or self.max_samples <= 0
+        ):
+            raise ValueError(f"max_samples must be a positive integer or None, got {self.max_samples!r}")
+
+
+@dataclass(frozen=True)
+class PartitionPart:
+    """What one partition wrote: its index, its part of the manifest (None: no rows), and the
+    rows it skipped (``on_error="skip"``)."""
+
+    partition: int
+    manifest: Manifest | None
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+
+    def dumps(self) -> str:
+        return json.dumps(
+            {
+                "partition": self.partition,
+                "manifest": None if self.manifest is None else self.manifest.to_json(),
+                "skipped": self.skipped,
+            }
+        )
+
+    @classmethod
+    def loads(cls, text: str) -> PartitionPart:
+        obj = json.loads(text)
+        where = f"partition {obj['partition']}'s result"
+        manifest = None if obj["manifest"] is None else Manifest.from_json(obj["manifest"], where=where)
+        return cls(int(obj["partition"]), manifest, list(obj["skipped"]))
+
+
+def samples_of(
+    batches: Iterable[Any], partition: int, on_error: str
+) -> Iterator[dict[str, Any] | SourceReadError]:
+    """Arrow record batches (or tables) as samples, in order; a row whose key no shard may hold
+    is a ``SourceReadError`` naming partition and row (``on_error`` applies)."""
+    row = 0
+    where = f"partition {partition}"
+    for batch in batches:
+        for values in batch.to_pylist():
+            try:
+                if values.get("__key__") is None and values.get("key") is None:
+                    values["__key__"] = f"{partition:05d}-{row:09d}"
+                yield row_sample(values, row, where)
+            except SourceReadError as exc:
+                yield exc
+            row += 1
+
+
+def arrow_schema(batch_schema: Any, fmt: str) -> Any:
+    """The column types an Arrow shard keeps: the engine's own, ``__key__`` a string."""
+    if fmt != "arrow" or batch_schema is None:
+        return None
+    import pyarrow as pa
+
+    schema = batch_schema
+    i = schema.get_field_index("__key__")
+    if i >= 0:
+        schema = schema.set(i, pa.field("__key__", pa.string(), nullable=False))
+    return schema.remove_metadata()
+
+
+def write_partition(
+    spec: PartitionWrite, partition: int, batches: Iterable[Any], schema: Any = None
+) -> PartitionPart:
+    """Write one partition's rows into its shards (runs in the engine's task). ``schema``: the
+    batches' Arrow schema (kept for Arrow shards). Raises on the first bad row with
+    ``on_error="raise"``; aborts the shard in progress on any error (finished ones are renamed
+    and removed by the driver if the run fails)."""
+    writer = ShardWriter(
+        spec.dst,
+        format=spec.format,
+        max_bytes=spec.max_bytes,
+        max_samples=spec.max_samples,
+        name=PARTITION_STEM.replace("{partition:05d}", f"{partition:05d}"),
+        schema=arrow_schema(schema, spec.format),
+        write_manifest=False,
+        **spec.storage_options,
+    )
+    skipped: list[dict[str, Any]] = []
+    try:
+        for sample in samples_of(batches, partition, spec.on_error):
+            if isinstance(sample, SourceReadError):
+                if spec.on_error == "raise":
+                    raise sample
+                skipped.append({"source": sample.path, "error": sample.reason, "key": sample.key})
+                continue
+            writer.write(sample)
+        manifest = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    return PartitionPart(partition, manifest if manifest.shards else None, skipped)
+
+
+@dataclass
+class Destination:
+    """The destination as the driver found it: its filesystem and root, the dataset there (if
+    any) and the files it uses, which this run must not touch until its manifest is committed."""
+
+    url: str
+    fs: fsspec.AbstractFileSystem
+    root: str
+    old: Manifest | None
+    in_use: set[str]
+
+
+def open_destination(dst: str, *, overwrite: bool, storage_options: dict[str, Any]) -> Destination:
+    """Check ``dst`` before any task runs: a dataset there is refused unless ``overwrite``; the
+    directory is writable; temp files of killed runs are removed."""
+    fs, root = fsspec.core.url_to_fs(dst, **storage_options)
+    root = root.rstrip("/") or root
+    if fs.exists(posixpath.join(root, MANIFEST_NAME)) and not overwrite:
+        raise DatasetExistsError(f"{dst} already holds a dataset ({MANIFEST_NAME})")
+    check_writable(fs, root)
+    remove_stale_temps(fs, root)
+    old, in_use = files_in_use(fs, root)
+    return Destination(dst, fs, root, old, in_use)
+
+
+def commit_parts(
+    dest: Destination,
+    spec: PartitionWrite,
+    parts: Iterable[PartitionPart],
+    started: float,
+    extra: dict[str, Any],
+) -> ShardSummary:
+    """Merge the partitions' parts in partition order and commit one manifest (the commit point);
+    on failure remove this run's files and leave the old dataset as it was."""
+    try:
+        ordered = sorted(parts, key=lambda p: p.partition)
+        shards, fields, field_types, skipped = [], {}, {}, []
+        for part in ordered:
+            skipped.extend(part.skipped)
+            if part.manifest is None:
+                continue
+            shards.extend(part.manifest.shards)
+            fields.update(dict.fromkeys(part.manifest.fields))
+            for name, kind in (part.manifest.field_types or {}).items():
+                field_types.setdefault(name, kind)
+        if not shards:
+            raise WriteError(
+                f"no rows to write to {dest.url}" + (f" ({len(skipped)} skipped)" if skipped else "")
+            )
+        fmt = formats.get_format(spec.format)
+        manifest = Manifest(
+            version=FORMAT_VERSION,
+            format=spec.format,
+            fields=list(fields),
+            shards=shards,
+            classes=None,
+            skipped=skipped,
+            field_types=field_types if fmt.typed_fields else None,
+            checksums=fmt.checksums,
+            extra={"shuffle_seed": None, **extra},
+        )
+        written = manifest.commit(dest.fs, dest.root, replacing=dest.old)
+    except BaseException:
+        remove_run_files(dest)
+        raise
+    return ShardSummary(manifest, written, time.perf_counter() - started, skipped)
+
+
+def remove_run_files(dest: Destination) -> None:
+    """Undo a failed run: every partition file in the destination that the old dataset does not
+    use (this run's, finished by any attempt, and leftovers of earlier failed runs)."""
+    try:
+        names = dest.fs.ls(dest.root, detail=False)
+    except FileNotFoundError:
+        return
+    for path in names:
+        path = posixpath.normpath(path)
+        if not _RUN_FILE.match(posixpath.basename(path)) or path in dest.in_use:
+            continue
+        try:
+            dest.fs.rm_file(path)
+        except FileNotFoundError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the run's own error is the one to report
+            log.warning("could not remove %s after a failed run: %s", path, exc)
