@@ -121,6 +121,8 @@ def _points(
     for (a, _), (b, _) in zip(out, out[1:], strict=False):
         if b <= a:
             raise ValueError(f"{kind}: positions must increase, got {a} then {b}")
+    for pos, w in out:
+        _weights_row(w, sorted(w), f"{kind}: the point at {pos}")  # values checked now, names at layout
     names = set(out[0][1])
     for pos, w in out:
         if set(w) != names:
@@ -182,6 +184,7 @@ class Linear(Schedule):
         object.__setattr__(self, "points", tuple((p, tuple(sorted(w.items()))) for p, w in pts))
         object.__setattr__(self, "resolution", _resolution(resolution))
         object.__setattr__(self, "names", tuple(sorted(pts[0][1])))
+        _grid(0, pts[-1][0], self.resolution)  # too many segments: refused now, not at first use
 
     def layout(self, names: Sequence[str]) -> Segments:
         pos = np.array([p for p, _ in self.points], np.float64)
@@ -233,6 +236,9 @@ class Cosine(Schedule):
             raise ValueError(
                 f"cosine: start_weights name {sorted(start_weights)}, end_weights {sorted(end_weights)}"
             )
+        _weights_row(start_weights, sorted(start_weights), "cosine: start_weights")
+        _weights_row(end_weights, sorted(end_weights), "cosine: end_weights")
+        _grid(lo, hi, _resolution(resolution))
         object.__setattr__(self, "start_weights", tuple(sorted(start_weights.items())))
         object.__setattr__(self, "end_weights", tuple(sorted(end_weights.items())))
         object.__setattr__(self, "start", lo)
