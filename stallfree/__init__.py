@@ -15,6 +15,7 @@ _EXPORTS = {
     "open_dataset": "stallfree.shards.open",
     "ShardWriter": "stallfree.shards.writer",
     "DataLoader": "stallfree.loader.dataloader",
+    "RayWorkers": "stallfree.engines.ray_workers",
     "get_worker_info": "stallfree.loader.worker.main",
     "MemoryCache": "stallfree.cache.memory",
     "NodeCache": "stallfree.cache.node",

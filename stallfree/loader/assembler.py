@@ -190,6 +190,8 @@ class Assembler:
         """torch's rule: round robin in order; with in_order=False the next worker (cyclically)
         with fewer than prefetch_factor tasks outstanding, so a worker stuck on a slow sample gets no
         more work while the others are free (None: every worker is full)."""
+        if self.engine.remote_depth:  # local and remote workers: the pool picks (local ones first)
+            return self.engine.pick()
         n = self.engine.n
         if self.plan.in_order:
             return self._dispatched % n
@@ -271,7 +273,9 @@ class Assembler:
                 continue
             last_seen[msg.worker] = time.monotonic()
             with self._lock:
-                self.outstanding[msg.worker] -= 1
+                self.outstanding[eng.charged_to(msg)] -= 1
+            if eng.remote_depth:  # a worker has room again: credit the pool could not place goes now
+                self._dispatch()
             if isinstance(msg, WorkerFailure):
                 item: Item = Failed(msg.error, self._sizes.pop(msg.seq), msg.seq)
             else:

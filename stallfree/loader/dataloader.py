@@ -54,7 +54,7 @@ from stallfree.loader.iterator import SHARED_EPOCH, SHARED_POOL, LoaderIterator,
 from stallfree.loader.lead_staging import LeadStaging
 from stallfree.loader.options import LoaderOptions, plan
 from stallfree.loader.plan import MainPlan, worker_cores
-from stallfree.loader.pool import Engine
+from stallfree.loader.pool import Engine, RemoteWorkers
 from stallfree.loader.shm import heap as allocator
 from stallfree.loader.stats import LoaderStats
 
@@ -84,7 +84,8 @@ class DataLoader(tud.DataLoader[T_co]):
     node-local directory shared by the node's processes and reads samples from there; False:
     off; a directory or a ``stallfree.storage.staging.Staging(root=, cap_bytes=)``), ``record_keys``
     (a directory: each rank appends the epoch positions it delivers to a compact binary log there,
-    for ``stallfree audit DIR``; our order only).
+    for ``stallfree audit DIR``; our order only), ``remote`` (a ``stallfree.RayWorkers``:
+    remote workers that add capacity beside the local ones, docs/remote_workers.md).
 
     Iterators: each ``iter()`` gives an independent iterator over the next epoch (its own workers;
     fast, sampler and iterable modes alike), as torch's. With ``persistent_workers=True`` and
@@ -137,6 +138,7 @@ class DataLoader(tud.DataLoader[T_co]):
         memory_budget: int = 1 << 30,
         staging: Any = None,
         record_keys: str | os.PathLike[str] | None = None,
+        remote: RemoteWorkers | None = None,
     ) -> None:
         if collate_fn is None and batch_size is not None and contracts.orders_itself(dataset):
             collate_fn = contracts.own_collate_of(dataset)  # a mixture batches its sources (mix/collate.py)
@@ -201,6 +203,11 @@ class DataLoader(tud.DataLoader[T_co]):
         if decided.needs_seed:  # drawn only here, so torch's RNG advances as it always did
             decided = decided.with_seed(int(torch.empty((), dtype=torch.int64).random_(generator=generator)))
         self._plan = decided
+        if remote is not None and not isinstance(remote, RemoteWorkers):
+            raise TypeError(f"remote= takes a stallfree.RayWorkers, got {type(remote).__name__}")
+        if remote is not None and decided.mode == "iterable":
+            raise ValueError("remote= needs a map-style dataset (an IterableDataset runs on torch's own iterator)")
+        self._remote = remote
         self._tuner = None
         self._stats = LoaderStats()
         self._next_epoch = 0
@@ -431,6 +438,8 @@ class DataLoader(tud.DataLoader[T_co]):
             num_workers=self.num_workers,
             epoch=self._progress.epoch if self._progress is not None else self._next_epoch,
         )
+        if self._remote is not None:
+            out["remote"] = self._remote.stats()
         mix = self._mix_stats()
         if mix is not None:
             out["mix"] = mix
@@ -476,6 +485,8 @@ class DataLoader(tud.DataLoader[T_co]):
         record, self._record = self._record, None
         if record is not None:
             record.close()
+        if self._remote is not None:
+            self._remote.close()
 
     def _supersede_live(self, why: str) -> None:
         """The new iterator cannot run beside the live ones (``why``): they end, and one still
@@ -507,7 +518,14 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def _new_engine(self, base_seed: int) -> Engine:
         worker = replace(self._plan.worker, base_seed=base_seed)  # the epoch's; the rest is the plan's
-        return Engine(worker, self.num_workers, self.multiprocessing_context)
+        local = Engine(worker, self.num_workers, self.multiprocessing_context)
+        if self._remote is None:
+            return local
+        try:  # the remote workers join this pool (stallfree/engines/ray_pool.py)
+            return self._remote.pool(local, worker, self.prefetch_factor or 2, self._plan.main.pin_memory)
+        except BaseException:
+            local.shutdown(graceful=False)
+            raise
 
     def _pipeline_iter(self) -> LoaderIterator:
         self._restored_epoch = None
@@ -588,7 +606,8 @@ class DataLoader(tud.DataLoader[T_co]):
         """The plan's main-process value with this epoch's failure budget."""
         o = self._options
         budget = failure_budget(o.max_failures, samples) if o.on_error != "raise" else None
-        return replace(self._plan.main, budget=budget)
+        extra = self._remote.remote_depth if self._remote is not None else 0  # remote credits
+        return replace(self._plan.main, budget=budget, depth=self._plan.main.depth + extra)
 
     def _make_tuner(self, n_workers: int) -> Any:
         """The depth tuner (kept across epochs so a tuned depth carries over), or None."""

@@ -25,7 +25,7 @@ import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -44,8 +44,34 @@ logger = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
+@runtime_checkable
+class RemoteWorkers(Protocol):
+    """What ``DataLoader(remote=...)`` takes (``stallfree.RayWorkers``, ``stallfree/engines/``):
+    workers elsewhere that join each epoch's local pool behind the same dispatcher."""
+
+    remote_depth: int  # batches they may hold at once, added to the loader's in-flight bound
+
+    def pool(self, local: Engine, plan: WorkerPlan, prefetch_factor: int, pin_memory: bool) -> Any: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
 class Engine:
     """Workers and their queues; lives for one epoch, or for the loader when persistent."""
+
+    # A pool with remote workers beside these (``stallfree/engines/ray_pool.py``) has more batches
+    # in flight (its ``remote_depth``), picks each batch's worker itself (``pick``) and may run a
+    # batch on another worker than the one it was sent to (``charged_to``); this one does not.
+    remote_depth = 0
+
+    def pick(self) -> int | None:
+        raise NotImplementedError("a local pool leaves the choice of worker to the assembler")
+
+    def charged_to(self, msg: Any) -> int:
+        """The worker the assembler counted ``msg``'s batch against: the one that made it."""
+        return msg.worker
 
     def __init__(self, plan: WorkerPlan, num_workers: int, mp_context: Any = None) -> None:
         self.in_process = num_workers == 0

@@ -1,0 +1,493 @@
+"""Local and remote workers behind one dispatcher: the worker pool an epoch's ``Assembler`` talks
+to when the loader has ``remote=RayWorkers(...)``.
+
+It wraps the local pool (``stallfree/loader/pool.py`` ``Engine``: worker ids ``0..L-1``) and
+adds the remote workers as ids ``L..L+R-1``, with the same calls the assembler makes on a local
+pool (``send``, ``result``, ``doing``, ``dead``, ...). What it adds:
+
+- **Which worker** (``pick``): the trainer's own workers first, each up to ``prefetch_factor``
+  batches, then the remote worker with the fewest in flight, each up to its credits
+  (``RayWorkers(in_flight=)``); with ``num_workers=0`` the main process's worker thread only
+  when every remote worker is gone (it would take the training loop's own core).
+- **One stream of results**: a thread forwards the local workers' messages and a collector
+  thread waits on the remote workers' object refs; both feed one queue that ``result`` reads.
+  A remote batch is copied out of the object store once (``ray_wire.from_wire``) and its object
+  freed, so the trainer holds no more than the batches in flight.
+- **Exactly once**: every dispatched batch is a flight keyed by ``(gen, seq)``; the first
+  result delivers it and ends the flight, any later one (a re-issued copy) is dropped, counted.
+- **Deadlines**: a remote batch in flight longer than its deadline (``reissue_after_s``, or
+  four times the recent median, at least ``min_reissue_s``) is sent once more to another live
+  remote worker; whichever finishes first is kept.
+- **Faults**: a remote worker whose call fails with Ray's actor or node errors is gone; its
+  batches go to another live remote worker, or, when none is left, to the local workers (one
+  warning) or end the epoch with ``RemoteWorkersLost`` (``on_lost="raise"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import queue
+import statistics
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from stallfree.engines.ray_actor import RemoteResult
+from stallfree.engines.ray_wire import from_wire
+from stallfree.loader.errors import LoaderError
+from stallfree.loader.messages import BatchReady, Task, WorkerFailure
+
+if TYPE_CHECKING:
+    from stallfree.loader.pool import Engine
+
+logger = logging.getLogger(__name__)
+
+_WAIT_S = 0.02  # the collector's longest wait on the refs before it looks at deadlines and new refs
+_COLD_DEADLINE_S = 60.0  # before enough batches came back to know a typical time
+
+
+class RemoteWorkersLost(LoaderError):
+    """Every remote worker is gone and the loader was told not to go on without them."""
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """The pool's rules, from ``RayWorkers`` (see its docstring)."""
+
+    in_flight: int
+    on_lost: str
+    reissue_after_s: float | None
+    min_reissue_s: float
+
+
+@dataclass
+class _Flight:
+    """One dispatched batch until its first result is delivered."""
+
+    task: Task
+    charged: int  # the worker id the assembler counted it against
+    attempts: dict[Any, int] = field(default_factory=dict)  # live remote ref -> remote worker id
+    sent_at: float = 0.0
+    reissued: bool = False
+    local: bool = False  # running on a local worker (dispatched there, or fallen back)
+
+
+@dataclass
+class _Raise:
+    error: BaseException
+
+
+class RemoteStats:
+    """Counters per remote worker and for the pool, kept by ``RayWorkers`` across epochs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.workers: dict[int, dict[str, Any]] = {}
+        self.local_batches = 0
+        self.remote_batches = 0
+        self.reissued = 0
+        self.duplicates_dropped = 0
+        self.retried = 0  # batches run again after their worker died
+        self.fell_back = 0  # batches sent to local workers because no remote worker was left
+        self.workers_lost = 0
+        self.trainer_cpu_s = 0.0  # the trainer's CPU for remote batches: ray.get + copy out
+        self.received_bytes = 0
+
+    def worker(self, wid: int, node: str) -> dict[str, Any]:
+        return self.workers.setdefault(
+            wid,
+            {
+                "node": node,
+                "alive": True,
+                "batches": 0,
+                "samples": 0,
+                "failures": 0,
+                "cpu_s": 0.0,
+                "busy_s": 0.0,
+                "bytes_sent": 0,
+                "in_flight_s": 0.0,
+            },
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        with self.lock:
+            remote = self.remote_batches
+            return {
+                "workers": {w: dict(v) for w, v in sorted(self.workers.items())},
+                "batches_local": self.local_batches,
+                "batches_remote": remote,
+                "reissued": self.reissued,
+                "duplicates_dropped": self.duplicates_dropped,
+                "retried": self.retried,
+                "fell_back_to_local": self.fell_back,
+                "workers_lost": self.workers_lost,
+                "trainer_cpu_s": self.trainer_cpu_s,
+                "trainer_cpu_ms_per_batch": 1000 * self.trainer_cpu_s / remote if remote else 0.0,
+                "bytes_received": self.received_bytes,
+                "bytes_per_batch": self.received_bytes / remote if remote else 0.0,
+            }
+
+
+class RemotePool:
+    """The local pool plus remote workers (see the module docstring)."""
+
+    def __init__(
+        self,
+        local: Engine,
+        settings: PoolSettings,
+        stats: RemoteStats,
+        actors: list[Any],
+        nodes: list[str],
+        prefetch_factor: int,
+        pin: bool,
+    ) -> None:
+        import ray
+
+        self._ray = ray
+        self.local = local
+        self.remote = settings
+        self.actors = actors
+        self.nodes = nodes
+        self.L = local.n
+        self.n = self.L + len(actors)
+        self.gen = 0
+        self.remote_depth = len(actors) * settings.in_flight
+        self.storages = local.storages
+        self.returns = local.returns
+        self._pf = max(1, prefetch_factor)
+        self._pin = pin
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._inflight = [0] * self.n
+        self._alive = [True] * self.n  # local ones are the local pool's business: always True here
+        self._flights: dict[tuple[int, int], _Flight] = {}
+        self._refs: dict[Any, tuple[tuple[int, int], int, float]] = {}  # ref -> (key, remote wid, sent)
+        self._charged: dict[tuple[int, int], int] = {}
+        self._times: deque[float] = deque(maxlen=32)  # recent remote in-flight times
+        self._rotate = itertools.count()
+        self._ticks = itertools.count()
+        self._warned_lost = False
+        self.out: queue.Queue = queue.Queue()
+        self.closed = False
+        self._stop = threading.Event()
+        for r, node in enumerate(nodes):
+            self._stats.worker(self.L + r, node)
+        self._collector = threading.Thread(target=self._collect, daemon=True, name="stallfree-remote-collect")
+        self._forwarder = threading.Thread(target=self._forward, daemon=True, name="stallfree-local-forward")
+        self._collector.start()
+        self._forwarder.start()
+
+    # -- what the assembler calls (the local pool's interface) ---------------------------------------
+    @property
+    def in_process(self) -> bool:
+        return self.local.in_process
+
+    @property
+    def procs(self) -> list[Any]:
+        return self.local.procs
+
+    @property
+    def inline_results(self) -> Any:
+        return self.local.inline_results
+
+    def start_rest(self) -> None:
+        self.local.start_rest()
+
+    def storage_of(self, worker: int, new_storage: Any) -> Any:
+        return self.local.storage_of(worker, new_storage) if worker < self.L else new_storage
+
+    def discard_segment(self, worker: int, new_storage: Any) -> None:
+        if worker < self.L:
+            self.local.discard_segment(worker, new_storage)
+
+    def pick(self) -> int | None:
+        """The worker for the next batch (None: all are full): local ones first (not the main
+        process's thread while a remote worker lives), then the least busy live remote one."""
+        with self._lock:
+            remote_alive = [w for w in range(self.L, self.n) if self._alive[w]]
+            if not (self.local.in_process and remote_alive):
+                start = next(self._rotate)
+                for i in range(self.L):
+                    w = (start + i) % self.L
+                    if self._inflight[w] < self._pf:
+                        return w
+            free = [w for w in remote_alive if self._inflight[w] < self.remote.in_flight]
+            return min(free, key=lambda w: self._inflight[w]) if free else None
+
+    def send(self, worker: int, task: Task) -> None:
+        key = (task.gen, task.seq)
+        with self._lock:
+            self._charged[key] = worker
+            flight = _Flight(task, worker, sent_at=time.monotonic(), local=worker < self.L)
+            self._flights[key] = flight
+            if worker < self.L:
+                self._inflight[worker] += 1
+                with self._stats.lock:
+                    self._stats.local_batches += 1
+        if worker < self.L:
+            self.local.send(worker, task)
+        else:
+            self._submit(flight, worker)
+
+    def charged_to(self, msg: BatchReady | WorkerFailure) -> int:
+        """The worker the assembler counted this batch against (a batch that fell back from a
+        remote worker to a local one comes back from the local one)."""
+        with self._lock:
+            return self._charged.pop((msg.gen, msg.seq), msg.worker)
+
+    def result(self, timeout: float) -> Any:
+        if self.local.inline_results:
+            return self.local.inline_results.popleft()
+        item = self.out.get(timeout=timeout)
+        if isinstance(item, _Raise):
+            raise item.error
+        return item
+
+    def doing(self, wid: int) -> str:
+        if wid < self.L:
+            return self.local.doing(wid)
+        state = "alive" if self._alive[wid] else "gone"
+        return f"(remote, Ray node {self.nodes[wid - self.L]}, {state}): {self._inflight[wid]} batch(es) in flight"
+
+    def progress_mark(self, wid: int) -> tuple[int, ...]:
+        # a remote worker is never "hung" to the assembler: its deadlines re-issue its batches here
+        return self.local.progress_mark(wid) if wid < self.L else (next(self._ticks),)
+
+    def pid(self, wid: int) -> int | None:
+        return self.local.pid(wid) if wid < self.L else None
+
+    def dead(self, wid: int) -> tuple[bool, int | None]:
+        return self.local.dead(wid) if wid < self.L else (False, None)
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the threads, cancel what the remote workers were still given, stop the local
+        pool. The actors stay (``RayWorkers`` owns them: the next epoch reuses them)."""
+        if self.closed:
+            return
+        self.closed = True
+        self._stop.set()
+        with self._lock:
+            refs = list(self._refs)
+            self._refs.clear()
+            self._flights.clear()
+        for ref in refs:
+            with contextlib.suppress(Exception):
+                self._ray.cancel(ref)
+        for t in (self._forwarder, self._collector):
+            if t is not threading.current_thread():
+                t.join(timeout=1.0)
+        self.local.shutdown(graceful)
+
+    # -- remote dispatch -----------------------------------------------------------------------------
+    def _submit(self, flight: _Flight, rwid: int) -> None:
+        ref = self.actors[rwid - self.L].run.remote(flight.task)
+        now = time.monotonic()
+        with self._lock:
+            flight.attempts[ref] = rwid
+            self._refs[ref] = ((flight.task.gen, flight.task.seq), rwid, now)
+            self._inflight[rwid] += 1
+
+    def _other_remote(self, exclude: set[int], allow_full: bool) -> int | None:
+        with self._lock:
+            live = [w for w in range(self.L, self.n) if self._alive[w] and w not in exclude]
+            if not allow_full:
+                live = [w for w in live if self._inflight[w] < self.remote.in_flight]
+            return min(live, key=lambda w: self._inflight[w]) if live else None
+
+    def _deadline(self) -> float:
+        if self.remote.reissue_after_s is not None:
+            return self.remote.reissue_after_s
+        if len(self._times) < 4:
+            return _COLD_DEADLINE_S
+        return max(self.remote.min_reissue_s, 4 * statistics.median(self._times))
+
+    def _reissue_late(self) -> None:
+        now, limit = time.monotonic(), self._deadline()
+        with self._lock:
+            late = [
+                f
+                for f in self._flights.values()
+                if not f.local and not f.reissued and f.attempts and now - f.sent_at > limit
+            ]
+        for f in late:
+            w = self._other_remote(set(f.attempts.values()), allow_full=False)
+            if w is None:
+                continue
+            f.reissued = True
+            logger.info(
+                "batch %d has been on remote worker(s) %s for %.1f s (deadline %.1f s): sent to worker %d too",
+                f.task.seq,
+                sorted(set(f.attempts.values())),
+                now - f.sent_at,
+                limit,
+                w,
+            )
+            with self._stats.lock:
+                self._stats.reissued += 1
+            self._submit(f, w)
+
+    def _lost(self, rwid: int, exc: BaseException) -> None:
+        with self._lock:
+            if not self._alive[rwid]:
+                return
+            self._alive[rwid] = False
+            left = sum(self._alive[self.L :])
+        with self._stats.lock:
+            self._stats.workers_lost += 1
+            self._stats.workers[rwid]["alive"] = False
+        logger.warning(
+            "remote worker %d on Ray node %s is gone (%s: %s); its batches run elsewhere (%d remote worker(s) left)",
+            rwid,
+            self.nodes[rwid - self.L],
+            type(exc).__name__,
+            str(exc).splitlines()[0] if str(exc) else "",
+            left,
+        )
+
+    def _rerun(self, flight: _Flight) -> None:
+        """A batch whose every attempt failed with its worker: another remote worker, else the
+        local workers (or the end of the epoch, by ``on_lost``)."""
+        with self._stats.lock:
+            self._stats.retried += 1
+        w = self._other_remote(set(), allow_full=True)
+        if w is not None:
+            self._submit(flight, w)
+            return
+        if self.remote.on_lost == "raise":
+            self.out.put(
+                _Raise(
+                    RemoteWorkersLost(
+                        f"every remote worker is gone ({len(self.actors)} on {sorted(set(self.nodes))}); "
+                        f"batch {flight.task.seq} was not made (RayWorkers(on_lost='raise'))"
+                    )
+                )
+            )
+            return
+        if not self._warned_lost:
+            self._warned_lost = True
+            logger.warning(
+                "every remote worker is gone (%d on %s): the loader goes on with its local workers",
+                len(self.actors),
+                sorted(set(self.nodes)),
+            )
+        with self._lock:
+            local = min(range(self.L), key=lambda w: self._inflight[w])
+            self._inflight[local] += 1
+            flight.local = True
+        with self._stats.lock:
+            self._stats.fell_back += 1
+        self.local.send(local, flight.task)
+
+    # -- the threads ---------------------------------------------------------------------------------
+    def _forward(self) -> None:
+        """The local workers' messages into the one result queue."""
+        q = self.local.result_q
+        while not self._stop.is_set():
+            try:
+                msg = q.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            except (ConnectionError, EOFError, OSError) as exc:  # a local worker died mid-send
+                if not self._stop.is_set():
+                    self.out.put(_Raise(exc))
+                return
+            if isinstance(msg, (BatchReady, WorkerFailure)):
+                with self._lock:
+                    if msg.worker < self.L:
+                        self._inflight[msg.worker] -= 1
+                    self._flights.pop((msg.gen, msg.seq), None)
+            self.out.put(msg)
+
+    def _collect(self) -> None:
+        ray = self._ray
+        while not self._stop.is_set():
+            with self._lock:
+                refs = list(self._refs)
+            if not refs:
+                time.sleep(_WAIT_S)
+                continue
+            try:
+                ready, rest = ray.wait(refs, num_returns=1, timeout=_WAIT_S)
+                if ready and rest:
+                    more, _ = ray.wait(rest, num_returns=len(rest), timeout=0)
+                    ready += more
+            except Exception as exc:  # noqa: BLE001 - Ray itself failed: the epoch cannot go on
+                if not self._stop.is_set():
+                    self.out.put(_Raise(LoaderError(f"waiting on remote workers failed: {exc}")))
+                return
+            for ref in ready:
+                if self._stop.is_set():
+                    return
+                self._settle(ref)
+            self._reissue_late()
+
+    def _settle(self, ref: Any) -> None:
+        ray = self._ray
+        with self._lock:
+            entry = self._refs.pop(ref, None)
+            if entry is None:
+                return
+            key, rwid, sent = entry
+            self._inflight[rwid] -= 1
+            flight = self._flights.get(key)
+            if flight is not None:
+                flight.attempts.pop(ref, None)
+        c0 = time.thread_time()
+        try:
+            res: RemoteResult = ray.get(ref)
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.ObjectLostError,
+            ray.exceptions.NodeDiedError,
+        ) as exc:
+            self._lost(rwid, exc)
+            if flight is not None and not flight.attempts and not flight.local:
+                self._rerun(flight)
+            return
+        except ray.exceptions.RayTaskError as exc:  # run() itself raised (not a stage: those are messages)
+            res = None
+            error: Any = exc
+        if flight is None or key not in self._flights:  # delivered already (a re-issued copy)
+            with self._stats.lock:
+                self._stats.duplicates_dropped += 1
+            return
+        if res is not None:
+            msg = res.message
+            if isinstance(msg, BatchReady):
+                msg = replace(msg, worker=flight.charged, payload=from_wire(msg.payload, self._pin))
+            else:
+                err = msg.error
+                if isinstance(err, BaseException):  # ours (BatchDecodeError): add where it was made
+                    err.add_note(f"stallfree: made by remote worker {rwid} on Ray node {res.node}")
+                msg = replace(msg, worker=flight.charged)
+        else:
+            first = flight.task.indices[0] if flight.task.indices else None
+            msg = WorkerFailure(key[0], key[1], flight.charged, first, None, error)
+        cpu = time.thread_time() - c0
+        now = time.monotonic()
+        with self._lock:
+            if self._flights.pop(key, None) is None:
+                return
+            self._times.append(now - sent)
+        with self._stats.lock:
+            s = self._stats
+            s.remote_batches += 1
+            s.trainer_cpu_s += cpu
+            w = s.workers[rwid]
+            w["in_flight_s"] += now - sent
+            if res is not None:
+                s.received_bytes += res.sent_bytes
+                w["cpu_s"] += res.cpu_s
+                w["busy_s"] += res.wall_s
+                w["bytes_sent"] += res.sent_bytes
+            if isinstance(msg, BatchReady):
+                w["batches"] += 1
+                w["samples"] += msg.good
+                w["failures"] += len(msg.failures)
+            else:
+                w["failures"] += 1
+        self.out.put(msg)
