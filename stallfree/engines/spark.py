@@ -17,7 +17,6 @@ accumulator polled on the driver while the job runs.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import sys
 import time
@@ -39,6 +38,7 @@ from stallfree.shards.write_engines import (
     PartitionPart,
     PartitionWrite,
     commit_parts,
+    first_error,
     open_destination,
     remove_run_files,
     write_partition,
@@ -280,17 +280,15 @@ def write_spark(
         try:
             part = write_partition(spec, partition, rows, None if first is None else first.schema).dumps()
         except ShardError as exc:  # a bad row fails every attempt alike: reported, not retried
-            part = json.dumps({"partition": partition, "error": str(exc)})
+            part = PartitionPart(partition, None, error=str(exc)).dumps()
         yield pa.RecordBatch.from_pydict({"part": [part]})
 
     try:
         rows = df.mapInArrow(write, "part string").collect()
-        texts = [row.part for row in rows]
-        errors = [json.loads(t) for t in texts if '"error"' in t[:200] and "error" in json.loads(t)]
-        if errors:
-            first = min(errors, key=lambda e: e["partition"])
-            raise ShardTaskError(f"partition {first['partition']} of the DataFrame: {first['error']}")
-        parts = [PartitionPart.loads(t) for t in texts]
+        parts = [PartitionPart.loads(row.part) for row in rows]
+        bad = first_error(parts)
+        if bad is not None:
+            raise ShardTaskError(f"partition {bad.partition} of the DataFrame: {bad.error}")
     except BaseException as exc:
         remove_run_files(dest)
         if isinstance(exc, ShardError) or not _is_java_error(exc):

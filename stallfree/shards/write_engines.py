@@ -71,12 +71,14 @@ class PartitionWrite:
 
 @dataclass(frozen=True)
 class PartitionPart:
-    """What one partition wrote: its index, its part of the manifest (None: no rows), and the
-    rows it skipped (``on_error="skip"``)."""
+    """What one partition wrote: its index, its part of the manifest (None: no rows), the rows
+    it skipped (``on_error="skip"``), or the data error that ended it (``error``: not retried,
+    it would fail alike on every attempt)."""
 
     partition: int
     manifest: Manifest | None
     skipped: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
 
     def dumps(self) -> str:
         return json.dumps(
@@ -84,6 +86,7 @@ class PartitionPart:
                 "partition": self.partition,
                 "manifest": None if self.manifest is None else self.manifest.to_json(),
                 "skipped": self.skipped,
+                "error": self.error,
             }
         )
 
@@ -92,7 +95,7 @@ class PartitionPart:
         obj = json.loads(text)
         where = f"partition {obj['partition']}'s result"
         manifest = None if obj["manifest"] is None else Manifest.from_json(obj["manifest"], where=where)
-        return cls(int(obj["partition"]), manifest, list(obj["skipped"]))
+        return cls(int(obj["partition"]), manifest, list(obj["skipped"]), obj.get("error"))
 
 
 def samples_of(
@@ -182,6 +185,11 @@ def open_destination(dst: str, *, overwrite: bool, storage_options: dict[str, An
     remove_stale_temps(fs, root)
     old, in_use = files_in_use(fs, root)
     return Destination(dst, fs, root, old, in_use)
+
+
+def first_error(parts: Iterable[PartitionPart]) -> PartitionPart | None:
+    """The lowest-numbered partition that ended in a data error, if any."""
+    return min((p for p in parts if p.error is not None), key=lambda p: p.partition, default=None)
 
 
 def commit_parts(
