@@ -94,6 +94,10 @@ if ! command -v redis-server >/dev/null 2>&1; then
   echo "setup: installing redis-server (apt-get)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null
 fi
+if ! command -v java >/dev/null 2>&1; then  # Spark's JVM (tests/engines: --engine spark, write_spark)
+  echo "setup: installing default-jre-headless (apt-get)" >&2
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq default-jre-headless >/dev/null
+fi
 if [ ! -f /usr/include/jpeglib.h ] || ! command -v gcc >/dev/null 2>&1; then
   echo "setup: installing gcc and libjpeg62-turbo-dev (apt-get)" >&2
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libjpeg62-turbo-dev >/dev/null
