@@ -23,7 +23,7 @@ import logging
 import math
 
 import numpy as np
-from dlio_benchmark.common.enumerations import DatasetType, DataLoaderType
+from dlio_benchmark.common.enumerations import DataLoaderType, DatasetType
 from dlio_benchmark.data_loader.base_data_loader import BaseDataLoader
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,10 @@ class StallfreeDataLoader(BaseDataLoader):
         workers = args.read_threads
         options = {}
         if workers > 0:
-            options = {"persistent_workers": True, "prefetch_factor": max(2, math.ceil(args.prefetch_size / workers))}
+            options = {
+                "persistent_workers": True,
+                "prefetch_factor": max(2, math.ceil(args.prefetch_size / workers)),
+            }
         self._loader = DataLoader(
             DLIOFiles(paths, args.resized_image),
             batch_size=self.batch_size,
@@ -77,7 +80,9 @@ class StallfreeDataLoader(BaseDataLoader):
             num_workers=workers,
             drop_last=True,
             seed=args.seed,
-            world=World(rank=args.my_rank, size=args.comm_size, local_rank=args.my_rank, local_size=args.comm_size),
+            world=World(
+                rank=args.my_rank, size=args.comm_size, local_rank=args.my_rank, local_size=args.comm_size
+            ),
             **options,
         )
 

@@ -1,6 +1,6 @@
 """The table of benchmarks/dlio/run_dlio.sh's runs: DLIO's own AU and throughput per loader.
 
-    python benchmarks/dlio/summarize.py benchmarks/out/dlio
+python benchmarks/dlio/summarize.py benchmarks/out/dlio
 """
 
 from __future__ import annotations
@@ -34,8 +34,14 @@ def rows(out: Path) -> list[dict[str, object]]:
 def main(argv: list[str]) -> int:
     out = Path(argv[1] if len(argv) > 1 else "benchmarks/out/dlio")
     table = rows(out)
-    failed = sorted(p.name[: -len(".log")] for p in out.glob("*-n*.log") if not (p.with_suffix("") / "summary.json").exists())
-    print("| workload | loader | ranks | DLIO AU % (mean of epochs) | AU % per epoch | samples/s | MB/s | DLIO verdict |")
+    failed = sorted(
+        p.name[: -len(".log")]
+        for p in out.glob("*-n*.log")
+        if not (p.with_suffix("") / "summary.json").exists()
+    )
+    print(
+        "| workload | loader | ranks | DLIO AU % (mean of epochs) | AU % per epoch | samples/s | MB/s | DLIO verdict |"
+    )
     print("|---|---|---:|---:|---|---:|---:|---|")
     for r in table:
         epochs = ", ".join(f"{v:.1f}" for v in r["au_per_epoch"])
