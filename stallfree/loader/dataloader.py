@@ -206,7 +206,9 @@ class DataLoader(tud.DataLoader[T_co]):
         if remote is not None and not isinstance(remote, RemoteWorkers):
             raise TypeError(f"remote= takes a stallfree.RayWorkers, got {type(remote).__name__}")
         if remote is not None and decided.mode == "iterable":
-            raise ValueError("remote= needs a map-style dataset (an IterableDataset runs on torch's own iterator)")
+            raise ValueError(
+                "remote= needs a map-style dataset (an IterableDataset runs on torch's own iterator)"
+            )
         self._remote = remote
         self._tuner = None
         self._stats = LoaderStats()
@@ -408,13 +410,14 @@ class DataLoader(tud.DataLoader[T_co]):
             len(self.dataset), self.world.size, source.batch_size, source.drop_last, source.uneven
         )
 
-    def samples_at(self, step: int, rank: int | None = None) -> Any:
+    def samples_at(self, step: int, rank: int | None = None, *, keys: bool = True) -> Any:
         """The samples of step ``step``'s batch on ``rank`` (default: this one), computed from
         the order and the run's timeline, never from a log: a ``stallfree.trace.StepSamples``
         naming each sample's position, index and, where the dataset tells, source, shard, key
         or packed documents with token offsets. Past, present or future steps alike (a future
         one as the current world size would read it); after ``load_state_dict`` the restored
-        run's steps, skips included."""
+        run's steps, skips included. ``keys=False`` leaves out sample keys (a sharded
+        dataset reads them from each touched shard's index)."""
         if self._clock is None:
             raise ValueError("samples_at needs our own order (the fast path), not a sampler or a stream")
         from stallfree.trace.steps import step_samples
@@ -424,9 +427,21 @@ class DataLoader(tud.DataLoader[T_co]):
             timeline = self._clock.preview(self._next_epoch, self._resume_from)
         source = self._index_source()
         assert isinstance(source, OrderIndices)
-        return step_samples(
-            self.dataset, source.epoch_order, timeline, step, self.world.rank if rank is None else rank
-        )
+        rank = self.world.rank if rank is None else rank
+        return step_samples(self.dataset, self._order_of, timeline, step, rank, keys=keys)
+
+    def _order_of(self, epoch: int) -> Any:
+        """The epoch's order (our order), the last few kept: building one over 200,000 shards
+        costs more than a ``samples_at`` lookup."""
+        source = self._index_source()
+        assert isinstance(source, OrderIndices)
+        key = (source.seed, epoch)
+        orders = self.__dict__.setdefault("_orders", {})
+        if key not in orders:
+            if len(orders) >= 4:
+                orders.pop(next(iter(orders)))
+            orders[key] = source.epoch_order(epoch)
+        return orders[key]
 
     def stats(self) -> dict[str, Any]:
         """Per-rank counters: data wait vs compute, throughput, queue, stage times, cache, decode."""

@@ -11,6 +11,8 @@ How the records are read (epoch/record.py writes them):
 - A run that starts at (epoch ``e``, position ``p``) rolls back whatever earlier runs delivered
   at or after (``e``, ``p``): a resume from a checkpoint repeats what the killed run delivered
   after it, and that is the point of a resume, not a duplicate.
+- A batch's positions follow from its run's ``BEGIN`` (the share it was dispatched from) and
+  its step.
 - What is left must hold, per epoch of ``n`` positions, every position outside the skipped
   ranges exactly once (padded reads, repeats that even out the ranks, aside). An epoch no run
   finished (its last) is checked up to where it got: a position missing while one more than
@@ -26,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stallfree.loader.epoch.order import Kept
+from stallfree.loader.epoch.order import Kept, RankShare, Sequential
 from stallfree.loader.epoch.record import Batch, Begin, End, RecordFile, SkipRange, read_records, record_files
 
 
@@ -154,10 +156,16 @@ def audit(directory: str | os.PathLike[str]) -> AuditReport:
             skipped[b.epoch].extend(seg.skips)
             names.append(seg.file)
             fnum = len(names) - 1
+            share = RankShare(Sequential(b.n), b.start, b.rank, b.world_size, b.uneven, tuple(seg.skips))
             for batch in seg.batches:
-                pos = batch.positions
-                real = pos[pos >= 0]
-                sizes.setdefault(batch.epoch, b.n)
+                k = (batch.step - b.step) * b.batch_size + np.arange(batch.count, dtype=np.int64)
+                if batch.epoch != b.epoch or batch.step < b.step or (len(k) and k[-1] >= len(share)):
+                    raise ValueError(
+                        f"{seg.file}: a batch at step {batch.step} of {batch.count} positions lies outside "
+                        f"the share its BEGIN describes (epoch {b.epoch} from step {b.step})"
+                    )
+                pos = share.positions(k)
+                real = pos[~share.padded(k)]
                 cols[0].append(np.full(len(real), batch.epoch, np.int64))
                 cols[1].append(real)
                 cols[2].append(np.full(len(real), b.rank, np.int64))

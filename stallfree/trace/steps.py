@@ -56,9 +56,16 @@ class StepSamples:
 
 
 def step_samples(
-    dataset: Any, order_of: Callable[[int], order_mod.Order], timeline: Timeline, step: int, rank: int
+    dataset: Any,
+    order_of: Callable[[int], order_mod.Order],
+    timeline: Timeline,
+    step: int,
+    rank: int,
+    *,
+    keys: bool = True,
 ) -> StepSamples:
-    """The batch of ``step`` on ``rank`` (see the module docstring)."""
+    """The batch of ``step`` on ``rank`` (see the module docstring); ``keys=False``: no sample
+    keys (refs.describe)."""
     place = timeline.place(step)
     world = place.span.world_size
     if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < world:
@@ -70,7 +77,7 @@ def step_samples(
     positions = share.positions(k)
     padded = share.padded(k)
     indices = order.at(positions)
-    fields = describe(dataset, indices.tolist(), place.epoch)
+    fields = describe(dataset, indices.tolist(), place.epoch, keys=keys)
     samples = tuple(
         SampleRef(position=int(p), index=int(i), padded=bool(pad), **f)
         for p, i, pad, f in zip(positions.tolist(), indices.tolist(), padded.tolist(), fields, strict=True)
@@ -107,7 +114,9 @@ def order_from_state(state: LoaderState, dataset: Any) -> Callable[[int], order_
     return order_of
 
 
-def trace_state(state: Mapping[str, Any], dataset: Any, step: int, rank: int = 0) -> StepSamples:
+def trace_state(
+    state: Mapping[str, Any], dataset: Any, step: int, rank: int = 0, *, keys: bool = True
+) -> StepSamples:
     """The batch of ``step`` on ``rank``, from a saved resume state (``loader.state_dict()``)
     and the dataset it was saved for; a step past the state's, as its run would read on."""
     st = LoaderState.from_dict(state)
@@ -128,4 +137,4 @@ def trace_state(state: Mapping[str, Any], dataset: Any, step: int, rank: int = 0
             f"the state is for a dataset with fingerprint {st.fingerprint!r}, this one's is {fp!r}"
         )
     timeline = Timeline.from_state(n, st.history, st.skips)
-    return step_samples(dataset, order_from_state(st, dataset), timeline, step, rank)
+    return step_samples(dataset, order_from_state(st, dataset), timeline, step, rank, keys=keys)

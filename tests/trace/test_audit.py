@@ -7,10 +7,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import struct
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from stallfree.cli import main
@@ -59,19 +59,25 @@ def test_kill_resume_on_fewer_ranks_and_a_skip_audit_clean(tmp_path):
     assert resumed["epoch"] == 2
 
 
+def _append_batch(path, step: int, epoch: int, count: int) -> None:
+    with open(path, "ab") as f:
+        f.write(bytes([BATCH]) + struct.pack("<qqI", step, epoch, count))
+
+
 def test_a_planted_duplicate_is_named_with_both_deliveries(tmp_path):
     keys = tmp_path / "keys"
     _ranks(keys, 2)
     victim = record_files(keys)[1]
     first = next(r for r in read_records(victim).records if type(r).__name__ == "Batch")
-    # the same delivery appended again, as a second rank would have read it
-    with open(victim, "ab") as f:
-        f.write(bytes([BATCH]) + np.array([99], "<i8").tobytes() + np.array([0], "<i8").tobytes())
-        f.write(np.array([1], "<u4").tobytes() + np.array([first.positions[0]], "<i8").tobytes())
+    _append_batch(victim, first.step, first.epoch, first.count)  # the same batch delivered again
     report = audit(keys)
     assert not report.ok and report.first.kind == "duplicate"
-    assert report.first.position == int(first.positions[0]) and report.first.epoch == 0
-    assert sorted(s for _, s, _ in report.first.seen) == [first.step, 99]
+    rank = int(victim.name[4:9])
+    positions = (
+        DataLoader(Numbers(), batch_size=4, shuffle=True, seed=3, world=(rank, 2)).samples_at(0).positions
+    )
+    assert report.first.epoch == 0 and report.first.position == min(positions)
+    assert [(r, s) for r, s, _ in report.first.seen] == [(rank, 0), (rank, 0)]
     assert main(["audit", str(keys)]) == 1
 
 
@@ -79,19 +85,27 @@ def test_a_planted_loss_is_named(tmp_path, capsys):
     keys = tmp_path / "keys"
     _ranks(keys, 2)
     victim = record_files(keys)[0]
-    records = read_records(victim).records
-    dropped = records[3]  # BEGIN, then batches: one of them goes missing
     data = victim.read_bytes()
-    cut = bytes([BATCH]) + np.array([dropped.step], "<i8").tobytes()
-    at = data.index(cut)
-    size = 1 + 8 + 8 + 4 + 8 * len(dropped.positions)
-    victim.write_bytes(data[:at] + data[at + size :])
+    dropped = bytes([BATCH]) + struct.pack("<qqI", 5, 0, 4)  # rank 0's step 5 goes missing
+    assert data.count(dropped) == 1
+    victim.write_bytes(data.replace(dropped, b""))
     report = audit(keys)
     assert not report.ok and report.first.kind == "lost"
-    assert report.first.position == int(min(p for p in dropped.positions if p >= 0))
+    positions = (
+        DataLoader(Numbers(), batch_size=4, shuffle=True, seed=3, world=(0, 2)).samples_at(5).positions
+    )
+    assert report.first.position == min(positions)
     assert main(["audit", str(keys), "--json"]) == 1
     out = json.loads(capsys.readouterr().out)
-    assert out["first_violation"]["kind"] == "lost" and out["lost"] == len(dropped.positions)
+    assert out["first_violation"]["kind"] == "lost" and out["lost"] == 4
+
+
+def test_a_batch_outside_its_share_is_malformed(tmp_path):
+    keys = tmp_path / "keys"
+    _ranks(keys, 1, batches=3)
+    _append_batch(record_files(keys)[0], 400, 0, 4)
+    with pytest.raises(ValueError, match="outside the share"):
+        audit(keys)
 
 
 def test_a_scheduled_mixture_with_workers_audits_clean_and_a_cut_tail_is_read(tmp_path):

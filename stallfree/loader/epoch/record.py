@@ -1,6 +1,12 @@
 """The delivery record (``DataLoader(record_keys=DIR)``): per rank, a compact binary log of the
-epoch positions each step handed to the consumer, so ``stallfree audit DIR`` can prove every
-sample of each epoch was delivered exactly once across ranks, resumes, world sizes and skips.
+batches each step handed to the consumer, so ``stallfree audit DIR`` can prove every sample of
+each epoch was delivered exactly once across ranks, resumes, world sizes and skips.
+
+What a batch held is not written out: its epoch positions are arithmetic on the ``BEGIN``
+record's numbers (start, rank, world size, batch size, tail rule, skipped ranges: the
+``RankShare`` the loader dispatched from), so a batch costs one 25-byte record, a few
+microseconds, and the audit checks what matters across runs: which batches of which run were
+delivered, and that together they cover each epoch exactly once.
 
 One file per loader per process (``rank00003-<ns>-<pid>.sfkeys``), written with one
 ``os.write`` per record on an ``O_APPEND`` descriptor: nothing waits in a Python buffer, so a
@@ -13,8 +19,7 @@ Records (after the 8-byte magic):
 - ``BEGIN``: a loader starts an epoch: rank, world size, epoch, start position, step, the
   epoch's length, batch size, tail rule, wall time (orders the runs of a directory);
 - ``SKIP``: a position range of that epoch the run leaves out (``skip_steps=``);
-- ``BATCH``: step, epoch, then the positions of that step's batch on this rank (a padded read,
-  a repeat that evens out the ranks, stored as ``-(position + 1)``);
+- ``BATCH``: step, epoch and how many positions the consumer received in that step's batch;
 - ``END``: this rank received its whole share of the epoch.
 """
 
@@ -27,8 +32,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from stallfree.errors import CorruptShardError
 from stallfree.loader.epoch.order import RankShare
 from stallfree.loader.epoch.progress import EpochProgress
@@ -40,9 +43,8 @@ _BEGIN = struct.Struct(
     "<BIIqqqqqIBB"
 )  # type, rank, world, epoch, start, step, n, time_ns, batch, pad, drop_last
 _SKIP = struct.Struct("<Bqqq")  # type, epoch, lo, hi
-_BATCH = struct.Struct("<BqqI")  # type, step, epoch, count (then count int64)
+_BATCH = struct.Struct("<BqqI")  # type, step, epoch, count
 _END = struct.Struct("<Bqq")  # type, epoch, step
-MAX_BATCH = 1 << 24  # positions one BATCH record may hold (a bound for the reader)
 
 
 class RecordError(CorruptShardError, ValueError):
@@ -74,7 +76,7 @@ class SkipRange:
 class Batch:
     step: int
     epoch: int
-    positions: np.ndarray  # int64; a padded read as -(position + 1)
+    count: int  # positions in the batch
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,8 @@ class RecordWriter:
         )
         self._write(head + b"".join(_SKIP.pack(SKIP, b.epoch, lo, hi) for lo, hi in skipped))
 
-    def batch(self, step: int, epoch: int, positions: np.ndarray) -> None:
-        pos = np.ascontiguousarray(positions, "<i8")
-        self._write(_BATCH.pack(BATCH, step, epoch, len(pos)) + pos.tobytes())
+    def batch(self, step: int, epoch: int, count: int) -> None:
+        self._write(_BATCH.pack(BATCH, step, epoch, count))
 
     def end(self, epoch: int, step: int) -> None:
         self._write(_END.pack(END, epoch, step))
@@ -178,19 +179,7 @@ def _records(data: bytes, name: str, truncated: list[bool]) -> Iterator[Record]:
         elif kind == END:
             yield End(*fields[1:])
         else:
-            _, step, epoch, count = fields
-            if count > MAX_BATCH:
-                raise RecordError(
-                    f"a batch record of {count} positions (at most {MAX_BATCH})", shard=name, offset=at
-                )
-            end = at + head.size + 8 * count
-            if end > len(data):
-                truncated[0] = True
-                return
-            positions = np.frombuffer(data, "<i8", count, at + head.size).astype(np.int64)
-            yield Batch(step, epoch, positions)
-            at = end
-            continue
+            yield Batch(*fields[1:])
         at += head.size
 
 
@@ -208,12 +197,8 @@ class EpochRecorder:
         writer.begin(begin, share.kept.skipped)
         self._ended = False
 
-    def batch(self, seq: int) -> None:
-        bs = self.batch_size
-        k = np.arange(seq * bs, min((seq + 1) * bs, len(self.share)), dtype=np.int64)
-        pos = self.share.positions(k)
-        padded = self.share.padded(k)
-        self.writer.batch(self.first.step + seq, self.first.epoch, np.where(padded, -pos - 1, pos))
+    def batch(self, seq: int, count: int) -> None:
+        self.writer.batch(self.first.step + seq, self.first.epoch, count)
 
     def end(self, batches: int) -> None:
         if not self._ended:
@@ -231,7 +216,7 @@ class RecordedProgress(EpochProgress):
     def on_batch(self, positions: int, seq: int | None = None) -> None:
         super().on_batch(positions, seq)
         if self.recorder is not None and seq is not None:
-            self.recorder.batch(seq)
+            self.recorder.batch(seq, positions)
             if self.done:
                 self.recorder.end(-(-self.received // self.batch_size))
 
