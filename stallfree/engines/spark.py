@@ -91,6 +91,16 @@ def _is_local_master(master: str) -> bool:
     return master == "local" or master.startswith(("local[", "local-cluster["))
 
 
+def use_this_python(spark: Any) -> None:
+    """On a local master, run the Python workers with this interpreter. pyspark starts them with
+    PYSPARK_PYTHON, else ``python3`` from PATH: in a virtual environment that is another Python,
+    which cannot import stallfree. Left alone when PYSPARK_PYTHON chose one, or on a cluster
+    (whose nodes have their own Python)."""
+    sc = spark.sparkContext
+    if _is_local_master(sc.master) and sc.pythonExec == "python3":
+        sc.pythonExec = sys.executable
+
+
 class SparkExecutor:
     """Runs shard tasks on Spark. ``master``: a Spark master URL (a session is made and stopped by
     ``close``), or None for the active session (``SparkSession.getActiveSession()``), else a new
@@ -127,10 +137,7 @@ class SparkExecutor:
                 builder = builder.config(key, value)
             spark = builder.getOrCreate()
             self._owned = True
-            if _is_local_master(master or "local[*]") and spark.sparkContext.pythonExec == "python3":
-                # pyspark runs its workers with PYSPARK_PYTHON or ``python3`` from PATH, not this
-                # interpreter: on this machine's executors they must import what the driver does
-                spark.sparkContext.pythonExec = sys.executable
+        use_this_python(spark)
         self.spark = spark
         self.master = spark.sparkContext.master
 
@@ -266,6 +273,7 @@ def write_spark(
     spec = PartitionWrite(dst, dict(storage_options), format, max_bytes, max_samples, on_error)
     spark = df.sparkSession
     master = spark.sparkContext.master
+    use_this_python(spark)
     nodes = SparkExecutor(spark=spark).nodes()
     check_destination_reachable(f"spark ({master})", nodes, dst, storage_options, shared_fs=shared_fs)
     started = time.perf_counter()
