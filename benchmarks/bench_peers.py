@@ -15,6 +15,13 @@ Runners (peers first; the best peer on each measure is the yardstick):
   dali-tuned       the same work with the settings a DALI expert reaches for (DALI_TUNED, override
                    with --dali-tuned JSON): mirror and CHW transpose fused into
                    crop_mirror_normalize(dtype=UINT8) without mean/std, deeper queues, dynamic executor
+  spdl             SPDL 0.8 (Meta's thread pipeline): spdl.pipeline.PipelineBuilder, --workers
+                   threads decoding with spdl.io (FFmpeg: demux, then one filter graph crops the
+                   RandomResizedCrop box, scales to 224 bilinear, flips on a coin, converts to
+                   RGB), batches converted with spdl.io.convert_frames (needs Debian's FFmpeg libs)
+  tdn-process      torchdata.nodes 0.11: SamplerWrapper -> ParallelMapper(method="process",
+                   --workers) running the torch-simplejpeg per-sample work -> Batcher -> collate
+  tdn-thread       the same with ParallelMapper(method="thread")
   ours-cpu         stallfree.DataLoader(open_dataset(shards), decode=ImageDecode(train=True,
                    size=224, dtype="uint8", backend="cpu"))
   ours-auto        the same, backend="auto"
@@ -35,7 +42,7 @@ machine's load hits all alike; each figure is the median over rounds. Measures:
 Ratios are "x best peer", > 1 = better than the best of the peers on that measure (img/s: ours /
 best; costs: best / ours).
 
-Needs the benchmark environment (torchvision, DALI, simplejpeg):
+Needs the benchmark environment (torchvision, DALI, simplejpeg, SPDL, torchdata):
   bash benchmarks/env.sh
   .venv-bench/bin/python benchmarks/bench_peers.py --images 4000 --rounds 3 --batches 60 --json out.json
 The data set is written once into --dir (default benchmarks/out/peers-data-<images>) and reused.
@@ -46,8 +53,10 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import os
 import platform
+import random
 import shutil
 import statistics
 import sys
@@ -242,6 +251,132 @@ def dali_tuned(args: argparse.Namespace, data: peers_data.PeersData) -> Iterator
     yield from _dali(args, data, **args.dali_tuned)
 
 
+# ----------------------------------------------------------------------------------------- SPDL
+
+
+def rrc_box(width: int, height: int, rng: random.Random) -> tuple[int, int, int, int]:
+    """RandomResizedCrop's box (x, y, w, h): an area share in SCALE and an aspect ratio drawn
+    log-uniformly in RATIO, 10 tries, else the centre crop clamped to RATIO (the same rule
+    torchvision and DALI follow), for the runners that crop outside torchvision."""
+    area = width * height
+    lo, hi = math.log(RATIO[0]), math.log(RATIO[1])
+    for _ in range(10):
+        target = area * rng.uniform(*SCALE)
+        ratio = math.exp(rng.uniform(lo, hi))
+        w = int(round(math.sqrt(target * ratio)))
+        h = int(round(math.sqrt(target / ratio)))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
+    in_ratio = width / height
+    if in_ratio < RATIO[0]:
+        w, h = width, int(round(width / RATIO[0]))
+    elif in_ratio > RATIO[1]:
+        w, h = int(round(height * RATIO[1])), height
+    else:
+        w, h = width, height
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+class SpdlDecode:
+    """One sample in SPDL: demux the JPEG, then one FFmpeg filter graph crops the random box,
+    scales it to SIZE (bilinear; swscale filters over the whole footprint when shrinking),
+    flips it on a coin and converts to RGB, in the decode call (SPDL releases the GIL there).
+    Seeded per sample from (seed, epoch, position), so the threads draw independently."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def __call__(self, item: tuple[int, int, str, int]) -> tuple[Any, int]:
+        import spdl.io
+
+        epoch, pos, path, label = item
+        rng = random.Random(hash((self.seed, epoch, pos)))
+        with open(path, "rb") as f:
+            data = f.read()
+        packets = spdl.io.demux_image(data)
+        x, y, w, h = rrc_box(packets.width, packets.height, rng)
+        flip = ",hflip" if rng.random() < 0.5 else ""
+        desc = f"crop={w}:{h}:{x}:{y},scale={SIZE}:{SIZE}:flags=bilinear{flip},format=rgb24"
+        return spdl.io.decode_packets(packets, filter_desc=desc), label
+
+
+def _spdl_collate(items: list[tuple[Any, int]]) -> Batch:
+    """SPDL's batching: the frames converted into one (B, H, W, 3) buffer, then CHW like the others."""
+    import spdl.io
+
+    frames = [f for f, _ in items]
+    images = spdl.io.to_torch(spdl.io.convert_frames(frames)).permute(0, 3, 1, 2).contiguous()
+    return images, torch.tensor([label for _, label in items], dtype=torch.int64)
+
+
+def spdl_runner(args: argparse.Namespace, data: peers_data.PeersData) -> Iterator[Batch]:
+    from spdl.pipeline import PipelineBuilder
+    from torchvision import datasets
+
+    samples = datasets.ImageFolder(str(data.folder)).samples
+    order = random.Random(args.seed)
+
+    def source() -> Iterator[tuple[int, int, str, int]]:
+        epoch = 0
+        while True:  # endless: a new shuffle per epoch, as the other runners' loaders do
+            positions = list(range(len(samples)))
+            order.shuffle(positions)
+            for pos in positions:
+                yield (epoch, pos, *samples[pos])
+            epoch += 1
+
+    pipeline = (
+        PipelineBuilder()
+        .add_source(source())
+        .pipe(SpdlDecode(args.seed), concurrency=max(1, args.workers))
+        .aggregate(args.batch, drop_last=True)
+        .pipe(_spdl_collate)
+        .add_sink(3)
+        .build(num_threads=max(1, args.workers))
+    )
+    with pipeline.auto_stop():
+        yield from pipeline.get_iterator(timeout=120)
+
+
+# ------------------------------------------------------------------------------- torchdata.nodes
+
+
+def _torchdata_nodes(args: argparse.Namespace, data: peers_data.PeersData, method: str) -> Iterator[Batch]:
+    """torchdata.nodes 0.11: a sampler node, ParallelMapper over --workers processes or threads
+    running the torch-simplejpeg per-sample work, a Batcher and torch's collate."""
+    from torch.utils.data import RandomSampler, default_collate
+    from torchdata.nodes import Batcher, Loader, Mapper, ParallelMapper, SamplerWrapper
+    from torchvision import datasets
+
+    dataset = datasets.ImageFolder(str(data.folder), loader=_read_bytes, transform=SimplejpegCrop())
+    sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(args.seed))
+    node = SamplerWrapper(sampler)
+    node = ParallelMapper(
+        node,
+        map_fn=dataset.__getitem__,
+        num_workers=max(1, args.workers),
+        method=method,
+        in_order=True,
+        multiprocessing_context="forkserver" if method == "process" else None,
+    )
+    node = Mapper(Batcher(node, batch_size=args.batch, drop_last=True), default_collate)
+    loader = Loader(node)
+    try:
+        while True:
+            yield from loader
+    finally:
+        del loader, node
+        gc.collect()
+
+
+def torchdata_process(args: argparse.Namespace, data: peers_data.PeersData) -> Iterator[Batch]:
+    yield from _torchdata_nodes(args, data, "process")
+
+
+def torchdata_thread(args: argparse.Namespace, data: peers_data.PeersData) -> Iterator[Batch]:
+    yield from _torchdata_nodes(args, data, "thread")
+
+
 # ------------------------------------------------------------------------------------------ ours
 
 NOTES: list[str] = []
@@ -300,6 +435,30 @@ RUNNERS = (
         ("torchvision", "simplejpeg"),
     ),
     Runner("dali", "DALI CPU pipeline, defaults (uint8)", True, True, dali_default, ("nvidia.dali",)),
+    Runner(
+        "spdl",
+        "SPDL 0.8 pipeline, spdl.io FFmpeg decode + crop/scale/flip filter, threads (uint8)",
+        True,
+        True,
+        spdl_runner,
+        ("spdl.pipeline", "spdl.io", "torchvision"),
+    ),
+    Runner(
+        "tdn-process",
+        "torchdata.nodes 0.11 ParallelMapper, processes, simplejpeg + v2 (uint8)",
+        True,
+        True,
+        torchdata_process,
+        ("torchdata.nodes", "torchvision", "simplejpeg"),
+    ),
+    Runner(
+        "tdn-thread",
+        "torchdata.nodes 0.11 ParallelMapper, threads, simplejpeg + v2 (uint8)",
+        True,
+        True,
+        torchdata_thread,
+        ("torchdata.nodes", "torchvision", "simplejpeg"),
+    ),
     Runner("dali-tuned", "DALI CPU pipeline, tuned (uint8)", True, True, dali_tuned, ("nvidia.dali",)),
     Runner("ours-cpu", 'stallfree ImageDecode backend="cpu" (uint8)', False, True, ours_cpu),
     Runner("ours-auto", 'stallfree ImageDecode backend="auto" (uint8)', False, True, ours_auto),

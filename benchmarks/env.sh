@@ -14,10 +14,13 @@ PY="${PYTHON:-python3}"
 KIND="${1:-bench}"
 COMMON=(numpy pillow simplejpeg nvidia-dali-cuda120 psutil litdata mosaicml-streaming webdataset "moto[server]" s3fs)
 case "$KIND" in
-    bench) VENV=.venv-bench; EXTRA=(scikit-image) ;;
+    bench) VENV=.venv-bench; EXTRA=(scikit-image spdl==0.8.0 torchdata==0.11.0) ;;  # spdl.io needs Debian's ffmpeg
     s3) VENV=.venv-s3bench; EXTRA=(s3torchconnector obstore boto3) ;;
     *) echo "usage: bash benchmarks/env.sh [bench|s3]" >&2; exit 2 ;;
 esac
+if [ "$KIND" = bench ] && ! ldconfig -p | grep -q libavcodec; then
+    apt-get install -y -qq ffmpeg  # SPDL's decoder loads FFmpeg's libraries at run time
+fi
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi

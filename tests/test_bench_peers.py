@@ -26,6 +26,28 @@ def test_dali_ascii_labels_parse_to_int64():
     assert labels.dtype == torch.int64 and labels.tolist() == [12, 7, 0, 103]
 
 
+def test_rrc_box_draws_within_the_scale_and_ratio_and_falls_back_to_the_centre():
+    import math
+    import random
+
+    rng = random.Random(5)
+    boxes = [bench_peers.rrc_box(500, 375, rng) for _ in range(2000)]
+    for x, y, w, h in boxes:
+        assert 0 <= x and x + w <= 500 and 0 <= y and y + h <= 375 and w > 0 and h > 0
+        # rounding w and h moves area and ratio a little past the drawn ones
+        assert 0.08 * 0.97 <= w * h / (500 * 375) <= 1.0
+        assert 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03
+    areas = [w * h / (500 * 375) for _, _, w, h in boxes]
+    assert min(areas) < 0.15 and max(areas) > 0.8  # the whole range is drawn, not one size
+    assert len({b[:2] for b in boxes}) > 1000  # positions vary
+    again = random.Random(5)
+    assert [bench_peers.rrc_box(500, 375, again) for _ in range(5)] == boxes[:5]  # seeded
+    # a strip no box of ratio 3/4..4/3 fits ten times running: the centre crop at the nearest ratio
+    x, y, w, h = bench_peers.rrc_box(1000, 10, random.Random(0))
+    assert (w, h) == (13, 10) and x == (1000 - 13) // 2 and y == 0
+    assert math.isclose(w / h, 4 / 3, rel_tol=0.05)
+
+
 def test_tree_cpu_counts_a_child_that_already_exited():
     burn = "import time\nwhile time.process_time() < 0.3: pass\n"
     before = bench_peers.tree_cpu_seconds()
@@ -101,8 +123,14 @@ def test_smoke_run_of_every_importable_runner(tmp_path):
         expect |= {"dali", "dali-tuned"}
     if importlib.util.find_spec("torchvision"):
         expect |= {"torch-pil"} | ({"torch-simplejpeg"} if importlib.util.find_spec("simplejpeg") else set())
+        if importlib.util.find_spec("spdl"):
+            expect |= {"spdl"}
+        if importlib.util.find_spec("torchdata") and importlib.util.find_spec("simplejpeg"):
+            expect |= {"tdn-process", "tdn-thread"}
     else:
-        assert {"torch-pil", "torch-simplejpeg"} <= set(report["skipped"])
+        assert {"torch-pil", "torch-simplejpeg", "spdl", "tdn-process", "tdn-thread"} <= set(
+            report["skipped"]
+        )
     assert set(ran) == expect
     for name, row in ran.items():
         fallback = name.startswith("ours") and bool(report["notes"])  # no uint8 ImageDecode yet
