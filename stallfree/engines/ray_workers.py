@@ -58,7 +58,10 @@ class RayWorkers:
     workers (one warning), ``"raise"`` ends the epoch with ``RemoteWorkersLost``.
     ``reissue_after_s``: a remote batch in flight longer is sent to a second remote worker too
     (None: four times the recent median, at least ``min_reissue_s``). ``start_timeout_s``: how
-    long the actors may take to be placed and started.
+    long the actors may take to be placed and started. ``connect_timeout_s``: how long a
+    ``HOST:PORT`` address may take to answer before it is an error naming it. ``runtime_env``:
+    Ray's runtime environment for the actors (the dataset's and ``decode``'s code must import on
+    the CPU nodes: an installed package, or ``{"py_modules": [...]}``).
     """
 
     def __init__(
@@ -75,7 +78,8 @@ class RayWorkers:
         reissue_after_s: float | None = None,
         min_reissue_s: float = 5.0,
         start_timeout_s: float = 120.0,
-        connect_timeout_s: float = 10.0,
+        connect_timeout_s: float = 5.0,
+        runtime_env: dict[str, Any] | None = None,
     ) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"RayWorkers: count must be an int >= 1, got {count!r}")
@@ -99,6 +103,7 @@ class RayWorkers:
         self.min_reissue_s = min_reissue_s
         self.start_timeout_s = start_timeout_s
         self.connect_timeout_s = connect_timeout_s
+        self.runtime_env = runtime_env
         self.stats_keeper = RemoteStats()
         self._actors: list[Any] = []
         self._nodes: list[str] = []
@@ -174,6 +179,8 @@ class RayWorkers:
             "max_concurrency": 1,
             "name": None,
         }
+        if self.runtime_env is not None:
+            opts["runtime_env"] = self.runtime_env
         if self.node_labels:
             opts["label_selector"] = dict(self.node_labels)
         if not self.resources and not self.node_labels and not self.include_trainer_node:

@@ -1,0 +1,247 @@
+"""RayWorkers on a real Ray cluster on loopback (tests/engines/conftest.py: one per module).
+
+The loader with remote workers delivers exactly the samples of the local loader, in the same
+order, with 0 or 2 local workers beside them; a state saved mid-epoch with remote workers resumes
+into one remote worker and into none; a bad sample follows on_error and is named with its key
+and its node; the actors run on the CPU nodes, never the trainer's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+pytestmark = pytest.mark.slow  # the cluster takes ~10-25 s to start on two cores
+
+N = 96
+BATCH = 8
+
+
+def decode(sample: dict) -> dict:
+    """The per-sample stage the workers run: bytes -> tensor (a bad sample raises, naming its key)."""
+    raw = sample["bin"]
+    if raw.startswith(b"BAD"):
+        raise ValueError(f"corrupt payload in {sample['__key__']}")
+    return {"key": sample["__key__"], "x": torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    import ray.cloudpickle
+
+    # the actors cannot import this test module by name: its functions travel by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    from stallfree.shards import ShardWriter, open_dataset
+
+    root = tmp_path_factory.mktemp("ray_ds") / "ds"
+    with ShardWriter(str(root), max_samples=16) as w:
+        for i in range(N):
+            payload = b"BAD!" if i == 37 else bytes([i % 251]) * 16
+            w.write({"__key__": f"s{i:04d}", "bin": payload})
+    return open_dataset(str(root))
+
+
+def loader_for(dataset, num_workers: int, remote, **kw):
+    from stallfree import DataLoader
+
+    return DataLoader(
+        dataset,
+        batch_size=BATCH,
+        shuffle=True,
+        seed=7,
+        num_workers=num_workers,
+        decode=decode,
+        on_error=kw.pop("on_error", "skip"),
+        remote=remote,
+        **kw,
+    )
+
+
+def keys_of(batches) -> list[str]:
+    return [k for b in batches for k in b["key"]]
+
+
+def expected_keys() -> set[str]:
+    return {f"s{i:04d}" for i in range(N) if i != 37}
+
+
+def test_the_cluster_is_on_loopback_and_the_actors_on_the_cpu_nodes(ray_cluster, dataset):
+    import ray
+
+    assert ray_cluster.address.startswith("127.0.0.1:")
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
+    assert sorted(n.resources.get("stallfree_cpu", 0) for n in ray_cluster.worker_nodes) == [1.0, 1.0]
+    from stallfree import RayWorkers
+
+    remote = RayWorkers(2, resources={"stallfree_cpu": 1})
+    loader = loader_for(dataset, 0, remote)
+    try:
+        next(iter(loader))
+        placed = {a.node.remote() for a in remote._actors}
+        node_ids = {info.node_id for info in ray.get(list(placed))}
+    finally:
+        loader.close()
+    assert node_ids == {n.node_id for n in ray_cluster.worker_nodes}  # one per CPU node, none on the head
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exactly_once_and_the_local_order(ray_cluster, dataset, num_workers):
+    from stallfree import RayWorkers
+
+    local = loader_for(dataset, num_workers, None)
+    want = keys_of(local)
+    remote = RayWorkers(2, resources={"stallfree_cpu": 1})
+    loader = loader_for(dataset, num_workers, remote)
+    try:
+        got = keys_of(loader)
+        stats = loader.stats()
+    finally:
+        loader.close()
+    assert got == want  # the same batches in the same order: one dispatcher, one order
+    assert sorted(got) == sorted(expected_keys())
+    assert len(got) == len(set(got))
+    remote_stats = stats["remote"]
+    assert remote_stats["batches_remote"] > 0
+    assert remote_stats["batches_remote"] + remote_stats["batches_local"] == N // BATCH
+    if num_workers:
+        assert remote_stats["batches_local"] > 0  # the trainer's own workers first
+    else:
+        assert remote_stats["batches_local"] == 0  # never the training loop's own core
+    workers = remote_stats["workers"]
+    assert sorted(workers) == [max(1, num_workers), max(1, num_workers) + 1]
+    assert {w["node"] for w in workers.values()} == {"127.0.0.1"}
+    assert sum(w["batches"] for w in workers.values()) == remote_stats["batches_remote"]
+    assert all(w["bytes_sent"] > 0 and w["cpu_s"] > 0 for w in workers.values() if w["batches"])
+
+
+def test_resume_mid_epoch_into_one_remote_worker_and_into_none(ray_cluster, dataset):
+    from stallfree import RayWorkers
+
+    first = loader_for(dataset, 0, RayWorkers(2, resources={"stallfree_cpu": 1}))
+    it = iter(first)
+    head = keys_of([next(it) for _ in range(4)])
+    state = first.state_dict()
+    del it
+    first.close()
+    for remote in (RayWorkers(1, resources={"stallfree_cpu": 1}), None):
+        resumed = loader_for(dataset, 0 if remote is not None else 1, remote)
+        resumed.load_state_dict(state)
+        try:
+            tail = keys_of(resumed)
+        finally:
+            resumed.close()
+        assert len(head) + len(tail) == len(expected_keys())
+        assert sorted(head + tail) == sorted(expected_keys())  # nothing lost, nothing twice
+
+
+def test_a_corrupt_sample_raises_naming_its_key_and_node(ray_cluster, dataset):
+    from stallfree import RayWorkers
+
+    loader = loader_for(dataset, 0, RayWorkers(2, resources={"stallfree_cpu": 1}), on_error="raise")
+    seen: list[str] = []
+    error = None
+    try:
+        it = iter(loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except Exception as exc:  # noqa: BLE001 - the batch's error; iteration goes on
+                error = exc
+                continue
+            seen += batch["key"]
+    finally:
+        loader.close()
+    assert error is not None
+    text = str(error)
+    assert "s0037" in text and "corrupt payload" in text
+    assert "remote worker" in text and "Ray node 127.0.0.1" in text
+    assert "s0037" not in seen
+    assert len(seen) == N - BATCH  # only the bad sample's batch failed; the epoch went on
+
+
+def test_a_corrupt_sample_is_skipped_and_counted(ray_cluster, dataset):
+    from stallfree import RayWorkers
+
+    loader = loader_for(dataset, 0, RayWorkers(2, resources={"stallfree_cpu": 1}), on_error="skip")
+    try:
+        got = keys_of(loader)
+        stats = loader.stats()
+    finally:
+        loader.close()
+    assert sorted(got) == sorted(expected_keys())
+    assert stats["failures"] == 1
+    assert stats["failed_keys"] == ["s0037"]
+    assert sum(w["failures"] for w in stats["remote"]["workers"].values()) == 1
+
+
+class Numbers(Dataset):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+class Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_remote_takes_only_remote_workers_and_map_style_data():
+    from stallfree import DataLoader, RayWorkers
+
+    with pytest.raises(TypeError, match="remote= takes a stallfree.RayWorkers, got object"):
+        DataLoader(Numbers(), batch_size=2, remote=object())
+    with pytest.raises(ValueError, match="remote= needs a map-style dataset"):
+        DataLoader(Stream(), batch_size=2, remote=RayWorkers(1))
+    with pytest.raises(ValueError, match="count must be an int >= 1"):
+        RayWorkers(0)
+    with pytest.raises(ValueError, match="on_lost must be one of"):
+        RayWorkers(1, on_lost="ignore")
+
+
+UNREACHABLE = """
+import socket
+from torch.utils.data import Dataset
+from stallfree import DataLoader, RayWorkers
+from stallfree.engines.ray_workers import RemoteClusterError
+
+class Numbers(Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, i):
+        return i
+
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+port = s.getsockname()[1]
+s.close()  # nothing listens there now
+loader = DataLoader(Numbers(), batch_size=2, remote=RayWorkers(1, address=f"127.0.0.1:{port}", connect_timeout_s=0.5))
+try:
+    next(iter(loader))
+except RemoteClusterError as exc:
+    print("ERROR", exc, "PORT", port)
+"""
+
+
+def test_an_unreachable_cluster_is_a_clear_error_naming_its_address(tmp_path: Path):
+    pytest.importorskip("ray")
+    r = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(UNREACHABLE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    line = r.stdout.strip()
+    port = line.rsplit("PORT", 1)[1].strip()
+    assert line.startswith(f"ERROR cannot reach the Ray cluster at '127.0.0.1:{port}'"), line
