@@ -16,7 +16,10 @@ each timed on its own; and ``loader.samples_at`` on a loader restored from that 
 Part 2, the delivery record. The same loader (a virtual dataset of ints, batch 256: the loader
 does nothing but order, fetch, collate and ship, so any cost of the record shows at its largest)
 over whole epochs with and without ``record_keys=``, interleaved, --repeats times each, in this
-process; throughput is samples per second, and the figure is the ratio of medians.
+process; throughput is samples per second, and the figure is the ratio of medians (and of
+the best runs). Beside it, the record's own cost per batch where it runs (a recording
+progress's ``on_batch`` minus a plain one's, timed over 20,000 batches) as a share of the
+loader's time per batch: the end-to-end ratio on a busy machine is mostly noise.
 
   .venv/bin/python benchmarks/bench_trace.py --lookups 300 --record-samples 2000000 --repeats 5
 """
@@ -146,6 +149,40 @@ def throughput(n: int, record: str | None, workers: int) -> float:
     return (count - BATCH) / elapsed
 
 
+def record_cost_us(batches: int = 20000) -> dict[str, float]:
+    """What the record adds per batch where it runs (the consumer's thread, on each received
+    batch): ``on_batch`` of a recording progress minus a plain one, microseconds."""
+    from stallfree.loader.epoch.order import RankShare, Shuffled
+    from stallfree.loader.epoch.progress import EpochProgress
+    from stallfree.loader.epoch.record import Begin, EpochRecorder, RecordedProgress, RecordWriter
+
+    n = batches * BATCH
+    with tempfile.TemporaryDirectory() as keys:
+        writer = RecordWriter(keys, 0)
+        share = RankShare(Shuffled(1, 0, n), 0, 0, 1)
+        times = {}
+        for name in ("plain", "recorded", "plain2", "recorded2"):
+            if name.startswith("plain"):
+                progress = EpochProgress(0, "positions", planned=n, samples=n)
+            else:
+                rec = EpochRecorder(writer, share, BATCH, Begin(0, 1, 0, 0, 0, n, 0, BATCH, "pad", False))
+                progress = RecordedProgress(
+                    0, "positions", planned=n, samples=n, recorder=rec, batch_size=BATCH
+                )
+            t0 = time.perf_counter()
+            for seq in range(batches):
+                progress.on_batch(BATCH, seq)
+            times[name] = (time.perf_counter() - t0) / batches * 1e6
+        writer.close()
+    plain = min(times["plain"], times["plain2"])
+    recorded = min(times["recorded"], times["recorded2"])
+    return {
+        "on_batch_us_plain": plain,
+        "on_batch_us_recorded": recorded,
+        "record_us_per_batch": recorded - plain,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--lookups", type=int, default=300)
@@ -177,6 +214,8 @@ def main() -> None:
         for name, ds in (("images", images), ("mixture", mixture), ("ints", Ints(10**9))):
             row = time_lookups(name, ds, args.lookups, seed=7)
             print(json.dumps(row))
+    cost = record_cost_us()
+    print(json.dumps({k: round(v, 2) for k, v in cost.items()}))
     n = int(args.record_samples)
     for workers in args.workers:
         runs: dict[str, list[float]] = {"off": [], "on": []}
@@ -185,6 +224,7 @@ def main() -> None:
                 for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
                     runs[mode].append(throughput(n, keys if mode == "on" else None, workers))
         off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+        us_per_batch = BATCH / off * 1e6  # the loader's wall time per batch without the record
         print(
             json.dumps(
                 {
@@ -194,6 +234,9 @@ def main() -> None:
                     "off_samples_per_s": round(off),
                     "on_samples_per_s": round(on),
                     "on_over_off": round(on / off, 4),
+                    "best_on_over_best_off": round(max(runs["on"]) / max(runs["off"]), 4),
+                    "loader_us_per_batch": round(us_per_batch, 1),
+                    "record_share_of_batch": round(cost["record_us_per_batch"] / us_per_batch, 5),
                     "runs_off": [round(x) for x in runs["off"]],
                     "runs_on": [round(x) for x in runs["on"]],
                 }

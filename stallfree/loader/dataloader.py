@@ -308,6 +308,8 @@ class DataLoader(tud.DataLoader[T_co]):
         fields = source.state_fields(resume)
         if self._clock is not None:
             fields.update(self._clock.state_fields())
+        if self._record is not None:
+            self._record.flush()  # the record holds every batch this state counts as received
         if not fields["dataset_len"]:  # torch's sampler, a stream: the length is the identity still
             fields["dataset_len"] = _length_of(self.dataset) or 0
         return LoaderState(

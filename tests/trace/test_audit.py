@@ -122,24 +122,33 @@ def test_a_scheduled_mixture_with_workers_audits_clean_and_a_cut_tail_is_read(tm
 
 
 def test_a_killed_rank_leaves_a_record_the_audit_reads(tmp_path):
-    """A rank killed mid-epoch (SIGKILL: nothing flushed at exit) loses no record it wrote."""
+    """A rank killed mid-epoch (SIGKILL: nothing flushed at exit) keeps every batch up to its last
+    saved state; the batches after it, which a resume from that state rolls back, may be lost."""
     keys = tmp_path / "keys"
     child = f"""
-import itertools, os, signal, sys
+import itertools, json, os, signal, sys
 sys.path.insert(0, {os.getcwd()!r})
 from stallfree.loader.dataloader import DataLoader
 from tests.trace.test_skips import Numbers
 dl = DataLoader(Numbers(), batch_size=4, shuffle=True, seed=3, record_keys={str(keys)!r})
-for _ in itertools.islice(dl, 7):
+it = iter(dl)
+for _ in itertools.islice(it, 7):
+    pass
+print(json.dumps(dl.state_dict()), flush=True)  # a checkpoint
+for _ in itertools.islice(it, 2):
     pass
 os.kill(os.getpid(), signal.SIGKILL)
 """
     proc = subprocess.run([sys.executable, "-c", child], timeout=120, capture_output=True)
     assert proc.returncode == -9, proc.stderr.decode()
     records = read_records(record_files(keys)[0]).records
-    assert [type(r).__name__ for r in records] == ["Begin"] + ["Batch"] * 7
+    assert [type(r).__name__ for r in records] == ["Begin"] + ["Batch"] * 7  # up to the checkpoint
+    state = json.loads(proc.stdout)
     report = audit(keys)
     assert report.ok and report.epochs[0]["delivered"] == 28 and not report.epochs[0]["complete"]
+    _ranks(keys, 1, state=state)  # resumed from the checkpoint: the epoch completes exactly once
+    report = audit(keys)
+    assert report.ok and report.epochs[0]["complete"] and report.epochs[0]["delivered"] == 101
 
 
 def test_not_a_record_is_a_clear_error(tmp_path):
