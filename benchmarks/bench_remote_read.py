@@ -30,9 +30,9 @@ from pathlib import Path
 import fsspec
 
 from stallfree.shards.open import open_dataset
-from stallfree.shards.readers import coalesce
 from stallfree.shards.writer import ShardWriter
 from stallfree.storage import remote
+from stallfree.storage.ranges import coalesce
 from stallfree.testing.httpserve import serve_directory
 
 

@@ -1,7 +1,7 @@
 """``open_dataset(url)``: a map-style dataset over tar or Arrow shards on any fsspec filesystem.
 
 Global index ``i`` -> (shard, row) through the manifest's cumulative counts (bisect), then the
-shard's reader (opened by its format, ``formats.py``: ``readers.py``) fetches the row: ``pread``
+shard's reader (opened by its format, ``formats.py``: ``tar/reader.py``, ``arrow/reader.py``) fetches the row: ``pread``
 (tar) or a memory map (Arrow) locally, ranged reads remotely. Shards are opened lazily on first use and checked cheaply then.
 
 Without a manifest (a directory of tars, a glob, a brace pattern ``data-{000..009}.tar``) the

@@ -312,3 +312,17 @@ def manifest_for_tars(
     stamps.warn_unversioned(fs.unstrip_protocol(root or "/"), unversioned)
     manifest = Manifest(FORMAT_VERSION, "tar", list(fields), shards)
     return manifest, indices
+
+
+def check_record(
+    fs: fsspec.AbstractFileSystem, path: str, size: int, info: ShardInfo | None, verify_hash: bool
+) -> None:
+    """The open-time checks both readers make: size against the manifest, then (if asked) sha256;
+    raises the first mismatch (``scan.record_mismatches`` words it as ``verify`` does)."""
+    if info is None:
+        return
+    found = record_mismatches(info, size)
+    if not found and verify_hash and info.sha256:
+        found = record_mismatches(info, size, sha256_of(fs, path, size=size, shard=info.path))
+    if found:
+        raise found[0]

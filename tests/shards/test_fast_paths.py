@@ -10,8 +10,8 @@ import pytest
 
 from stallfree.errors import IndexMismatchError
 from stallfree.shards.open import open_dataset
-from stallfree.shards.readers import TarShardReader, uniform_columns
 from stallfree.shards.tar.idx import idx_path_for, parse_idx
+from stallfree.shards.tar.reader import TarShardReader, uniform_columns
 from stallfree.shards.writer import ShardWriter
 
 from .conftest import make_samples, tar_field
@@ -148,7 +148,7 @@ def test_iteration_of_a_fresh_dataset_equals_an_open_one(tar_dataset, samples):
     ],
 )
 def test_decimal_columns(tokens, expected):
-    from stallfree.shards.readers import _decimals
+    from stallfree.shards.tar.reader import _decimals
 
     got = _decimals(tokens)
     assert (got if got is None else got.tolist()) == expected

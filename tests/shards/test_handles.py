@@ -15,10 +15,11 @@ import pytest
 from fsspec.implementations.http import HTTPFileSystem
 
 from stallfree.errors import CorruptShardError, HashMismatchError, IndexMismatchError
-from stallfree.shards import readers
+from stallfree.shards.arrow import reader as arrow_reader
+from stallfree.shards.arrow.reader import ArrowShardReader
 from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.open import open_dataset
-from stallfree.shards.readers import ArrowShardReader, TarShardReader
+from stallfree.shards.tar.reader import TarShardReader
 from stallfree.storage import remote
 from stallfree.testing.httpserve import serve_directory
 
@@ -204,7 +205,7 @@ def remote_arrow(served, arrow_dataset, request, monkeypatch):
     server, root = served
     name = f"{request.node.name}.arrow"
     shutil.copyfile(arrow_dataset / ARROW, root / name)
-    monkeypatch.setattr(readers, "RangeFile", RecordingRangeFile)
+    monkeypatch.setattr(arrow_reader, "RangeFile", RecordingRangeFile)
     RecordingRangeFile.made = []
     fs = HTTPFileSystem(skip_instance_cache=True)
     return fs, f"{server.url}/{name}", shard_info(arrow_dataset, ARROW), root / name

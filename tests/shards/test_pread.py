@@ -10,7 +10,7 @@ import fsspec
 import pytest
 
 from stallfree.errors import CorruptShardError
-from stallfree.shards.readers import TarShardReader
+from stallfree.shards.tar.reader import TarShardReader
 
 from .test_handles import TAR, mapped, shard_info
 

@@ -14,10 +14,10 @@ import pytest
 
 from stallfree.errors import CorruptShardError, DuplicateKeyError
 from stallfree.shards.open import open_dataset
-from stallfree.shards.readers import TarShardReader
 from stallfree.shards.scan import scan_tar
 from stallfree.shards.sources.registry import SourceReadError, open_source
 from stallfree.shards.tar.idx import IdxSample, parse_idx
+from stallfree.shards.tar.reader import TarShardReader
 from stallfree.shards.tar.walk import RangeReader, TarMember, group_samples, walk_tar
 from stallfree.shards.verify import verify_dataset
 from stallfree.shards.writer import ShardWriter

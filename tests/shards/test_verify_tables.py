@@ -17,10 +17,11 @@ import pytest
 
 from stallfree.cli import main
 from stallfree.errors import MissingShardError
+from stallfree.shards.arrow.verify import verify_arrow_shard
 from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.open import open_dataset
 from stallfree.shards.scan import resolve
-from stallfree.shards.verify import VerifyReport, verify_arrow_shard
+from stallfree.shards.verify import VerifyReport
 
 datasets = pytest.importorskip("datasets")
 

@@ -1,7 +1,7 @@
 """The Arrow shard format: one table file per shard, one row per sample, column types kept
 (``field_types`` in the manifest). Written as Arrow IPC files (``arrow.py``); read, and opened
 without a manifest, also as Arrow IPC streams (Hugging Face ``save_to_disk``) and Parquet
-(``readers.ArrowShardReader``; verified by ``verify.verify_arrow_shard``). This file is what the
+(``arrow.reader.ArrowShardReader``; verified by ``arrow.verify.verify_arrow_shard``). This file is what the
 registry (``formats.py``) knows of them, and how table files without a manifest are described."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import fsspec
 
 from stallfree.errors import ShardError
 from stallfree.shards.arrow.hf import columns_of_schema
+from stallfree.shards.arrow.reader import ArrowShardReader
+from stallfree.shards.arrow.verify import verify_arrow_shard
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
 from stallfree.shards.manifest.shard_info import ShardInfo
-from stallfree.shards.readers import ArrowShardReader
 from stallfree.shards.scan import relative
-from stallfree.shards.verify import verify_arrow_shard
 from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.storage import stamps
 

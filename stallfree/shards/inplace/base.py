@@ -45,7 +45,6 @@ from stallfree.errors import (
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
 from stallfree.shards.manifest.model import MAX_COUNT
 from stallfree.shards.manifest.shard_info import ShardInfo
-from stallfree.shards.readers import coalesce
 from stallfree.shards.scan import file_size, record_mismatches, relative
 from stallfree.shards.sources.base import SourceError, SourceReadError
 from stallfree.shards.sources.offsets import ShardFile, decompress, parse_table, refuse_link_out
@@ -54,6 +53,7 @@ from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.storage import remote, stamps
 from stallfree.storage.atomic import is_local
 from stallfree.storage.jsonfile import parse_json
+from stallfree.storage.ranges import coalesce
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The tar shard format (WebDataset layout): one shard is a ``.tar`` with a DALI ``.idx`` and a
 ``.sums`` (per-member CRC32) beside it. The parts live in their own modules (writer ``tar.py``,
-reader ``readers.TarShardReader``, verify ``verify.verify_tar_shard``, indexing without a
+reader ``tar.reader.TarShardReader``, verify ``tar.verify.verify_tar_shard``, indexing without a
 manifest ``scan.manifest_for_tars``); this file is what the registry (``formats.py``) knows of
 them."""
 
@@ -14,13 +14,13 @@ import fsspec
 
 from stallfree.errors import MissingShardError
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
-from stallfree.shards.readers import TarShardReader
 from stallfree.shards.scan import manifest_for_tars
 from stallfree.shards.tar.idx import idx_path_for
+from stallfree.shards.tar.reader import TarShardReader
 from stallfree.shards.tar.sums import ALGORITHM as SUMS_ALGORITHM
 from stallfree.shards.tar.sums import MemberSums, parse_sums, sums_path_for
+from stallfree.shards.tar.verify import verify_tar_shard
 from stallfree.shards.tar.writer import BLOCK, PreparedSample, TarShardWriter, padded, prepare
-from stallfree.shards.verify import verify_tar_shard
 from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.storage import remote
 from stallfree.storage.atomic import OverlappedHashFile
