@@ -158,18 +158,23 @@ def start_loopback_cluster(
     head_cpus: int = 0,
     object_store_bytes: int | None = 128 << 20,
     connect: bool = True,
+    system_config: dict[str, Any] | None = None,
 ) -> LoopbackCluster:
     """Start a head (``head_cpus`` CPUs, so by default nothing is scheduled on it) and
     ``worker_nodes`` nodes of ``cpus_per_node`` CPUs, each also carrying ``cpus_per_node`` units
     of the custom ``resource``. ``connect``: this process becomes a driver of it (required to read
     the nodes' addresses; disconnect with ``ray.shutdown()`` if a subprocess should be the only
-    driver). Raises if any node's address is not 127.0.0.1."""
+    driver). ``system_config``: Ray's ``_system_config`` for the head (e.g. a short
+    ``health_check_period_ms`` so a killed node is noticed in a second or two, not ~15 s).
+    Raises if any node's address is not 127.0.0.1."""
     _set_env()
     import ray
     from ray.cluster_utils import Cluster
 
     head_args = _node_args(head_cpus, None, object_store_bytes)
     head_args["include_dashboard"] = False
+    if system_config:
+        head_args["_system_config"] = dict(system_config)
     cluster = Cluster(initialize_head=True, head_node_args=head_args)
     try:
         handles = [cluster.head_node] + [
@@ -213,10 +218,11 @@ def loopback_cluster(
     head_cpus: int = 0,
     object_store_bytes: int | None = 128 << 20,
     connect: bool = True,
+    system_config: dict[str, Any] | None = None,
 ) -> Iterator[LoopbackCluster]:
     """``start_loopback_cluster`` as a context manager: the cluster is shut down on exit."""
     cluster = start_loopback_cluster(
-        worker_nodes, cpus_per_node, resource, head_cpus, object_store_bytes, connect
+        worker_nodes, cpus_per_node, resource, head_cpus, object_store_bytes, connect, system_config
     )
     try:
         yield cluster
