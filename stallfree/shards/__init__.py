@@ -1,5 +1,17 @@
-"""On-disk formats: tar (WebDataset + DALI .idx) and Arrow IPC shards, a JSON manifest, and
-``open_dataset`` for random access over any fsspec URL. Imports nothing else of stallfree."""
+"""Datasets of shards: the formats, the manifest, ``open_dataset`` and ``stallfree shard``.
+
+- root: ``open.py`` (``open_dataset`` -> ``ShardedDataset``), ``formats.py`` (the format registry:
+  a new format is one folder plus one ``register_format`` line), ``writer.py`` (``ShardWriter``),
+  ``parallel.py`` (the sharding job), ``scan.py``, ``verify.py``, ``staged_reads.py``.
+- ``tar/``: WebDataset tars with DALI ``.idx`` indexes and per-member sums.
+- ``arrow/``: Arrow IPC shards (and IPC streams / Parquet read in place).
+- ``manifest/``: the manifest, the one commit point of a dataset.
+- ``sources/``: the inputs ``stallfree shard`` reads (one module per kind).
+- ``inplace/``: MosaicML MDS and LitData datasets read without re-sharding.
+
+Bytes at a URL (remote reads, staging, atomic writes) live a floor below, in ``stallfree.storage``;
+this package imports only that and ``stallfree.errors``.
+"""
 
 from __future__ import annotations
 
