@@ -28,6 +28,7 @@ echo "setup: installing the engine benchmark's peers into $dir" >&2
 ours=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 theirs=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$theirs" > "$ours/zz_stallfree_dotvenv.pth"
+echo "$PWD" > "$ours/zz_stallfree_checkout.pth"  # this checkout's stallfree (.venv's editable finder is not run here)
 cat > "$ours/zzz_stallfree_streaming.pth" <<'PTH'
 import importlib.util as u, sys, types; s = None if "streaming" in sys.modules else u.find_spec("streaming"); m = types.ModuleType("streaming"); m.__path__ = list(s.submodule_search_locations) if s else []; m.__getattr__ = (lambda i: lambda n: getattr(i.import_module("streaming.base"), n))(__import__("importlib")); s and sys.modules.setdefault("streaming", m)
 PTH
