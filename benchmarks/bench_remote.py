@@ -1,0 +1,211 @@
+"""Remote workers (issue 32): does a Ray node's core add to a trainer whose own core is the limit?
+
+Two cores, one run, side by side. The trainer process is pinned to core 0 (its local worker, forked
+from it, too); a loopback Ray cluster (a head with no CPUs and one worker node of one CPU) is
+started pinned to core 1. Each loader feeds a loop with a fixed step (``--step-ms``, a sleep: the
+emulated GPU step) and the image recipe (JPEG decode + RandomResizedCrop 224 + flip, uint8:
+``ImageDecode(train=True, size=224, dtype="uint8", backend="cpu")``, run in the workers):
+
+  (a) local    stallfree.DataLoader(num_workers=1, persistent_workers=True)
+  (b) remote   the same + remote=RayWorkers(1) (placed on the CPU node, not the trainer's)
+  (c) ray-data Ray Data on the same cluster, the same decode: read_webdataset (raw bytes) ->
+               map_batches(the same ImageDecode.decode_batch, batch_size=B) -> iter_torch_batches
+               (its defaults: prefetch_batches=1)
+
+Reported per loader: img/s, stall % (time blocked in next() over the measured wall time), CPU-s
+per image in the trainer's process tree (core 0) and in the Ray worker processes (core 1), and for
+(b) the bytes on the wire per image and the trainer's CPU per remote batch (ray.get + the copy out
+of the object store), from ``loader.stats()["remote"]``.
+
+Run: .venv/bin/python benchmarks/bench_remote.py [--images 768] [--batch 32] [--steps 40]
+     [--step-ms 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+
+
+def _tree_cpu(pid: int) -> float:
+    """CPU seconds of a process and its live children (a child that ended is not counted: the
+    loaders here keep their workers for the whole run)."""
+    total = 0.0
+    try:
+        proc = psutil.Process(pid)
+        for p in [proc, *proc.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return total
+
+
+RAYLETS: list[int] = []  # this run's cluster: its nodes' raylets (other Ray jobs on the machine left out)
+
+
+def _ray_workers_cpu() -> float:
+    """CPU seconds of this cluster's raylets and every process they started (its workers and
+    actors): the Ray nodes' side."""
+    return sum(_tree_cpu(pid) for pid in RAYLETS)
+
+
+def measure(name: str, batches, steps: int, warmup: int, step_s: float, batch: int) -> dict:
+    """Run ``warmup`` then ``steps`` steps over ``batches`` (an iterator), a fixed sleep per step."""
+    it = iter(batches)
+    for _ in range(warmup):
+        next(it)
+        time.sleep(step_s)
+    cpu_trainer0, cpu_ray0 = _tree_cpu(os.getpid()), _ray_workers_cpu()
+    wait = 0.0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        w0 = time.perf_counter()
+        next(it)
+        wait += time.perf_counter() - w0
+        time.sleep(step_s)
+    wall = time.perf_counter() - t0
+    images = steps * batch
+    out = {
+        "loader": name,
+        "img_s": images / wall,
+        "stall_pct": 100 * wait / wall,
+        "trainer_cpu_ms_per_img": 1000 * (_tree_cpu(os.getpid()) - cpu_trainer0) / images,
+        "ray_cpu_ms_per_img": 1000 * (_ray_workers_cpu() - cpu_ray0) / images,
+    }
+    print(
+        f"  {name:9s} {out['img_s']:7.0f} img/s  stall {out['stall_pct']:5.1f}%  "
+        f"trainer {out['trainer_cpu_ms_per_img']:5.2f} CPU-ms/img  ray {out['ray_cpu_ms_per_img']:5.2f} CPU-ms/img",
+        flush=True,
+    )
+    return out
+
+
+def forever(loader):
+    while True:
+        yield from loader
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--images", type=int, default=768)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=6)
+    ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--only", default="a,b,c")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        print("bench_remote: needs two cores (one for the trainer, one for the Ray node)", file=sys.stderr)
+        return 2
+    cores = sorted(os.sched_getaffinity(0))
+    trainer_core, ray_core = cores[0], cores[1]
+
+    from stallfree.harness.fixtures import write_jpeg_shards
+    from stallfree.testing.ray_cluster import start_loopback_cluster  # sets the loopback flags
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench_remote_"))
+    shards = write_jpeg_shards(tmp / "ds", args.images, per_shard=64, size=(500, 375))
+
+    os.sched_setaffinity(0, {ray_core})  # the cluster's processes inherit core 1
+    cluster = start_loopback_cluster(worker_nodes=1, cpus_per_node=1, resource=None, object_store_bytes=256 << 20)
+    os.sched_setaffinity(0, {trainer_core})  # the trainer (and its local worker) on core 0
+    RAYLETS.extend(cluster.raylet_pid(n) for n in [cluster.head, *cluster.worker_nodes])
+    import torch
+
+    torch.set_num_threads(1)
+    from stallfree import DataLoader, ImageDecode, RayWorkers
+    from stallfree.shards import open_dataset
+
+    step_s = args.step_ms / 1000
+    recipe = dict(train=True, size=224, dtype="uint8", backend="cpu")
+    results = []
+    print(
+        f"bench_remote: {args.images} JPEGs 500x375, batch {args.batch}, step {args.step_ms} ms, "
+        f"trainer on core {trainer_core}, Ray node on core {ray_core}",
+        flush=True,
+    )
+    only = set(args.only.split(","))
+    remote_stats = None
+    for name in ("a", "b"):
+        if name not in only:
+            continue
+        remote = RayWorkers(1, cpus_per_worker=1) if name == "b" else None
+        loader = DataLoader(
+            open_dataset(str(shards)),
+            batch_size=args.batch,
+            shuffle=True,
+            seed=0,
+            num_workers=1,
+            persistent_workers=True,
+            decode=ImageDecode(**recipe),
+            remote=remote,
+        )
+        results.append(
+            measure("local" if name == "a" else "+remote", forever(loader), args.steps, args.warmup, step_s, args.batch)
+        )
+        if remote is not None:
+            remote_stats = loader.stats()["remote"]
+            results[-1]["bytes_per_img"] = remote_stats["bytes_per_batch"] / args.batch
+            results[-1]["trainer_cpu_ms_per_remote_batch"] = remote_stats["trainer_cpu_ms_per_batch"]
+            results[-1]["remote_share"] = remote_stats["batches_remote"] / max(
+                1, remote_stats["batches_remote"] + remote_stats["batches_local"]
+            )
+        loader.close()
+    if "c" in only:
+        import numpy as np
+        import ray.data
+
+        decoder = ImageDecode(**recipe)
+
+        def decode(batch: dict) -> dict:
+            samples = [
+                {"__key__": k, "jpg": bytes(j), "cls": bytes(c)}
+                for k, j, c in zip(batch["__key__"], batch["jpg"], batch["cls"], strict=True)
+            ]
+            out = decoder.decode_batch(samples, seed=0)
+            return {"image": out["image"].numpy(), "label": out["label"].numpy()}
+
+        tars = sorted(str(p) for p in Path(shards).glob("*.tar"))
+        ds = ray.data.read_webdataset(tars, decoder=None).map_batches(
+            decode, batch_size=args.batch, batch_format="numpy"
+        )
+
+        def ray_batches():
+            while True:
+                yield from ds.iter_torch_batches(batch_size=args.batch)
+
+        results.append(measure("ray-data", ray_batches(), args.steps, args.warmup, step_s, args.batch))
+        del np
+    cluster.shutdown()
+    by = {r["loader"]: r for r in results}
+    if "local" in by and "+remote" in by:
+        print(f"  (b)/(a) img/s: {by['+remote']['img_s'] / by['local']['img_s']:.2f}x")
+    if "ray-data" in by and "+remote" in by:
+        print(f"  (b)/(c) img/s: {by['+remote']['img_s'] / by['ray-data']['img_s']:.2f}x")
+    if remote_stats is not None:
+        print(
+            f"  remote batches: {by['+remote']['remote_share']:.0%} of the batches; on the wire "
+            f"{by['+remote']['bytes_per_img'] / 1024:.0f} KiB/img; trainer CPU per remote batch "
+            f"{by['+remote']['trainer_cpu_ms_per_remote_batch']:.2f} ms"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
