@@ -30,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "example:\n  stallfree trace ckpt/loader.json --step 1200 --data ./in1k\n"
-            "  stallfree trace ckpt/loader.json --step 1200 --rank 3 --dataset train:make_mixture --json"
+            "  stallfree trace ckpt/loader.json --step 1200 --rank 3 --dataset train:make_mixture "
+            "--dataset-arg ./data --json"
         ),
     )
     p.add_argument("state", help="a JSON file: one loader's state_dict(), or stallfree_loader_state.json")
@@ -44,6 +45,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--data", help="a sharded dataset (directory, manifest.json or fsspec URL)")
     where.add_argument("--dataset", help="MODULE:FUNCTION returning the dataset the state was saved for")
+    p.add_argument(
+        "--dataset-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="an argument for --dataset's function (repeat)",
+    )
     p.add_argument("--json", action="store_true", help="print the batch as JSON on stdout")
     add_storage_option(p, "--data")
     p.set_defaults(func=run)
@@ -74,7 +82,11 @@ def _dataset(args: argparse.Namespace) -> Any:
     if "" not in sys.path:
         sys.path.insert(0, "")  # the training script's directory, as `python -m` would
     factory = getattr(importlib.import_module(module_name), attr)
-    return factory() if callable(factory) else factory
+    if not callable(factory):
+        if args.dataset_arg:
+            raise ValueError(f"--dataset-arg given, but {args.dataset} is not a function")
+        return factory
+    return factory(*args.dataset_arg)
 
 
 def run(args: argparse.Namespace) -> int:
