@@ -2,14 +2,17 @@
 
 MLPerf Storage measures storage to host memory: DLIO's readers read each record and hand the
 batch on without decoding it. These adapters do the same work in each loader: read every
-sample's bytes into the training process, batch them, and hand the step a batch
-``{"nbytes": Tensor[N]}`` (each sample's size, taken from the bytes that arrived, so nothing is
-left unread). Same samples, same batch, same ranks and the same number of workers per rank:
+sample's record into the training process as a uint8 array (the form DLIO's and DALI's readers
+hand on, and what a host-to-device copy takes), batch them as a list (sizes differ), and hand the
+step a batch ``{"nbytes": Tensor[N]}`` (each record's size, taken from the arrays that arrived,
+so nothing is left unread). Same samples, same batch, same ranks, same workers per rank:
 
-- ``stallfree``: ``stallfree.DataLoader`` over our tar shards, no ``decode=``; the records travel
-  from its workers through shared memory (``loaders.StallfreeAdapter`` with decode ``none``)
+- ``stallfree``: ``stallfree.DataLoader`` over our tar shards, ``decode=`` viewing each record as
+  a uint8 array; the arrays travel from its workers in shared-memory slots
+  (``loaders.StallfreeAdapter`` with decode ``none``)
 - ``torch``: ``torch.utils.data.DataLoader`` + ``DistributedSampler`` over the one-file-per-sample
-  copy (``ROOT/files``), as DLIO's PyTorch reader reads them; records pickled back from workers
+  copy (``ROOT/files``), as DLIO's PyTorch reader reads them, each file read into a uint8 tensor
+  (torch moves tensors from its workers through shared memory)
 - ``webdataset``: ``webdataset.WebDataset`` over the same tar shards, drawn per worker with
   replacement (``resampled=True``, its advice for multi-rank training)
 - ``dali``: DALI's ``fn.readers.webdataset`` over the same tar shards and ``.idx`` (CPU, its own
@@ -18,13 +21,17 @@ left unread). Same samples, same batch, same ranks and the same number of worker
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
+import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from stallfree.harness.loaders import (
@@ -58,15 +65,32 @@ def _sizes(records: list[Any]) -> dict[str, torch.Tensor]:
     return {"nbytes": torch.tensor([len(r) for r in records], dtype=torch.int64)}
 
 
+class RecordArray:
+    """A sample's record as a uint8 array over its bytes (no copy): what stallfree's workers put
+    in the batch's shared-memory slot. Picklable, for the workers."""
+
+    def __call__(self, sample: dict[str, Any]) -> np.ndarray:
+        # the slot writer converts the array to a tensor, and torch warns once that a view of
+        # immutable bytes is not writable: it is only read from, into the slot
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return np.frombuffer(_payload_field(sample), dtype=np.uint8)
+
+
+def _as_list(records: list[Any]) -> list[Any]:
+    """Records of different sizes stay a list (nothing to stack)."""
+    return records
+
+
 class ReadStallfree(StallfreeAdapter):
-    """stallfree.DataLoader reading records, no decode."""
+    """stallfree.DataLoader reading records into uint8 arrays."""
+
+    def __init__(self, settings: LoaderSettings) -> None:
+        extra = {**settings.extra, "decode": RecordArray(), "collate_fn": _as_list}
+        super().__init__(dataclasses.replace(settings, decode="none", extra=extra))
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
-        for batch in super().epoch_iter(epoch):
-            fields = [k for k in batch if not k.startswith("__") and k != "cls"]
-            if len(fields) != 1:
-                raise ValueError(f"expected one record field per sample, got {fields}")
-            yield _sizes(batch[fields[0]])
+        for records in super().epoch_iter(epoch):
+            yield _sizes(records)
 
     def decode_label(self) -> str:
         return READ_LABEL
@@ -83,13 +107,13 @@ class _RecordFiles(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def __getitem__(self, index: int) -> bytes:
+    def __getitem__(self, index: int) -> torch.Tensor:
         with open(self.paths[index], "rb") as f:
-            return f.read()
-
-
-def _as_list(records: list[bytes]) -> list[bytes]:
-    return records
+            size = os.fstat(f.fileno()).st_size
+            record = torch.empty(size, dtype=torch.uint8)
+            if f.readinto(record.numpy()) != size:
+                raise OSError(f"{self.paths[index]}: file shorter than its {size} bytes while read")
+        return record
 
 
 class ReadTorch(Adapter):
@@ -146,8 +170,10 @@ def _rank_share(urls: Iterator[Any], rank: int, world: int) -> Iterator[Any]:
     return itertools.islice(urls, rank, None, world)
 
 
-def _records(samples: list[dict[str, Any]]) -> list[bytes]:
-    return [_payload_field(s) for s in samples]
+def _records(samples: list[dict[str, Any]]) -> list[torch.Tensor]:
+    """A batch of webdataset samples as uint8 tensors (torch moves those from its workers through
+    shared memory, bytes it pickles through a pipe)."""
+    return [torch.frombuffer(bytearray(_payload_field(s)), dtype=torch.uint8) for s in samples]
 
 
 class ReadWebDataset(Adapter):
