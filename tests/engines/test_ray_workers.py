@@ -245,3 +245,40 @@ def test_an_unreachable_cluster_is_a_clear_error_naming_its_address(tmp_path: Pa
     line = r.stdout.strip()
     port = line.rsplit("PORT", 1)[1].strip()
     assert line.startswith(f"ERROR cannot reach the Ray cluster at '127.0.0.1:{port}'"), line
+
+
+def test_the_example_trains_every_sample_once_across_two_ranks(ray_cluster, tmp_path: Path):
+    """examples/train_ray_remote.py under torchrun (two ranks, gloo, loopback), each rank with one
+    local worker and one remote worker on the loopback cluster: every sample trained once."""
+    import json
+    import os
+    import socket
+
+    from stallfree.harness.fixtures import write_jpeg_shards
+
+    root = Path(__file__).resolve().parents[2]
+    data = write_jpeg_shards(tmp_path / "ds", 48, per_shard=12, size=(64, 48))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [
+        str(Path(sys.executable).with_name("torchrun")),
+        "--nnodes", "1", "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+        str(root / "examples" / "train_ray_remote.py"),
+        "--data", str(data), "--ray-address", ray_cluster.address, "--remote-workers", "1",
+        "--resource", "stallfree_cpu", "--workers", "1", "--batch-size", "4", "--size", "32",
+        "--ckpt", str(tmp_path / "ckpt.pt"), "--log-keys", str(tmp_path / "keys"),
+    ]  # fmt: skip
+    env = {**ray_cluster.env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    keys = [
+        k
+        for rank in (0, 1)
+        for line in (tmp_path / f"keys.{rank}").read_text().splitlines()
+        for k in json.loads(line)["keys"]
+    ]
+    assert sorted(keys) == [f"{i:08d}" for i in range(48)]
+    summaries = [json.loads(line.split("remote: ", 1)[1]) for line in r.stdout.splitlines() if " remote: " in line]
+    assert len(summaries) == 2 and all(s["batches_remote"] > 0 for s in summaries), r.stdout
+    assert os.path.exists(tmp_path / "ckpt.pt")
