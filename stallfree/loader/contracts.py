@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from stallfree.cache.base import Cache
 from stallfree.errors import ShardError
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import is_local
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def orders_itself(dataset: Any) -> bool:
 
 
 def is_remote(dataset: Any) -> bool:
-    """A dataset on anything but the local filesystem (the one rule: shards.atomic.is_local)."""
+    """A dataset on anything but the local filesystem (the one rule: storage.fs.is_local)."""
     return isinstance(dataset, OnFilesystem) and dataset.fs is not None and not is_local(dataset.fs)
 
 

@@ -35,7 +35,7 @@ from stallfree.shards.scan import INDEX_JSON, resolve
 from stallfree.shards.tar.idx import IdxSample
 from stallfree.shards.verify import verify_manifest
 from stallfree.storage import remote
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import is_local
 from stallfree.storage.jsonfile import parse_json
 
 log = logging.getLogger(__name__)

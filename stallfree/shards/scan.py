@@ -1,5 +1,4 @@
-"""Facts about shard files, and indexes for tars that came without one: ``file_size``,
-``sha256_of``, ``record_mismatches`` (size and hash against the manifest), URL patterns
+"""Facts about shard files, and indexes for tars that came without one: ``sha256_of``, ``record_mismatches`` (size and hash against the manifest), URL patterns
 (``resolve``), and ``scan_tar``: the tar headers walked by ``tar_walk`` (memory-mapped locally,
 small ranged reads remotely) and grouped into samples, exactly as DALI's ``wds2idx`` and
 WebDataset do (members ``KEY.FIELD``; consecutive members with one key form a sample).
@@ -14,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import posixpath
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,33 +26,20 @@ from stallfree.shards.manifest.model import FORMAT_VERSION, MANIFEST_NAME, Manif
 from stallfree.shards.tar.idx import IdxSample, idx_path_for, parse_idx, render_idx
 from stallfree.shards.tar.walk import RangeReader, group_samples, walk_tar
 from stallfree.storage import remote, stamps
-from stallfree.storage.atomic import is_local
 from stallfree.storage.digests import ShardDigests
+from stallfree.storage.fs import expand_braces, file_size, is_local
 
 log = logging.getLogger(__name__)
 
+SHARD_MISSING = "shard not found"  # a shard file named by a manifest or pattern that is not there
 INDEX_JSON = "index.json"  # MosaicML MDS's and LitData's index: a dataset read in place (inplace.py)
-
-
-def file_size(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> int:
-    """The file's size in bytes; MissingShardError naming ``shard`` if it is not there,
-    RemoteReadError if a remote store could not be asked (``remote.file_size``)."""
-    if is_local(fs):
-        try:
-            return int(fs.size(path))
-        except FileNotFoundError:
-            raise MissingShardError("shard not found", shard=shard) from None
-    try:
-        return remote.file_size(fs, path, shard=shard)
-    except MissingShardError:
-        raise MissingShardError("shard not found", shard=shard) from None
 
 
 def scan_tar(fs: fsspec.AbstractFileSystem, path: str, shard: str | None = None) -> list[IdxSample]:
     """Walk a tar's headers -> samples in order (``tar_walk``). Raises CorruptShardError /
     DuplicateKeyError naming the shard, the key and the byte offset of the bad header."""
     shard = shard or posixpath.basename(path)
-    reader = RangeReader(fs, path, file_size(fs, path, shard), shard)
+    reader = RangeReader(fs, path, file_size(fs, path, shard=shard, missing=SHARD_MISSING), shard)
     try:
         return list(group_samples(walk_tar(reader, shard), shard))
     finally:
@@ -128,32 +113,12 @@ def _stream(
     shard: str | None,
 ) -> None:
     name = shard or posixpath.basename(path)
-    total = file_size(fs, path, name) if size is None else size
+    total = file_size(fs, path, shard=name, missing=SHARD_MISSING) if size is None else size
     for start in range(0, total, chunk):
         update(remote.read_range(fs, path, start, min(total, start + chunk), shard=name))
 
 
 # -- patterns -------------------------------------------------------------------------------
-
-_BRACE = re.compile(r"\{([^{}]*)\}")
-
-
-def expand_braces(pattern: str) -> list[str]:
-    """``data-{000..002}.tar`` -> 3 names (zero padding kept); ``{a,b}`` lists; nested left to right."""
-    m = _BRACE.search(pattern)
-    if m is None:
-        return [pattern]
-    body = m.group(1)
-    rng = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if rng:
-        lo, hi = rng.group(1), rng.group(2)
-        width = len(lo) if lo.startswith("0") or len(lo) == len(hi) else 0
-        step = 1 if int(hi) >= int(lo) else -1
-        items = [str(i).zfill(width) for i in range(int(lo), int(hi) + step, step)]
-    else:
-        items = body.split(",")
-    head, tail = pattern[: m.start()], pattern[m.end() :]
-    return [out for item in items for out in expand_braces(head + item + tail)]
 
 
 def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
@@ -291,7 +256,7 @@ def manifest_for_tars(
                 unversioned.append(rel)
             mark = stamps.stamp(size, version, idx_bytes if idx_bytes is not None else render_idx(samples))
         else:
-            size = file_size(fs, path, rel)
+            size = file_size(fs, path, shard=rel, missing=SHARD_MISSING)
         for s in samples:
             for m in s.members:
                 fields.setdefault(m[0], None)

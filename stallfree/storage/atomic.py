@@ -23,22 +23,12 @@ from dataclasses import dataclass
 from typing import IO, Any, TypeVar
 
 import fsspec
-from fsspec.implementations.local import LocalFileSystem
 
 from stallfree.errors import WriteError
 from stallfree.storage.digests import ShardDigests
+from stallfree.storage.fs import is_local, is_object_store
 
 log = logging.getLogger(__name__)
-
-
-def is_local(fs: fsspec.AbstractFileSystem) -> bool:
-    return isinstance(fs, LocalFileSystem)
-
-
-def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
-    """S3, GCS, Azure blob and the like (their fsspec classes split paths into bucket + key): no
-    directories, no rename; a copy is atomic on the server."""
-    return not is_local(fs) and callable(getattr(fs, "split_path", None))
 
 
 def _host_tag() -> str:

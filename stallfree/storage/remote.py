@@ -30,8 +30,8 @@ Pinned reads (``VersionPin``, recorded when a shard is opened, ``stamps.open_ver
 ranged read of it asks the store for that version (S3: by ``VersionId``, or ``If-Match`` the
 ETag; HTTP: ``If-Match`` a strong ETag, else ``If-Unmodified-Since``), so an object rewritten
 mid-run is ``ObjectChangedError`` naming the shard, never the new bytes. Imports nothing of ours
-but ``errors`` and ``atomic.is_local``. Whole files copied into a local file (staging):
-``file_copy.py``, through ``read_parts`` or ``read_with_retries``.
+but ``errors`` (``fs.py``, above it, has ``file_size`` and ``open_read``). Whole files copied into
+a local file (staging): ``file_copy.py``, through ``read_parts`` or ``read_with_retries``.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ import fsspec
 import fsspec.asyn
 
 from stallfree.errors import MissingShardError, RemoteReadError, ShardError, ShardReadError
-from stallfree.storage.atomic import is_local
 
 log = logging.getLogger(__name__)
 
@@ -454,7 +453,7 @@ def exists(
     ``exists`` answers False for a 500 or a refused connection (and ``open_dataset`` then said
     "no dataset at URL"); here those are retried and then a ``RemoteReadError`` naming the
     status or the endpoint."""
-    return _info(fs, path, shard, policy or DEFAULT_POLICY) is not None
+    return lookup(fs, path, shard=shard, policy=policy) is not None
 
 
 def _whole_file_options(fs: fsspec.AbstractFileSystem) -> dict[str, Any]:
@@ -666,23 +665,6 @@ def _failed(
     )
 
 
-def file_size(
-    fs: fsspec.AbstractFileSystem, path: str, *, shard: str, policy: RetryPolicy | None = None
-) -> int:
-    """The file's size: ``MissingShardError`` if it is not there, ``RemoteReadError`` if the
-    store could not be asked (fsspec's HTTP ``size`` calls a dead server's file "not found")."""
-    info = _info(fs, path, shard, policy or DEFAULT_POLICY)
-    if info is None:
-        raise MissingShardError(f"{describe(fs, path)} not found", shard=shard)
-    size = info.get("size")
-    if size is None:
-        raise ShardReadError(
-            f"{describe(fs, path)} does not report its size (an HTTP server must send Content-Length)",
-            shard=shard,
-        )
-    return int(size)
-
-
 class RangeFile(io.RawIOBase):
     """A read-only, seekable file over ``read_range``: what pyarrow reads a remote Arrow or
     Parquet file through (``pa.PythonFile(RangeFile(...))``), so those reads are checked and
@@ -774,25 +756,12 @@ def client_retries(fs: fsspec.AbstractFileSystem, exc: BaseException | None) -> 
     return own
 
 
-def open_read(
-    fs: fsspec.AbstractFileSystem,
-    path: str,
-    size: int,
-    *,
-    shard: str,
-    block_size: int = 0,
-    policy: RetryPolicy | None = None,
-) -> Any:
-    """A read-only file object for ``path`` of ``size`` bytes: the filesystem's own for local
-    files, a ``RangeFile`` (checked, retried reads) for remote ones. For sequential passes
-    (``verify``) and table readers that want a file."""
-    if is_local(fs):
-        return fs.open(path, mode="rb")
-    return RangeFile(fs, path, size, shard=shard, block_size=block_size, policy=policy)
-
-
-def _info(fs: fsspec.AbstractFileSystem, path: str, shard: str, policy: RetryPolicy) -> dict[str, Any] | None:
-    """``fs.info(path)``, None for "not there"; transport failures retried, then RemoteReadError."""
+def lookup(
+    fs: fsspec.AbstractFileSystem, path: str, *, shard: str, policy: RetryPolicy | None = None
+) -> dict[str, Any] | None:
+    """``fs.info(path)``, None for "not there"; transport failures retried, then RemoteReadError
+    (``fs.file_size`` is the size from it, ``stamps`` the object's version)."""
+    policy = policy or DEFAULT_POLICY
     last: BaseException | None = None
     for attempt, delay in enumerate([*policy.delays(), None]):
         try:
@@ -1062,8 +1031,7 @@ __all__ = [
     "timeouts_for",
     "describe",
     "exists",
-    "file_size",
-    "open_read",
+    "lookup",
     "is_transport_error",
     "read_file",
     "read_parts",

@@ -43,7 +43,7 @@ import fsspec
 
 from stallfree.errors import MissingShardError
 from stallfree.storage import remote
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import file_size, is_local
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +77,12 @@ def store_version(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> tuple
         except FileNotFoundError:
             raise MissingShardError("shard not found", shard=shard) from None
         return st.st_size, f"mtime_ns={st.st_mtime_ns},ctime_ns={st.st_ctime_ns},ino={st.st_ino}"
-    info = remote._info(fs, path, shard, remote.DEFAULT_POLICY)
+    info = remote.lookup(fs, path, shard=shard)
     if info is None:
         raise MissingShardError("shard not found", shard=shard)
     size = info.get("size")
     if size is None:
-        size = remote.file_size(fs, path, shard=shard)  # raises the store's own explanation
+        size = file_size(fs, path, shard=shard)  # raises the store's own explanation
     return int(size), version_of(info)
 
 
@@ -98,12 +98,12 @@ class OpenedObject:
 def open_version(fs: fsspec.AbstractFileSystem, path: str, shard: str) -> OpenedObject:
     """Size and version of a remote file from one ``info`` request (what a reader asks anyway
     for the size). MissingShardError if absent, RemoteReadError if the store cannot be asked."""
-    info = remote._info(fs, path, shard, remote.DEFAULT_POLICY)
+    info = remote.lookup(fs, path, shard=shard)
     if info is None:
         raise MissingShardError("shard not found", shard=shard)
     size = info.get("size")
     if size is None:
-        size = remote.file_size(fs, path, shard=shard)  # raises the store's own explanation
+        size = file_size(fs, path, shard=shard)  # raises the store's own explanation
     return OpenedObject(int(size), pin_for(fs, info))
 
 

@@ -30,9 +30,9 @@ from stallfree.shards.dataset_paths import refuse_link_out
 from stallfree.shards.manifest.model import MANIFEST_NAME, Manifest, join
 from stallfree.shards.manifest.paths import path_problem
 from stallfree.storage import remote
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import file_size, is_local
 from stallfree.storage.jsonfile import parse_json
-from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole
+from stallfree.tokens.base import TOKEN_FILE_MISSING, FlatFile, fingerprint_of, read_whole
 
 _SUFFIXES = (".arrow", ".parquet")
 
@@ -89,7 +89,10 @@ def _parquet_file(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Any:
     (lengths checked, retried) for a remote one."""
     if is_local(fs):
         return fs.open(path, "rb")
-    return pa.PythonFile(remote.RangeFile(fs, path, file_size(fs, path, name), shard=name), mode="r")
+    return pa.PythonFile(
+        remote.RangeFile(fs, path, file_size(fs, path, shard=name, missing=TOKEN_FILE_MISSING), shard=name),
+        mode="r",
+    )
 
 
 _FILE_MAGIC = b"ARROW1"  # the first bytes of an Arrow IPC file (not of a stream)
@@ -183,7 +186,7 @@ class ArrowTokenSource:
         self.url, self.field, self.storage_options = url, field, storage_options
         self.name = posixpath.basename(url.rstrip("/"))
         fs, self.files = resolve_files(url, **storage_options)
-        self._sizes = [file_size(fs, f, f) for f in self.files]
+        self._sizes = [file_size(fs, f, shard=f, missing=TOKEN_FILE_MISSING) for f in self.files]
         values: list[np.ndarray | None] = []
         lengths, counts, dtypes, owner, at = [], [], [], [], []
         self._flats: list[FlatFile | None] = []  # each local Arrow file's pread reader

@@ -17,7 +17,9 @@ import numpy as np
 
 from stallfree.errors import CorruptShardError, MissingShardError, ShardError
 from stallfree.storage import remote
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import file_size, is_local
+
+TOKEN_FILE_MISSING = "token file not found"  # what a missing token or index file is called
 
 INTEGER_DTYPES = ("uint8", "int8", "uint16", "int16", "uint32", "int32", "int64", "uint64")
 
@@ -227,17 +229,6 @@ class FlatFile:
         self.__init__(**state)  # type: ignore[misc]
 
 
-def file_size(fs: fsspec.AbstractFileSystem, path: str, url: str) -> int:
-    """The file's size; MissingShardError naming ``url`` if it is not there (remote: a store that
-    cannot be asked is a RemoteReadError, after retries, not "not found")."""
-    if is_local(fs):
-        try:
-            return int(fs.size(path))
-        except FileNotFoundError:
-            raise MissingShardError("token file not found", shard=url) from None
-    return remote.file_size(fs, path, shard=url)
-
-
 def read_whole(fs: fsspec.AbstractFileSystem, path: str, url: str) -> bytes:
     """A whole small file (a Megatron ``.idx``, a remote Arrow file): remotely a length-checked,
     retried ``read_file`` of the size the store reports; MissingShardError naming ``url``."""
@@ -246,8 +237,10 @@ def read_whole(fs: fsspec.AbstractFileSystem, path: str, url: str) -> bytes:
             with open(path, "rb") as f:
                 return f.read()
         except FileNotFoundError:
-            raise MissingShardError("token file not found", shard=url) from None
-    return remote.read_file(fs, path, shard=url, size=file_size(fs, path, url))
+            raise MissingShardError(TOKEN_FILE_MISSING, shard=url) from None
+    return remote.read_file(
+        fs, path, shard=url, size=file_size(fs, path, shard=url, missing=TOKEN_FILE_MISSING)
+    )
 
 
 def check_lengths(lengths: np.ndarray, name: str) -> None:

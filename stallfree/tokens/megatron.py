@@ -40,8 +40,9 @@ from stallfree.errors import (
     WriteError,
 )
 from stallfree.storage.atomic import AtomicFile, CommitOnExit
+from stallfree.storage.fs import file_size
 from stallfree.storage.remote import url_to_fs
-from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, read_whole, token_dtype
+from stallfree.tokens.base import TOKEN_FILE_MISSING, FlatFile, fingerprint_of, read_whole, token_dtype
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -150,7 +151,7 @@ class MegatronSource:
         self.name = posixpath.basename(self.prefix)
         fs, idx_path = url_to_fs(self.idx_url, **storage_options)
         bin_path = url_to_fs(self.bin_url, **storage_options)[1]
-        size = file_size(fs, bin_path, self.bin_url)
+        size = file_size(fs, bin_path, shard=self.bin_url, missing=TOKEN_FILE_MISSING)
         try:
             data = read_whole(fs, idx_path, self.idx_url)
         except MissingShardError:

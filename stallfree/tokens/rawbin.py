@@ -15,8 +15,9 @@ from typing import Any
 import numpy as np
 
 from stallfree.errors import CorruptShardError
+from stallfree.storage.fs import file_size
 from stallfree.storage.remote import url_to_fs
-from stallfree.tokens.base import FlatFile, file_size, fingerprint_of, token_dtype
+from stallfree.tokens.base import TOKEN_FILE_MISSING, FlatFile, fingerprint_of, token_dtype
 
 _SCAN_TOKENS = 1 << 24  # tokens per chunk of the boundary scan
 
@@ -31,7 +32,7 @@ class RawBinSource:
         self.name = posixpath.basename(url)
         self.dtype = token_dtype(dtype, url)
         fs, path = url_to_fs(url, **storage_options)
-        size = file_size(fs, path, url)
+        size = file_size(fs, path, shard=url, missing=TOKEN_FILE_MISSING)
         item = self.dtype.itemsize
         if size % item:
             whole = size - size % item

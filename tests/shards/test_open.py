@@ -9,10 +9,10 @@ import pytest
 from stallfree.errors import MissingShardError, ShardError
 from stallfree.shards.manifest.model import Manifest
 from stallfree.shards.open import open_dataset
-from stallfree.shards.scan import expand_braces
 from stallfree.shards.tar.idx import idx_path_for
 from stallfree.shards.tar.indexing import index_tars
 from stallfree.shards.writer import ShardWriter
+from stallfree.storage.fs import expand_braces
 
 from .conftest import make_samples, tar_field
 

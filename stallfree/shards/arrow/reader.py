@@ -33,7 +33,7 @@ from stallfree.shards.arrow.check import (
 from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.scan import check_record
 from stallfree.storage import stamps
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import is_local
 from stallfree.storage.remote import RangeFile, VersionPin, read_ranges
 
 log = logging.getLogger(__name__)

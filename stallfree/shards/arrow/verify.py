@@ -17,10 +17,10 @@ from stallfree.errors import (
 from stallfree.shards.arrow.reader import check_stream_schema, unreadable_table
 from stallfree.shards.fields import is_image_field
 from stallfree.shards.manifest.model import ShardInfo
-from stallfree.shards.scan import file_size, record_mismatches
+from stallfree.shards.scan import SHARD_MISSING, record_mismatches
 from stallfree.shards.verify import HashingReader, decode_image
 from stallfree.shards.verify_report import KeyAt, ProgressFn, VerifyReport
-from stallfree.storage import remote
+from stallfree.storage.fs import file_size, open_read
 
 
 def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], str]:
@@ -69,8 +69,8 @@ def verify_arrow_shard(
 
     shard = info.path
     errors = report.errors
-    size = file_size(fs, path, shard)
-    with remote.open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
+    size = file_size(fs, path, shard=shard, missing=SHARD_MISSING)
+    with open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
         reader = HashingReader(f, 0, progress)
         reader.read_rest()
     report.bytes += reader.pos
@@ -80,7 +80,7 @@ def verify_arrow_shard(
     layout = "Parquet file" if path.endswith(".parquet") else "Arrow IPC file"
     b = -1
     try:
-        with remote.open_read(fs, path, size, shard=shard) as f:
+        with open_read(fs, path, size, shard=shard) as f:
             batches, layout = _table_batches(f, path, shard)
             rows = 0
             seen: set[str] = set()

@@ -45,13 +45,13 @@ from stallfree.errors import (
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
 from stallfree.shards.manifest.model import MAX_COUNT
 from stallfree.shards.manifest.shard_info import ShardInfo
-from stallfree.shards.scan import file_size, record_mismatches, relative
+from stallfree.shards.scan import SHARD_MISSING, record_mismatches, relative
 from stallfree.shards.sources.base import SourceError, SourceReadError
 from stallfree.shards.sources.offsets import ShardFile, decompress, parse_table, refuse_link_out
 from stallfree.shards.tar.writer import check_key, encode_value
 from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.storage import remote, stamps
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import file_size, is_local
 from stallfree.storage.jsonfile import parse_json
 from stallfree.storage.ranges import coalesce
 
@@ -314,7 +314,7 @@ class OffsetShardReader:
             self._fd = self._file.fileno()
             self.size = os.fstat(self._fd).st_size
         else:
-            self.size = file_size(self.fs, self.path, shard)
+            self.size = file_size(self.fs, self.path, shard=shard, missing=SHARD_MISSING)
         found = record_mismatches(info, self.size)
         if found:
             raise found[0]

@@ -34,7 +34,7 @@ from stallfree.shards.tar.sums import remote_member_check
 from stallfree.shards.tar.walk import RangeReader, walk_tar
 from stallfree.shards.tar.writer import BLOCK, parse_header, split_name
 from stallfree.storage import stamps
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import is_local
 from stallfree.storage.ranges import coalesce
 from stallfree.storage.remote import VersionPin, read_file, read_ranges
 

@@ -20,7 +20,7 @@ from stallfree.errors import (
 )
 from stallfree.shards.fields import is_image_field
 from stallfree.shards.manifest.model import ShardInfo
-from stallfree.shards.scan import file_size, record_mismatches
+from stallfree.shards.scan import SHARD_MISSING, record_mismatches
 from stallfree.shards.tar.idx import IdxSample, idx_path_for, parse_idx
 from stallfree.shards.tar.sums import checksum, mismatch, parse_sums, sums_path_for
 from stallfree.shards.tar.walk import TarMember, group_samples, sample_parts, walk_tar
@@ -28,6 +28,7 @@ from stallfree.shards.tar.writer import BLOCK
 from stallfree.shards.verify import HashingReader, add_capped, decode_image
 from stallfree.shards.verify_report import KeyAt, ProgressFn, VerifyReport
 from stallfree.storage import remote
+from stallfree.storage.fs import file_size, open_read
 
 
 def _inspecting(
@@ -135,8 +136,8 @@ def verify_tar_shard(
     samples: list[IdxSample] = []
     sums, sums_errors = _load_sums(fs, path, shard) if checksums else (None, [])
     counted = [0]
-    size = file_size(fs, path, shard)
-    with remote.open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
+    size = file_size(fs, path, shard=shard, missing=SHARD_MISSING)
+    with open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:  # checked reads
         reader = HashingReader(f, size, progress)
         members = walk_tar(reader, shard)
         if decode or sums is not None:

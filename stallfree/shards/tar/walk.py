@@ -25,7 +25,7 @@ import fsspec
 from stallfree.errors import CorruptShardError, DuplicateKeyError
 from stallfree.shards.tar.idx import IdxSample
 from stallfree.shards.tar.writer import BLOCK, padded, parse_header, split_name
-from stallfree.storage.atomic import is_local
+from stallfree.storage.fs import is_local
 from stallfree.storage.remote import read_range
 
 REGULAR = (b"0", b"\0", b"7")  # typeflags of regular files (7: contiguous file, read as regular)
