@@ -282,3 +282,37 @@ def test_the_example_trains_every_sample_once_across_two_ranks(ray_cluster, tmp_
     summaries = [json.loads(line.split("remote: ", 1)[1]) for line in r.stdout.splitlines() if " remote: " in line]
     assert len(summaries) == 2 and all(s["batches_remote"] > 0 for s in summaries), r.stdout
     assert os.path.exists(tmp_path / "ckpt.pt")
+
+
+def test_a_dataset_on_the_s3_server_is_read_by_the_remote_workers(ray_cluster):
+    """The remote workers open the dataset from its URL themselves (the loopback S3 server of the
+    tests, moto): exactly once, the bytes as written, batches made remotely."""
+    from stallfree import DataLoader, RayWorkers
+    from stallfree.shards import ShardWriter, open_dataset
+    from stallfree.testing.s3serve import moto_available, serve_s3
+
+    reason = moto_available()
+    if reason is not None:
+        pytest.skip(reason)
+    with serve_s3() as s3:
+        s3.create_bucket("ray")
+        url = "s3://ray/ds"
+        written = {f"s{i:03d}": bytes([i]) * (100 + i) for i in range(40)}
+        with ShardWriter(url, max_samples=10, **s3.storage_options) as w:
+            for key, payload in written.items():
+                w.write({"__key__": key, "bin": payload})
+        loader = DataLoader(
+            open_dataset(url, **s3.storage_options),
+            batch_size=4,
+            shuffle=True,
+            seed=3,
+            collate_fn=list,
+            remote=RayWorkers(2, resources={"stallfree_cpu": 1}),
+        )
+        try:
+            got = {s["__key__"]: s["bin"] for batch in loader for s in batch}
+            stats = loader.stats()["remote"]
+        finally:
+            loader.close()
+    assert got == written
+    assert stats["batches_remote"] == 10 and stats["batches_local"] == 0
