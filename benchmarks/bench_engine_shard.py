@@ -200,7 +200,7 @@ def ray_phase(args, table: Path, images: Path, out: Path) -> list[dict]:
             n,
             out,
             args.repeats,
-            lambda d, ds=ds: ds.write_webdataset(str(d)),
+            lambda d, ds=ds: ds.write_webdataset(str(d), encoder=None),
         )
         ours = measure(
             f"ray_{label}_write_ray",

@@ -250,3 +250,56 @@ def test_write_ray_failed_overwrite_keeps_the_old_dataset(cluster, tmp_path):
     summary = write_ray(bad, str(dst), overwrite=True, on_error="skip")
     assert summary.samples == 1 and summary.skipped[0]["key"] == "../escape"
     assert [s["__key__"] for s in open_dataset(str(dst))] == ["ok1"]
+
+
+def test_skipped_samples_of_every_task_are_gathered_into_the_manifest(executor, folder, tmp_path):
+    key = _key_in_third_shard(folder, tmp_path)
+    planted = AlwaysFail(key, str(tmp_path / "attempt"), SampleDecodeError)
+    on_ray = shard_dataset(
+        str(folder),
+        str(tmp_path / "ray"),
+        max_samples=5,
+        executor=executor,
+        transform=planted,
+        on_error="skip",
+    )
+    local = shard_dataset(
+        str(folder), str(tmp_path / "local"), max_samples=5, transform=planted, on_error="skip"
+    )
+    assert [s["source"] for s in on_ray.skipped] == [s["source"] for s in local.skipped] and len(
+        local.skipped
+    ) == 1
+    assert f"planted failure at {key}" in on_ray.skipped[0]["error"]
+    assert tree(tmp_path / "ray") == tree(tmp_path / "local")
+
+
+def test_webdataset_reads_what_write_ray_wrote(cluster, tmp_path):
+    wds = pytest.importorskip("webdataset")
+    from stallfree.shards import write_ray
+
+    summary = write_ray(_dataset(n=9, blocks=2), str(tmp_path / "tar"), max_samples=4)
+    urls = [str(tmp_path / "tar" / s.path) for s in summary.manifest.shards]
+    got = {s["__key__"]: s["image"] for s in wds.WebDataset(urls, shardshuffle=False)}
+    assert got == {f"k{i:03d}": bytes([i]) * (30 + i) for i in range(9)}
+
+
+def test_cli_engine_ray_address_writes_what_local_writes(cluster, folder, tmp_path):
+    import os
+    import subprocess
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "stallfree",
+        "shard",
+        str(folder),
+        str(tmp_path / "cli"),
+        "--max-samples",
+        "5",
+    ]
+    cmd += ["--engine", f"ray:{cluster.address}", "--no-progress", "--json"]
+    done = subprocess.run(cmd, env={**os.environ, **cluster.env}, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout)["samples"] == 12
+    shard_dataset(str(folder), str(tmp_path / "local"), max_samples=5)
+    assert tree(tmp_path / "cli") == tree(tmp_path / "local")
