@@ -167,6 +167,9 @@ class Stages(Schedule):
     def describe(self) -> dict[str, Any]:
         return {"kind": "stages", "points": [[p, dict(w)] for p, w in self.points]}
 
+    def __repr__(self) -> str:
+        return f"stages({', '.join(f'{p}: {dict(w)}' for p, w in self.points)})"
+
 
 @dataclass(frozen=True)
 class Linear(Schedule):
@@ -196,6 +199,10 @@ class Linear(Schedule):
         return Segments(
             tuple(names), np.append(starts, end), np.vstack([table.reshape(-1, len(names)), rows[-1:]])
         )
+
+    def __repr__(self) -> str:
+        points = ", ".join(f"{p}: {dict(w)}" for p, w in self.points)
+        return f"linear({points}; resolution={self.resolution})"
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -260,6 +267,10 @@ class Cosine(Schedule):
             np.concatenate([head_starts, starts, [self.end]]).astype(np.int64),
             np.vstack([head, table, b[None, :]]),
         )
+
+    def __repr__(self) -> str:
+        a, b = dict(self.start_weights), dict(self.end_weights)
+        return f"cosine({a} -> {b} over {self.start}..{self.end}; resolution={self.resolution})"
 
     def describe(self) -> dict[str, Any]:
         return {
