@@ -5,7 +5,9 @@ resume on two and one processes runs in tests/examples/test_hf_trainer.py."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,7 +20,10 @@ pytest.importorskip("transformers")
 import transformers  # noqa: E402
 
 from stallfree.integrations.state_file import MissingLoaderStateError  # noqa: E402
-from stallfree.integrations.transformers import Trainer  # noqa: E402
+
+# Every test here runs on one xdist worker: importing our Trainer (transformers' Trainer and what
+# it imports) costs about 4.6 CPU-s a process, so it happens on first use (trainer_classes), once.
+pytestmark = pytest.mark.xdist_group("transformers_trainer")
 
 WINDOWS, SEQ = 24, 8
 
@@ -39,40 +44,47 @@ def tiny_model() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(config)
 
 
-class Recording(Trainer):
-    """Records the window ids of every training step (a window's first token // SEQ)."""
+@functools.cache
+def trainer_classes() -> SimpleNamespace:
+    """Our Trainer and this file's subclasses, made on first use rather than at collection."""
+    from stallfree.integrations.transformers import Trainer
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.windows: list[int] = []
+    class Recording(Trainer):
+        """Records the window ids of every training step (a window's first token // SEQ)."""
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        self.windows += (inputs["input_ids"][:, 0] // SEQ).tolist()
-        return super().training_step(model, inputs, num_items_in_batch)
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.windows: list[int] = []
 
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            self.windows += (inputs["input_ids"][:, 0] // SEQ).tolist()
+            return super().training_step(model, inputs, num_items_in_batch)
 
-class StopAt(transformers.TrainerCallback):
-    """Ends training right after the checkpoint of ``step``, as a preempted job would."""
+    class StopAt(transformers.TrainerCallback):
+        """Ends training right after the checkpoint of ``step``, as a preempted job would."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+        def __init__(self, step: int) -> None:
+            self.step = step
 
-    def on_save(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            control.should_training_stop = True
+        def on_save(self, args, state, control, **kwargs):
+            if state.global_step == self.step:
+                control.should_training_stop = True
+
+    return SimpleNamespace(Trainer=Trainer, Recording=Recording, StopAt=StopAt)
 
 
 def make_trainer(
     tokens, out, *, stop_at=None, data_collator=None, train_dataset=None, compute_loss_func=None, **args
-) -> Recording:
+):
+    classes = trainer_classes()
     dataset = train_dataset or stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16", labels="inputs")
     training = transformers.TrainingArguments(**{
         "output_dir": str(out), "per_device_train_batch_size": 4, "num_train_epochs": 2,
         "save_strategy": "steps", "save_steps": 2, "report_to": "none", "use_cpu": True, "seed": 3,
         "dataloader_num_workers": 0, **args,
     })  # fmt: skip
-    callbacks = [StopAt(stop_at)] if stop_at else []
-    return Recording(
+    callbacks = [classes.StopAt(stop_at)] if stop_at else []
+    return classes.Recording(
         model=tiny_model(), args=training, train_dataset=dataset, callbacks=callbacks,
         data_collator=data_collator, compute_loss_func=compute_loss_func,
     )  # fmt: skip
@@ -177,7 +189,7 @@ def test_a_checkpoint_without_the_loader_state_is_refused(tokens, tmp_path):
 def test_options_trainer_arguments_decide_are_refused_with_the_argument_to_use(tokens, tmp_path):
     told = r"batch_size \(TrainingArguments.per_device_train_batch_size\), collate_fn \(Trainer's data_collator\)"
     with pytest.raises(ValueError, match=told):
-        Trainer(
+        trainer_classes().Trainer(
             model=tiny_model(),
             args=transformers.TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
             train_dataset=stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16"),
