@@ -275,6 +275,30 @@ def test_layering(source, allowed):
     assert not bad, f"{source} may import only {allowed}:\n" + "\n".join(bad)
 
 
+_FORMAT_FOLDERS = ("stallfree.shards.tar", "stallfree.shards.arrow")
+
+
+@pytest.mark.parametrize(
+    "source, forbidden",
+    [
+        ("stallfree.shards.tar", ("stallfree.shards.arrow",)),
+        ("stallfree.shards.arrow", ("stallfree.shards.tar",)),
+        # the generic layer asks a format through the registry (formats.get_format), never by import
+        ("stallfree.shards.manifest", _FORMAT_FOLDERS),
+        ("stallfree.shards.formats", _FORMAT_FOLDERS),
+        ("stallfree.shards.verify", _FORMAT_FOLDERS),
+        ("stallfree.shards.open", _FORMAT_FOLDERS),
+        ("stallfree.shards.writer", _FORMAT_FOLDERS),
+    ],
+)
+def test_formats_stay_in_their_folders(source, forbidden):
+    """A format is one folder plus one registry line: the format folders never import each other
+    (what they share, like key and field naming rules, is in ``shards/naming.py``), and the
+    dataset layer reaches a format only through ``formats.py``."""
+    bad = _violations(import_graph(), source, forbidden=forbidden)
+    assert not bad, f"{source} must not import {forbidden}:\n" + "\n".join(bad)
+
+
 _TORCH_PRIVATE = ("torch._", "torch.utils.data._", "torch.utils.data.dataloader._")
 _COMPAT = "stallfree.loader._torch_compat"
 # private attributes of torch objects the loader needs (storages, loaders, iterators, worker info)

@@ -25,7 +25,6 @@ import fsspec
 
 from stallfree.errors import ManifestError
 from stallfree.shards.manifest.shard_info import ShardInfo
-from stallfree.shards.tar.idx import IdxSample
 from stallfree.shards.verify_report import KeyAt, ProgressFn, VerifyReport
 
 
@@ -36,14 +35,15 @@ class UnknownFormatError(ManifestError, ValueError):
 @dataclass(frozen=True)
 class ShardOpen:
     """What opening one shard for reading needs: where it is, its manifest row, the index a
-    dataset without a manifest built for it (tar: scanned headers; None: the format's own), and
-    the checks asked for (``verify_hash``: its sha256 now; ``verify_samples``: every member read
+    dataset without a manifest built for it (``ScannedFiles.indices``: the format's own value,
+    opaque to everything but the format that made it; tar's is its scanned headers; None: the
+    format reads its own), and the checks asked for (``verify_hash``: its sha256 now; ``verify_samples``: every member read
     against the checksums recorded when it was written)."""
 
     fs: fsspec.AbstractFileSystem
     path: str
     info: ShardInfo
-    index: list[IdxSample] | None = None
+    index: Any = None
     verify_hash: bool = False
     verify_samples: bool = False
 
@@ -57,7 +57,7 @@ class ShardCheck:
     fs: fsspec.AbstractFileSystem
     path: str
     info: ShardInfo
-    index: list[IdxSample] | None = None
+    index: Any = None
     hashes: bool = True
     decode: bool = False
     progress: ProgressFn | None = None
@@ -68,11 +68,13 @@ class ShardCheck:
 class ScannedFiles:
     """Files of one format described without a manifest (``open_dataset`` on a directory of
     shards): their manifest rows, fields in first-seen order, per-shard indices (tar: the
-    scanned headers; None where the format reads its own), label names and extra manifest keys."""
+    scanned headers; None where the format reads its own; each opaque to all but the format, which
+    gets it back in ``ShardOpen.index``; picklable, as datasets are), label names and extra
+    manifest keys."""
 
     shards: list[ShardInfo]
     fields: list[str]
-    indices: list[list[IdxSample]] | None = None
+    indices: list[Any] | None = None
     classes: list[str] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -135,7 +137,10 @@ class Format(Protocol):
     ``checksums``), or None. ``typed_fields``: the manifest records each field's Arrow type
     (``field_types``) and a sample's fields hold values of those types; False: every field of a
     sample is bytes. ``indexable``: ``stallfree index`` writes a manifest for shards of this
-    format that other tools wrote."""
+    format that other tools wrote.
+
+    Optional: ``key_in_index(index, row) -> str | None``, a row's key read from an index the
+    format's ``scan`` made (``ShardedDataset.key_of`` then opens no shard for it)."""
 
     name: str
     suffix: str
@@ -197,6 +202,11 @@ _READ_ONLY: dict[str, Ref] = {
 }
 
 
+# what register_format was given, by name: carried by a pickled dataset to processes that never
+# registered it (``portable_ref``, ``adopt``); the built-ins, which every process has, are not here
+_REGISTERED: dict[str, Ref] = {}
+
+
 def register_format(name: str, fmt: Ref, *, clobber: bool = False) -> None:
     """Add a shard format under ``name`` (a ``Format``, or ``"module:attribute"`` naming one).
 
@@ -212,11 +222,28 @@ def register_format(name: str, fmt: Ref, *, clobber: bool = False) -> None:
         if fmt.name != name:
             raise ValueError(f"shard format registered as {name!r} calls itself {fmt.name!r}")
     _FORMATS[name] = fmt
+    _REGISTERED[name] = fmt
 
 
 def unregister_format(name: str) -> None:
     """Remove a format added with ``register_format`` (a test's toy format, when it is done)."""
     _FORMATS.pop(name, None)
+    _REGISTERED.pop(name, None)
+
+
+def portable_ref(name: str) -> Ref | None:
+    """How another process can register the format ``name`` (what ``register_format`` was given:
+    a ``"module:attribute"`` string, or the format object, pickled by its class), or None for a
+    built-in one. Why: a loader's spawned workers (and Ray's) start with the built-ins only; a
+    dataset of a format registered at run time carries this to them (``adopt``)."""
+    return _REGISTERED.get(name)
+
+
+def adopt(name: str, ref: Ref) -> None:
+    """Register ``ref`` as ``name`` unless this process already has a format of that name (its
+    own registration wins: it is the one its code chose)."""
+    if name not in _FORMATS and name not in _READ_ONLY:
+        register_format(name, ref)
 
 
 def format_names() -> tuple[str, ...]:
@@ -282,6 +309,8 @@ def scan_choices() -> str:
 
 __all__ = [
     "Format",
+    "adopt",
+    "portable_ref",
     "Prepared",
     "ScannedFiles",
     "ShardCheck",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import posixpath
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import IO, Any
 
 import fsspec
@@ -35,7 +35,6 @@ from stallfree.errors import (
 )
 from stallfree.shards import formats
 from stallfree.shards.manifest.model import MANIFEST_NAME, Manifest, join
-from stallfree.shards.tar.idx import IdxSample
 from stallfree.shards.verify_report import KeyAt, Problem, ProgressFn, VerifyReport
 from stallfree.storage import remote
 
@@ -145,7 +144,7 @@ def verify_manifest(
     root: str,
     manifest: Manifest,
     *,
-    indices: list[list[IdxSample]] | None = None,
+    indices: Sequence[Any] | None = None,
     hashes: bool = True,
     decode: bool = False,
     progress: ProgressFn | None = None,

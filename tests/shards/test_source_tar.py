@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from stallfree.errors import WriteError
+from stallfree.shards.naming import check_key
 from stallfree.shards.open import open_dataset
 from stallfree.shards.parallel import shard_dataset
 from stallfree.shards.sources.registry import SourceReadError, open_source
 from stallfree.shards.tar.idx import parse_idx
-from stallfree.shards.tar.writer import check_key
 from stallfree.shards.writer import ShardWriter
 
 REPO = Path(__file__).resolve().parents[2]

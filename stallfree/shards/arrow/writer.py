@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from stallfree.errors import CorruptShardError, DuplicateKeyError, WriteError
 from stallfree.shards.manifest.model import ShardInfo
-from stallfree.shards.tar.writer import check_field, check_key
+from stallfree.shards.naming import check_field, check_key
 from stallfree.storage.atomic import AtomicFile, CommitOnExit
 
 KEY = "__key__"

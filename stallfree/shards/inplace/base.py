@@ -45,10 +45,11 @@ from stallfree.errors import (
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
 from stallfree.shards.manifest.model import MAX_COUNT
 from stallfree.shards.manifest.shard_info import ShardInfo
+from stallfree.shards.naming import check_key
 from stallfree.shards.scan import SHARD_MISSING, record_mismatches, relative
 from stallfree.shards.sources.base import SourceError, SourceReadError
 from stallfree.shards.sources.offsets import ShardFile, decompress, parse_table, refuse_link_out
-from stallfree.shards.tar.writer import check_key, encode_value
+from stallfree.shards.tar.writer import encode_value
 from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.storage import remote, stamps
 from stallfree.storage.fs import file_size, is_local

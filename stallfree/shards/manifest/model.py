@@ -23,7 +23,6 @@ from stallfree.shards.manifest import rows as manifest_rows
 from stallfree.shards.manifest import sidecar as manifest_sidecar
 from stallfree.shards.manifest.paths import check_shard_path
 from stallfree.shards.manifest.shard_info import ShardInfo
-from stallfree.shards.tar.sums import ALGORITHM as SUMS_ALGORITHM
 from stallfree.storage.jsonfile import JSONFileError, parse_json
 from stallfree.storage.remote import read_file, url_to_fs
 
@@ -172,9 +171,11 @@ class Manifest:
         transform = obj.get("transform")
         _check_transform(transform, where)
         checksums = obj.get("checksums")
-        if checksums is not None and checksums != SUMS_ALGORITHM:
+        known_sums = formats.get_format(fmt, where=where).checksums  # the format's, not tar's
+        if checksums is not None and checksums != known_sums:
+            knows = f"knows {known_sums!r}" if known_sums else "records none"
             raise ManifestError(
-                f"{where}: unknown per-sample checksum {checksums!r} (this stallfree knows {SUMS_ALGORITHM!r})"
+                f"{where}: unknown per-sample checksum {checksums!r} (for {fmt} shards this stallfree {knows})"
             )
         known = {
             "version",

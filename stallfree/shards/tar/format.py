@@ -15,7 +15,7 @@ import fsspec
 from stallfree.errors import MissingShardError
 from stallfree.shards.formats import ScannedFiles, ShardCheck, ShardOpen
 from stallfree.shards.scan import manifest_for_tars
-from stallfree.shards.tar.idx import idx_path_for
+from stallfree.shards.tar.idx import IdxSample, idx_path_for
 from stallfree.shards.tar.reader import TarShardReader
 from stallfree.shards.tar.sums import ALGORITHM as SUMS_ALGORITHM
 from stallfree.shards.tar.sums import MemberSums, parse_sums, sums_path_for
@@ -70,6 +70,10 @@ class TarFormat:
         return TarShardReader(
             request.fs, request.path, info.path, info, request.index, request.verify_hash, member_check=check
         )
+
+    def key_in_index(self, index: list[IdxSample], row: int) -> str:
+        """Row ``row``'s key from a scanned index (``ScannedFiles.indices``), with no request."""
+        return index[row].key
 
     def verify(self, check: ShardCheck, report: VerifyReport) -> list[KeyAt]:
         return verify_tar_shard(

@@ -20,6 +20,7 @@ import numpy as np
 
 from stallfree.errors import CorruptShardError, DuplicateKeyError, WriteError
 from stallfree.shards.manifest.model import ShardInfo
+from stallfree.shards.naming import check_field, check_key
 from stallfree.shards.tar.idx import IdxSample, idx_path_for, render_idx
 from stallfree.shards.tar.sums import checksum, render_sums, sums_path_for
 from stallfree.storage.atomic import AtomicFile, CommitOnExit
@@ -69,33 +70,6 @@ def member_header(name: str, size: int) -> bytes:
         h[345 : 345 + len(prefix)] = prefix
     h[148:156] = b"%06o\0 " % (sum(h) if prefix else _TEMPLATE_SUM + sum(raw) + sum(h[124:136]))
     return bytes(h)
-
-
-def check_key(key: Any) -> str:
-    """Keys name samples: no dot in the last path part (the first dot starts the field), no spaces,
-    and nothing that would escape a folder the shard is unpacked into (absolute, ``..``)."""
-    if not isinstance(key, str) or not key:
-        raise WriteError(f"sample '__key__' must be a non-empty string, got {key!r}")
-    base = key.rsplit("/", 1)[-1]
-    if (
-        not base
-        or "." in base
-        or any(c.isspace() for c in key)
-        or "\0" in key
-        or key.startswith("/")
-        or ".." in key.split("/")
-    ):
-        raise WriteError(
-            f"invalid sample key {key!r}: no '.' after the last '/', no whitespace, not absolute, no '..' part",
-            key=key,
-        )
-    return key
-
-
-def check_field(field: Any, key: str) -> str:
-    if not isinstance(field, str) or not field or "/" in field or any(c.isspace() for c in field):
-        raise WriteError(f"invalid field name {field!r}: non-empty, no '/' and no whitespace", key=key)
-    return field
 
 
 def encode_value(value: Any, field: str, key: str) -> bytes:
