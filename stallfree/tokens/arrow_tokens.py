@@ -22,10 +22,10 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc as ipc
 
 from stallfree.errors import CorruptShardError, MissingShardError, ShardError
-from stallfree.shards.arrow.check import check_ipc_file, check_schema_names, validate_batch
+from stallfree.shards.arrow.check import check_schema_names, validate_batch
+from stallfree.shards.arrow.reader import open_batches
 from stallfree.shards.dataset_paths import refuse_link_out
 from stallfree.shards.manifest.model import MANIFEST_NAME, Manifest, join
 from stallfree.shards.manifest.paths import path_problem
@@ -95,31 +95,19 @@ def _parquet_file(fs: fsspec.AbstractFileSystem, path: str, name: str) -> Any:
     )
 
 
-_FILE_MAGIC = b"ARROW1"  # the first bytes of an Arrow IPC file (not of a stream)
-
-
 def _open_batches(
     fs: fsspec.AbstractFileSystem, path: str, name: str, field: str
 ) -> tuple[list[pa.Array], tuple[int, int] | None, Any]:
-    """The ``field`` column of every record batch (or Parquet chunk) of one file, in order, and
-    for a local Arrow file the (address, size) of the memory map its columns are views of and
-    the map itself (for the caller to close once no view is left; else None)."""
+    """The ``field`` column of every record batch (or Parquet row group) of one file, in order,
+    opened by the shards' one table opener (``arrow.reader.open_batches``: the layout read off
+    the file), and for a local Arrow file the (address, size) of the memory map its columns are
+    views of and the map itself (for the caller to close once no view is left; else None)."""
     mapped = None
     source = None
     try:
         if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            with _parquet_file(fs, path, name) as f:
-                pf = pq.ParquetFile(f)
-                if field not in pf.schema_arrow.names:
-                    raise ShardError(
-                        f"no column {field!r}; the columns are {pf.schema_arrow.names} (pass field=)",
-                        shard=name,
-                    )
-                table = pf.read(columns=[field])
-            return list(table.column(field).chunks), None, None
-        if is_local(fs):
+            source = _parquet_file(fs, path, name)
+        elif is_local(fs):
             source = pa.memory_map(path, "r")
             whole = source.read_buffer()  # zero-copy: where the map lies, to find buffers in it
             mapped = (whole.address, whole.size)
@@ -127,41 +115,39 @@ def _open_batches(
             source.seek(0)
         else:
             source = pa.BufferReader(read_whole(fs, path, name))
-        # the file format starts with its magic; Hugging Face writes the stream format. Chosen by
-        # the magic, not by trying open_file first: a failed open_file left its read of the map
-        # on pyarrow's IO threads, which kept the map alive past close (test_cut_short, flaky)
-        offsets: list[int | None] = []
-        if source.read(len(_FILE_MAGIC)) == _FILE_MAGIC:
-            # the footer's blocks inside the file and not overlapping, before pyarrow trusts them
-            blocks = check_ipc_file(lambda at, n: source.read_at(n, at), source.size(), name)
-            source.seek(0)
-            reader = ipc.open_file(source)
-            batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
-            offsets = [None if blocks is None else blocks.offset_of(b) for b in range(len(batches))]
-        else:
-            source.seek(0)
-            batches = list(ipc.open_stream(source))
+        tables = open_batches(source, path, name, True, None, columns=[field])
+        names = tables.schema.names
+        if field not in names:
+            raise ShardError(f"no column {field!r}; the columns are {names} (pass field=)", shard=name)
+        batches = [tables.get_batch(b) for b in range(tables.num_record_batches)]
+        offsets = [tables.offset_of(b) for b in range(len(batches))]
         # pyarrow trusts a batch's offsets: _piece slices the values by them (unchecked, a
         # damaged file read outside its buffers, or asked for a negative length)
-        if batches:
-            check_schema_names(batches[0].schema, name)
+        check_schema_names(tables.schema, name)
         for b, batch in enumerate(batches):
-            validate_batch(batch, shard=name, batch_no=b, offset=offsets[b] if offsets else None)
+            validate_batch(batch, shard=name, batch_no=b, offset=offsets[b])
     except FileNotFoundError:
-        raise MissingShardError("token file not found", shard=name) from None
-    except KeyError:
-        raise ShardError(f"no column {field!r} (pass field= naming the token column)", shard=name) from None
+        _close(source)
+        raise MissingShardError(TOKEN_FILE_MISSING, shard=name) from None
     except (pa.ArrowException, OSError) as exc:  # ArrowInvalid, ArrowNotImplementedError, ...
+        _close(source)
         raise CorruptShardError(f"not a readable Arrow/Parquet file: {exc}", shard=name) from None
     except UnicodeDecodeError:  # pyarrow decodes a schema's names only when asked
+        _close(source)
         raise CorruptShardError("the schema's column names are not UTF-8", shard=name) from None
-    if batches and batches[0].schema.get_field_index(field) < 0:
-        try:
-            names = batches[0].schema.names
-        except UnicodeDecodeError:  # pyarrow decodes names only when asked: a damaged schema
-            raise CorruptShardError("the schema's column names are not UTF-8", shard=name) from None
-        raise ShardError(f"no column {field!r}; the columns are {names} (pass field=)", shard=name)
-    return [b.column(field) for b in batches], mapped, source if mapped is not None else None
+    except BaseException:
+        _close(source)
+        raise
+    columns = [b.column(field) for b in batches]
+    if mapped is None:
+        _close(source)
+        return columns, None, None
+    return columns, mapped, source
+
+
+def _close(source: Any) -> None:
+    if source is not None:
+        source.close()
 
 
 def _piece(col: pa.Array, name: str, batch: int) -> tuple[np.ndarray, np.ndarray]:

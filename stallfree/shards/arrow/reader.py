@@ -13,7 +13,7 @@ import logging
 import posixpath
 import threading
 from bisect import bisect_right
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import fsspec
@@ -66,8 +66,10 @@ class _IpcFile:
         return None if self._blocks is None else self._blocks.offset_of(b)
 
 
-# An IPC stream's first message starts with this continuation marker (Arrow >= 0.15 writers)
+# An IPC stream's first message starts with this continuation marker (Arrow >= 0.15 writers;
+# older streams start with the message's length); an IPC file starts (and ends) with its magic
 STREAM_MARK = b"\xff\xff\xff\xff"
+FILE_MAGIC = b"ARROW1"
 
 
 class _NotAStream(Exception):
@@ -82,15 +84,29 @@ class _IpcStream:
 
     thread_safe = True
 
-    def __init__(self, source: Any, local: bool, fetch: Any, shard: str, walk_open: Any = None) -> None:
+    def __init__(
+        self,
+        source: Any,
+        local: bool,
+        fetch: Any,
+        shard: str,
+        walk_open: Any = None,
+        *,
+        partial: bool = False,
+    ) -> None:
         self._fetch = fetch
         self._batches: list[Any] | None = [] if local else None
         self._spans: list[tuple[int, int]] = []
         self._rows: list[int] = []
+        self._partial = partial
+        self.damage: DamagedArrowError | None = None
+        source.seek(0)
+        head = source.read(len(STREAM_MARK))
+        if head != STREAM_MARK and (len(head) < 4 or head == FILE_MAGIC[:4]):
+            raise _NotAStream  # an IPC file without its footer, or too short to be anything
+        if head != STREAM_MARK and walk_open is not None:
+            raise _NotAStream  # remote: no second file opened for what is not a current stream
         if walk_open is not None:  # remote: walk through a read-ahead file, not a request per message
-            source.seek(0)
-            if source.read(4) != STREAM_MARK:  # not a stream: no second file opened to find out
-                raise _NotAStream
             walk = walk_open()
             try:
                 self._walk(walk, shard)
@@ -123,12 +139,16 @@ class _IpcStream:
             except StopIteration:
                 break
             except (pa.ArrowException, OSError) as exc:
-                raise DamagedArrowError(
+                damage = DamagedArrowError(
                     f"damaged Arrow IPC stream: the message of record batch {len(self._rows)} does not "
-                    f"parse: {exc}",
+                    f"parse, so no later batch can be found: {exc}",
                     shard=shard,
                     offset=start,
-                ) from None
+                )
+                if not self._partial:
+                    raise damage from None
+                self.damage = damage
+                return
             end = source.tell()
             self._spans.append((start, end))
             self._rows.append(batch.num_rows)
@@ -161,10 +181,11 @@ class _ParquetGroups:
 
     thread_safe = False
 
-    def __init__(self, source: Any) -> None:
+    def __init__(self, source: Any, columns: Sequence[str] | None = None) -> None:
         import pyarrow.parquet as pq
 
         self._file = pq.ParquetFile(source)
+        self._columns = list(columns) if columns is not None else None
         self.schema = self._file.schema_arrow
         self.num_record_batches = self._file.metadata.num_row_groups
         self._last: tuple[int, Any] | None = None
@@ -174,7 +195,9 @@ class _ParquetGroups:
             return self._last[1]
         import pyarrow as pa
 
-        batches = self._file.read_row_group(b).combine_chunks().to_batches()  # one, or none if empty
+        batches = (
+            self._file.read_row_group(b, columns=self._columns).combine_chunks().to_batches()
+        )  # one, or none if empty
         batch = batches[0] if batches else pa.RecordBatch.from_pylist([], schema=self.schema)
         self._last = (b, batch)
         return batch
@@ -186,10 +209,34 @@ class _ParquetGroups:
         return None
 
 
-def open_batches(source: Any, path: str, shard: str, local: bool, fetch: Any, walk_open: Any = None) -> Any:
-    """The record batches of a table file, whichever of the layouts users have: Arrow IPC file
-    (ours), Arrow IPC stream (Hugging Face ``save_to_disk``), Parquet (``.parquet``). An IPC
-    file's footer is checked before pyarrow trusts it (``arrow_check.check_ipc_file``)."""
+def open_batches(
+    source: Any,
+    path: str,
+    shard: str,
+    local: bool,
+    fetch: Any,
+    walk_open: Any = None,
+    *,
+    partial: bool = False,
+    columns: Sequence[str] | None = None,
+) -> Any:
+    """The one opener of a table file, whichever of the layouts users have: Arrow IPC file
+    (ours), Arrow IPC stream (Hugging Face ``save_to_disk``), Parquet (``.parquet``). Returns an
+    object with ``schema``, ``num_record_batches``, ``get_batch(b)``, ``batch_rows(b)`` and
+    ``offset_of(b)`` (the byte offset of batch ``b``'s message, where known).
+
+    The layout is read off the file, never found by trying: an IPC file ends with its footer and
+    magic, checked before pyarrow trusts them (``arrow.check.check_ipc_file``); without that
+    trailer it is read as a stream (first bytes: the continuation mark). Why not "open_file,
+    then the stream if that fails": a failed ``open_file`` on a memory map left its read on
+    pyarrow's IO threads, keeping the map alive past close (the tokens reader's
+    ``test_cut_short`` was flaky for it). ``source``: a pyarrow random-access file (a memory map,
+    a ``BufferReader``, a ``PythonFile``). ``local``: keep a stream's batches (zero-copy views of
+    a memory map) rather than their spans, read again with ``fetch(start, end)``. ``walk_open``:
+    a read-ahead file for walking a remote stream once. ``partial``: a stream message that does
+    not parse ends the walk and is kept as ``damage`` (the batches before it are readable)
+    instead of raised. ``columns``: read only these of a Parquet file (an IPC batch's columns are
+    views, not reads). Anything else unreadable is a ``CorruptShardError`` naming the shard."""
     import pyarrow as pa
     import pyarrow.ipc as ipc
 
@@ -197,17 +244,21 @@ def open_batches(source: Any, path: str, shard: str, local: bool, fetch: Any, wa
 
     try:
         if path.endswith(".parquet"):
-            return _ParquetGroups(source)
+            return _ParquetGroups(source, columns)
         blocks = check_ipc_file(lambda at, n: source.read_at(n, at), source.size(), shard, head=local)
-        try:
+        if blocks is not None:  # it ends like an IPC file, with a sound footer
             return _IpcFile(ipc.open_file(source), blocks, shard)
-        except pa.ArrowException as file_exc:
-            if blocks is not None:  # it ends like an IPC file, with a sound footer: damaged
-                raise unreadable_table(path, shard, file_exc) from None
-            try:
-                return _IpcStream(source, local, fetch, shard, walk_open)
-            except (pa.ArrowException, OSError, _NotAStream):
-                raise file_exc from None
+        try:
+            return _IpcStream(source, local, fetch, shard, walk_open, partial=partial)
+        except pa.ArrowException as exc:
+            if isinstance(exc, OSError | ValueError):
+                raise
+            # ArrowNotImplementedError: a stream's schema with a type no pyarrow reads (damage)
+            raise DamagedArrowError(f"damaged Arrow IPC stream: {exc}", shard=shard) from None
+        except _NotAStream:
+            raise unreadable_table(
+                path, shard, "it starts like neither, or it is an IPC file cut short before its footer"
+            ) from None
     except (pa.ArrowException, OSError) as exc:
         raise unreadable_table(path, shard, exc) from None
 

@@ -14,7 +14,7 @@ from stallfree.errors import (
     DuplicateKeyError,
     IndexMismatchError,
 )
-from stallfree.shards.arrow.reader import check_stream_schema, unreadable_table
+from stallfree.shards.arrow.reader import open_batches
 from stallfree.shards.fields import is_image_field
 from stallfree.shards.manifest.model import ShardInfo
 from stallfree.shards.scan import SHARD_MISSING, record_mismatches
@@ -22,34 +22,21 @@ from stallfree.shards.verify import HashingReader, decode_image
 from stallfree.shards.verify_report import KeyAt, ProgressFn, VerifyReport
 from stallfree.storage.fs import file_size, open_read
 
+_LAYOUTS = {"_IpcFile": "Arrow IPC file", "_IpcStream": "Arrow IPC stream", "_ParquetGroups": "Parquet file"}
 
-def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], str]:
-    """The record batches of a table shard, front to back, in whichever layout ``open_dataset``
-    reads (``arrow.reader.open_batches``): Arrow IPC file (ours), Arrow IPC *stream* (Hugging Face
-    ``save_to_disk`` and ``datasets``' cache files, no footer), Parquet (``.parquet``). Returns
-    them with the layout's name for messages; CorruptShardError naming the shard if it is none.
-    Streamed front to back here (the readers' ``open_batches`` keeps a stream's batches for
-    random access); the checks and messages are the readers' own."""
+
+def _table_batches(f: IO[bytes], path: str, shard: str) -> tuple[Iterator[Any], str, Any]:
+    """The record batches of a table shard, front to back, opened by the readers' one opener
+    (``arrow.reader.open_batches``: the same layouts, checks and messages), with the layout's
+    name for messages and the opened table (a stream's ``damage``: where its walk stopped)."""
     import pyarrow as pa
 
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
-        try:
-            return pq.ParquetFile(f).iter_batches(), "Parquet file"
-        except (pa.ArrowException, OSError) as exc:
-            raise unreadable_table(path, shard, exc) from None
-    try:
-        reader = pa.ipc.open_file(f)
-    except pa.ArrowInvalid as file_exc:
-        f.seek(0)
-        try:
-            stream = pa.ipc.open_stream(f)
-        except (pa.ArrowInvalid, OSError):
-            raise unreadable_table(path, shard, file_exc) from None
-        check_stream_schema(stream.schema, shard)  # what the reader refuses
-        return iter(stream), "Arrow IPC stream"
-    return (reader.get_batch(b) for b in range(reader.num_record_batches)), "Arrow IPC file"
+    source = pa.PythonFile(f, mode="r")
+    tables = open_batches(
+        source, path, shard, False, lambda start, end: source.read_at(end - start, start), partial=True
+    )
+    layout = _LAYOUTS.get(type(tables).__name__, "Arrow IPC file")
+    return (tables.get_batch(b) for b in range(tables.num_record_batches)), layout, tables
 
 
 def verify_arrow_shard(
@@ -81,7 +68,7 @@ def verify_arrow_shard(
     b = -1
     try:
         with open_read(fs, path, size, shard=shard) as f:
-            batches, layout = _table_batches(f, path, shard)
+            batches, layout, tables = _table_batches(f, path, shard)
             rows = 0
             seen: set[str] = set()
             for b, batch in enumerate(batches):
@@ -112,6 +99,13 @@ def verify_arrow_shard(
                                     if problem:
                                         errors.append(problem)
                 rows += batch.num_rows
+            damage = getattr(tables, "damage", None)  # a stream message that did not parse
+            if damage is not None:
+                what = f"{layout} unreadable after record batch {b}" if b >= 0 else f"not a readable {layout}"
+                errors.append(
+                    CorruptShardError(f"{what}: {damage.reason}", shard=shard, offset=damage.offset)
+                )
+                return found
     except CorruptShardError as exc:
         errors.append(exc)
         return found

@@ -12,12 +12,11 @@ from stallfree.errors import CorruptShardError, WriteError
 from stallfree.shards.arrow.check import (
     BatchChecks,
     DamagedArrowError,
-    check_ipc_file,
     check_schema_names,
-    warn_if_cut_short,
 )
+from stallfree.shards.arrow.reader import open_batches
+from stallfree.shards.naming import check_key
 from stallfree.shards.sources.base import Item, Source, SourceError, SourceReadError
-from stallfree.shards.tar.writer import check_key
 from stallfree.storage.jsonfile import parse_json
 
 TABLE_SUFFIXES = {
@@ -337,73 +336,27 @@ class _IpcBatches:
     """An Arrow IPC file's or stream's batches, validated on the way out."""
 
     def __init__(self, mm: Any, path: str) -> None:
-        import pyarrow as pa
-        import pyarrow.ipc as ipc
-
         self.path = path
-        self.damage: CorruptShardError | None = None
-        self._offsets: list[int | None] = []
-        blocks = check_ipc_file(lambda at, n: mm.read_at(n, at), mm.size(), path)
+        # the shards' one table opener; a stream message that does not parse ends the walk
+        # (``damage``) and the batches before it stay readable
         try:
-            try:
-                reader = ipc.open_file(mm)
-            except pa.ArrowException:
-                if blocks is not None:  # it ends like an IPC file with a sound footer: damaged
-                    raise
-                mm.seek(0)
-                self._walk_stream(ipc.open_stream(mm), mm)
-            else:
-                self._file = reader
-                self.schema = reader.schema
-                self.num_record_batches = reader.num_record_batches
-                self._offsets = [
-                    None if blocks is None else blocks.offset_of(b) for b in range(self.num_record_batches)
-                ]
-                self._batches = None
-        except pa.ArrowException as exc:
-            if blocks is not None:
-                raise DamagedArrowError(f"damaged Arrow IPC file: {exc}", shard=path) from None
-            if not isinstance(exc, (OSError, ValueError)):  # ArrowNotImplementedError: a damaged
-                # schema's type (callers catch OSError and ValueError, as ArrowInvalid is one)
-                raise DamagedArrowError(f"damaged Arrow IPC stream: {exc}", shard=path) from None
-            raise  # not Arrow at all: pyarrow's own error, as the listing words it
+            self._tables = open_batches(mm, path, path, True, None, partial=True)
+        except DamagedArrowError:
+            raise
+        except CorruptShardError as exc:  # in no table layout: a ValueError too, as pyarrow's was
+            raise DamagedArrowError(exc.reason, shard=exc.shard, offset=exc.offset) from None
+        self.damage: CorruptShardError | None = getattr(self._tables, "damage", None)
+        self.schema = self._tables.schema
+        self.num_record_batches = self._tables.num_record_batches
+        self._offsets = [self._tables.offset_of(b) for b in range(self.num_record_batches)]
         check_schema_names(self.schema, path)  # validate() does not look at names
         self._checks = BatchChecks(self.num_record_batches)
-
-    def _walk_stream(self, reader: Any, mm: Any) -> None:
-        import pyarrow as pa
-
-        self._file = None
-        self.schema = reader.schema
-        self._batches = []
-        start = mm.tell()
-        while True:
-            try:
-                batch = reader.read_next_batch()
-            except StopIteration:
-                break
-            except (pa.ArrowException, OSError) as exc:
-                self.damage = DamagedArrowError(
-                    f"damaged Arrow IPC stream: the message of record batch {len(self._batches)} does not "
-                    f"parse, so no later batch can be found: {exc}",
-                    shard=self.path,
-                    offset=start,
-                )
-                break
-            self._batches.append(batch)
-            self._offsets.append(start)
-            start = mm.tell()
-        if self.damage is None:
-            warn_if_cut_short(mm, self.path, len(self._batches), start)
-        self.num_record_batches = len(self._batches)
 
     def _raw(self, b: int) -> Any:
         import pyarrow as pa
 
-        if self._batches is not None:
-            return self._batches[b]
         try:
-            return self._file.get_batch(b)
+            return self._tables.get_batch(b)
         except (pa.ArrowException, OSError) as exc:
             raise DamagedArrowError(
                 f"cannot read record batch {b}: {exc}", shard=self.path, offset=self._offsets[b]
