@@ -31,11 +31,10 @@ from stallfree.errors import ManifestError, MissingShardError, ShardError, Shard
 from stallfree.shards import formats
 from stallfree.shards.formats import Format, ShardOpen, ShardReader
 from stallfree.shards.manifest.model import FORMAT_VERSION, MANIFEST_NAME, Manifest, join
-from stallfree.shards.scan import INDEX_JSON, resolve
-from stallfree.shards.tar.idx import IdxSample
+from stallfree.shards.scan import INDEX_JSON, resolve_at
 from stallfree.shards.verify import verify_manifest
 from stallfree.storage import remote
-from stallfree.storage.fs import is_local
+from stallfree.storage.fs import Location, is_local
 from stallfree.storage.jsonfile import parse_json
 
 log = logging.getLogger(__name__)
@@ -52,14 +51,16 @@ def open_dataset(
     shard's sha256 against the manifest when it is first used (reads the whole shard once);
     ``verify_samples`` checks every member read against the CRC32 recorded when it was written
     (``sums.py``; a ``ChecksumMismatchError`` names the sample), for tar datasets that have them."""
+    # the URL resolved once, here; every step below is handed it (it was looked up four times)
+    where = Location.of(url, **storage_options)
+    fs = where.fs
     try:
         scanned = None
-        found = _remote_manifest(url, storage_options)
-        if found is not None:
-            fs, root, manifest = found
-            paths = None
+        manifest = _remote_manifest(where)
+        if manifest is not None:
+            root, paths = where.path.rstrip("/"), None
         else:
-            fs, root, paths = resolve(url, **storage_options)
+            _, root, paths = resolve_at(where)
             if paths is None:
                 manifest = Manifest.load(root, fs=fs)
             else:
@@ -67,7 +68,7 @@ def open_dataset(
     except PermissionError as exc:
         raise denied(url, exc, url) from None
     except MissingShardError:
-        _check_bucket(url, storage_options)
+        _check_bucket(where)
         raise
     fmt = formats.get_format(manifest.format, where=url)
     if paths is not None:
@@ -136,51 +137,46 @@ def denied(url: str, exc: BaseException, shard: str) -> ShardReadError:
     )
 
 
-def _remote_manifest(
-    url: str, storage_options: dict[str, Any]
-) -> tuple[fsspec.AbstractFileSystem, str, Manifest] | None:
+def _remote_manifest(where: Location) -> Manifest | None:
     """A remote directory URL's manifest, read with one GET, or None (not remote, not a plain
-    directory URL, or no manifest there: ``resolve`` then looks for shards).
+    directory URL, or no manifest there: ``resolve_at`` then looks for shards).
 
-    Why: ``resolve`` asks whether ``manifest.json`` exists before it is read, and each request
+    Why: ``resolve_at`` asks whether ``manifest.json`` exists before it is read, and each request
     is a round trip to the store (the first to a new client also makes its connection): the
     HEADs cost a training run's first batch ~50-70 ms at 10 ms each way for nothing the GET does
     not say."""
+    url = where.url
     if "{" in url or any(c in url for c in "*?[") or url.endswith((".json", *formats.scan_suffixes())):
         return None
-    if "://" not in url or url.startswith("file://"):
+    if "://" not in url or url.startswith("file://") or where.local:
         return None
-    fs, path = remote.url_to_fs(url, **storage_options)
-    if is_local(fs):
-        return None
-    root = path.rstrip("/")
     try:
-        return fs, root, Manifest.load(join(root, MANIFEST_NAME), fs=fs)
+        return Manifest.load(join(where.path.rstrip("/"), MANIFEST_NAME), fs=where.fs)
     except MissingShardError:
         return None
 
 
-def _check_bucket(url: str, storage_options: dict[str, Any]) -> None:
+def _check_bucket(where: Location) -> None:
     """On an object store (a filesystem with buckets), a missing bucket says so, rather than the
     plainer "no dataset at URL" that would send the user looking for a wrong prefix."""
     try:
-        fs, path = remote.url_to_fs(url.split("{", 1)[0], **storage_options)
+        fs = where.fs
         split = getattr(fs, "split_path", None)
         if split is None or is_local(fs):
             return
-        bucket = split(path)[0]
+        bucket = split(where.path.split("{", 1)[0])[0]
         exists = bool(bucket) and fs.exists(bucket)
     except Exception as exc:  # noqa: BLE001 - botocore's errors are not OSErrors
         if isinstance(exc, OSError | ValueError) or remote.is_transport_error(exc):
             return  # the original error stands
         raise
     if not exists:
-        raise MissingShardError(f"bucket {bucket!r} does not exist (opening {url})", shard=url)
+        raise MissingShardError(f"bucket {bucket!r} does not exist (opening {where.url})", shard=where.url)
 
 
 def _manifest_for_files(
     fs: fsspec.AbstractFileSystem, root: str, paths: list[str]
-) -> tuple[Manifest, list[list[IdxSample]] | None]:
+) -> tuple[Manifest, list[Any] | None]:
     """A manifest for shard files that have none, made by the one format they all belong to
     (an ``index.json``: the read-only format whose index it is, MDS or LitData)."""
     if len(paths) == 1 and posixpath.basename(paths[0]) == INDEX_JSON:
@@ -233,7 +229,7 @@ class ShardedDataset:
         fs_url: str,
         storage_options: dict[str, Any],
         verify_hashes: bool = False,
-        scanned: list[list[IdxSample]] | None = None,
+        scanned: list[Any] | None = None,
         *,
         fs: fsspec.AbstractFileSystem | None = None,
         verify_samples: bool = False,
@@ -283,8 +279,10 @@ class ShardedDataset:
         warm epoch should make no requests), or a local Arrow IPC file's key column. None where
         telling would take a request to storage."""
         s, row = self.locate(index)
-        if self._scanned is not None:
-            return self._scanned[s][row].key
+        if self._scanned is not None:  # the format's own index: only the format reads it
+            in_index = getattr(formats.get_format(self.manifest.format, where=self.url), "key_in_index", None)
+            if in_index is not None:
+                return in_index(self._scanned[s], row)
         reader = self._readers[s]  # (a parent's index is still right after fork)
         if reader is None:
             if not is_local(self.fs):
@@ -469,12 +467,15 @@ class ShardedDataset:
             "verify_hashes": self.verify_hashes,
             "verify_samples": self.verify_samples,
             "scanned": self._scanned,
+            # a format registered at run time, for processes that start without it (spawn, Ray)
+            "format": (self.manifest.format, formats.portable_ref(self.manifest.format)),
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        scanned = state["scanned"]
-        if scanned is not None:
-            scanned = [[IdxSample(k, [tuple(m) for m in ms]) for k, ms in shard] for shard in scanned]
+        scanned = state["scanned"]  # each shard's index, as its format made it (pickled as is)
+        name, ref = state.get("format", (None, None))
+        if ref is not None:
+            formats.adopt(name, ref)
         manifest = state["manifest"]
         if not isinstance(manifest, Manifest):
             manifest = Manifest.from_json(manifest, where=state["url"])

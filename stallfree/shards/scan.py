@@ -27,7 +27,7 @@ from stallfree.shards.tar.idx import IdxSample, idx_path_for, parse_idx, render_
 from stallfree.shards.tar.walk import RangeReader, group_samples, walk_tar
 from stallfree.storage import remote, stamps
 from stallfree.storage.digests import ShardDigests
-from stallfree.storage.fs import expand_braces, file_size, is_local
+from stallfree.storage.fs import Location, file_size, is_local
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +122,23 @@ def _stream(
 
 
 def resolve(url: str, **storage_options: Any) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
-    """URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a manifest; a
-    directory without one yields the files every format opens without one (``Format.scan_suffixes``:
-    WebDataset tars, Arrow IPC files or streams, Parquet), not its subdirectories'. A
-    remote store that cannot be asked (dead endpoint, 5xx) is a ``RemoteReadError`` naming the
-    endpoint or status, not "no dataset at URL" nor the client library's own exception."""
+    """URL -> (fs, root, shard paths or None): ``resolve_at`` of the URL resolved now."""
+    return resolve_at(Location.of(url, **storage_options))
+
+
+def resolve_at(where: Location) -> tuple[fsspec.AbstractFileSystem, str, list[str] | None]:
+    """A resolved URL -> (fs, root, shard paths or None). None means ``root`` holds (or is) a
+    manifest; a directory without one yields the files every format opens without one
+    (``Format.scan_suffixes``: WebDataset tars, Arrow IPC files or streams, Parquet), not its
+    subdirectories'; a brace pattern the files it names (on ``where``'s filesystem: no lookup per
+    file). A remote store that cannot be asked (dead endpoint, 5xx) is a ``RemoteReadError``
+    naming the endpoint or status, not "no dataset at URL" nor the client library's own exception."""
+    fs, url = where.fs, where.url
     if "{" in url:
-        return resolve_files(expand_braces(url), **storage_options)
-    fs, path = remote.url_to_fs(url, **storage_options)
+        paths = where.expand()
+        return fs, _common_root(paths), paths
     try:
-        return _resolve_path(fs, path, url)
+        return _resolve_path(fs, where.path, url)
     except (ShardError, FileNotFoundError, PermissionError):
         raise
     except Exception as exc:
