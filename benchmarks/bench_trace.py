@@ -17,7 +17,8 @@ Part 2, the delivery record. The same loader (a virtual dataset of ints, batch 2
 does nothing but order, fetch, collate and ship, so any cost of the record shows at its largest)
 over whole epochs with and without ``record_keys=``, interleaved, --repeats times each, in this
 process; throughput is samples per second, and the figure is the ratio of medians (and of
-the best runs). Beside it, the record's own cost per batch where it runs (a recording
+the best runs), and the main process's CPU per batch (where the record runs; less sensitive
+to a busy machine than wall time). Beside it, the record's own cost per batch where it runs (a recording
 progress's ``on_batch`` minus a plain one's, timed over 20,000 batches) as a share of the
 loader's time per batch: the end-to-end ratio on a busy machine is mostly noise.
 
@@ -134,19 +135,21 @@ def time_lookups(name: str, dataset: Any, lookups: int, seed: int) -> dict[str, 
     }
 
 
-def throughput(n: int, record: str | None, workers: int) -> float:
+def throughput(n: int, record: str | None, workers: int) -> tuple[float, float]:
+    """(samples per wall second, main-process CPU microseconds per batch) over one epoch."""
     from stallfree.loader.dataloader import DataLoader
 
     dl = DataLoader(Ints(n), batch_size=BATCH, shuffle=True, seed=2, num_workers=workers, record_keys=record)
     it = iter(dl)
     next(it)  # workers up: the first batch is not the record's cost
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     count = BATCH
     for batch in it:
         count += len(batch)
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     dl.close()
-    return (count - BATCH) / elapsed
+    batches = (count - BATCH) / BATCH
+    return (count - BATCH) / elapsed, cpu / batches * 1e6
 
 
 def record_cost_us(batches: int = 20000) -> dict[str, float]:
@@ -191,6 +194,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, nargs="+", default=[0, 2])
     ap.add_argument("--manifest-dir", default=os.path.join(tempfile.gettempdir(), "stallfree-bench-trace"))
     ap.add_argument("--skip-lookups", action="store_true")
+    ap.add_argument("--skip-record", action="store_true")
     args = ap.parse_args()
     import stallfree
     from stallfree.shards.open import open_dataset
@@ -214,16 +218,22 @@ def main() -> None:
         for name, ds in (("images", images), ("mixture", mixture), ("ints", Ints(10**9))):
             row = time_lookups(name, ds, args.lookups, seed=7)
             print(json.dumps(row))
+    if args.skip_record:
+        return
     cost = record_cost_us()
     print(json.dumps({k: round(v, 2) for k, v in cost.items()}))
     n = int(args.record_samples)
     for workers in args.workers:
         runs: dict[str, list[float]] = {"off": [], "on": []}
+        cpu: dict[str, list[float]] = {"off": [], "on": []}
         for r in range(args.repeats):
             with tempfile.TemporaryDirectory() as keys:
                 for mode in ("off", "on") if r % 2 == 0 else ("on", "off"):
-                    runs[mode].append(throughput(n, keys if mode == "on" else None, workers))
+                    rate, us = throughput(n, keys if mode == "on" else None, workers)
+                    runs[mode].append(rate)
+                    cpu[mode].append(us)
         off, on = statistics.median(runs["off"]), statistics.median(runs["on"])
+        cpu_off, cpu_on = statistics.median(cpu["off"]), statistics.median(cpu["on"])
         us_per_batch = BATCH / off * 1e6  # the loader's wall time per batch without the record
         print(
             json.dumps(
@@ -234,6 +244,9 @@ def main() -> None:
                     "off_samples_per_s": round(off),
                     "on_samples_per_s": round(on),
                     "on_over_off": round(on / off, 4),
+                    "main_cpu_us_per_batch_off": round(cpu_off, 1),
+                    "main_cpu_us_per_batch_on": round(cpu_on, 1),
+                    "main_cpu_on_over_off": round(cpu_on / cpu_off, 4),
                     "best_on_over_best_off": round(max(runs["on"]) / max(runs["off"]), 4),
                     "loader_us_per_batch": round(us_per_batch, 1),
                     "record_share_of_batch": round(cost["record_us_per_batch"] / us_per_batch, 5),

@@ -5,6 +5,7 @@ order identity)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -104,7 +105,7 @@ def order_from_state(state: LoaderState, dataset: Any) -> Callable[[int], order_
             f"({order_mod.order_identity(name, window, first)!r}): its positions would name other samples"
         )
     n = len(dataset)
-    sizes = getattr(dataset, "shard_sizes", None)
+    sizes = _sizes_of(dataset)
 
     def order_of(epoch: int) -> order_mod.Order:
         return order_mod.make_order(
@@ -138,3 +139,25 @@ def trace_state(
         )
     timeline = Timeline.from_state(n, st.history, st.skips)
     return step_samples(dataset, order_from_state(st, dataset), timeline, step, rank, keys=keys)
+
+
+_SIZES: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
+
+
+def _sizes_of(dataset: Any) -> tuple[int, ...] | None:
+    """The dataset's shard sizes as the tuple an order request holds, kept per dataset: 200,000
+    of them take longer to copy than the rest of a lookup."""
+    sizes = getattr(dataset, "shard_sizes", None)
+    if sizes is None:
+        return None
+    try:
+        got = _SIZES.get(dataset)
+    except TypeError:
+        got = None
+    if got is None or len(got) != len(sizes):
+        got = tuple(sizes)
+        try:
+            _SIZES[dataset] = got
+        except TypeError:
+            pass
+    return got
