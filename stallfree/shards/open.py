@@ -252,7 +252,9 @@ class ShardedDataset:
         self._setup(fs)
 
     def _setup(self, fs: fsspec.AbstractFileSystem | None) -> None:
-        self._fs = fs
+        # where the shards are: the filesystem open_dataset made, or (unpickled, forked) one
+        # made again from the root's URL on first use
+        self._where = Location(self._fs_url, self._root, self._storage_options, fs)
         self._pid = os.getpid()
         self._readers: list[ShardReader | None] = [None] * len(self.shard_sizes)
         self._open_lock = threading.Lock()
@@ -292,10 +294,9 @@ class ShardedDataset:
 
     @property
     def fs(self) -> fsspec.AbstractFileSystem:
-        if self._fs is None:
-            self._fs = remote.url_to_fs(self._fs_url, **self._storage_options)[0]
-            self._local = is_local(self._fs)
-        return self._fs
+        fs = self._where.fs
+        self._local = is_local(fs)
+        return fs
 
     def shard_path(self, s: int) -> str:
         return join(self._root, self.manifest.shards[s].path)
