@@ -311,9 +311,10 @@ def validated_table(table: Any, path: str, group: int) -> Any:
 
 class _open_ipc:
     """The record batches of an Arrow IPC file (or stream) over a memory map, as a context
-    manager: ``get_batch(b)`` is validated (``arrow_check``) before anything converts its rows,
-    an IPC file's footer is checked before pyarrow trusts it, and a stream is walked message by
-    message so damage is named by batch and byte offset (``damage``: where the walk stopped)."""
+    manager, opened by the shards' one opener (``arrow.reader.open_batches``: the footer checked
+    before pyarrow trusts it, a stream walked message by message so damage is named by batch and
+    byte offset, ``damage`` where the walk stopped); ``get_batch(b)`` is validated
+    (``arrow.check``) before anything converts its rows."""
 
     def __init__(self, path: str) -> None:
         self.path = path
