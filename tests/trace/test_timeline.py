@@ -126,3 +126,20 @@ def test_a_state_saved_before_the_layout_move_loads_and_a_bad_history_is_refused
         DataLoader(Numbers(), batch_size=4, shuffle=True, seed=5).load_state_dict(bad)
     with pytest.raises((TypeError, ValueError), match="history"):
         LoaderState.from_dict({**state, "history": "nope"})
+
+
+def test_a_loop_that_rewinds_every_pass_keeps_a_bounded_timeline(monkeypatch):
+    from stallfree.loader.epoch import timeline as timeline_mod
+
+    monkeypatch.setattr(timeline_mod, "KEEP_SPANS", 5)
+    dl = DataLoader(Numbers(), batch_size=50, shuffle=True, seed=5)
+    for _ in range(9):  # an evaluation loop that reads epoch 0 again each time
+        dl.set_epoch(0)
+        for _ in dl:
+            pass
+    state = dl.state_dict()
+    assert state["step"] == 27 and len(state["history"]) == 5
+    assert [h["step"] for h in state["history"]] == [12, 15, 18, 21, 24]
+    with pytest.raises(ValueError, match="before this timeline"):
+        dl.samples_at(3)
+    assert dl.samples_at(25).indices == dl.samples_at(22).indices  # epoch 0 again, batch 1

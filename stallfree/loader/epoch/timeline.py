@@ -27,6 +27,7 @@ from stallfree.loader.epoch.order import UNEVEN, Kept, Order, RankShare
 
 MAX_SPANS = 10_000  # entries a state's history may hold (a state comes from outside)
 MAX_SKIPS = 10_000
+KEEP_SPANS = 1_000  # spans a loader keeps: beyond, the oldest go (their steps untraceable)
 
 
 @dataclass(frozen=True)
@@ -225,9 +226,9 @@ class Timeline:
     def extend(self, span: Span) -> Timeline:
         """This timeline with ``span`` where the last span does not already predict it (a
         resume on another world size, a jump); spans from its step on are replaced (a rollback
-        to an earlier checkpoint starts the rest again)."""
-        if len(self.spans) >= MAX_SPANS:
-            raise ValueError(f"a timeline holds at most {MAX_SPANS} spans")
+        to an earlier checkpoint starts the rest again). Only the last ``KEEP_SPANS`` are kept
+        (a loop that calls ``set_epoch(0)`` before every pass adds one each time: its state must
+        not grow without end, and the oldest steps are the least asked about)."""
         if self.spans:
             last = self.spans[-1]
             if last.step <= span.step and last.same_reading(span):
@@ -236,7 +237,7 @@ class Timeline:
                         return self
                 except ValueError:
                     pass
-        kept = tuple(s for s in self.spans if s.step < span.step)
+        kept = tuple(s for s in self.spans if s.step < span.step)[-(KEEP_SPANS - 1) :]
         return replace(self, spans=(*kept, span))
 
     def with_skip(self, first: int, end: int, *, at: Span) -> Timeline:
