@@ -11,7 +11,8 @@ table rows on Spark, MDS's closest), from the same materialised Ray Dataset / ca
 DataFrame, so the read of the source is not timed. Clusters: Ray, a head (no CPUs) and two worker
 nodes of one CPU on 127.0.0.1 (``stallfree/testing/ray_cluster.py``); Spark
 ``local-cluster[2,1,1024]`` on 127.0.0.1 (``stallfree/testing/spark_cluster.py``). Figures:
-samples/s (wall time of the write call, median of ``--repeats``), output bytes, and the driver
+samples/s (wall time of the write call, median of ``--repeats`` after one untimed warm-up call,
+so no figure includes an engine's Python workers starting), output bytes, and the driver
 process's peak RSS above its level before the call. Each engine's output is compared byte for
 byte with the local run's. Run in .venv-engines (``scripts/engines_env.sh``: the MDS peer)::
 
@@ -110,8 +111,16 @@ def tree(root: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(root.iterdir()) if p.is_file()}
 
 
+WARMUP = 1  # untimed calls first: each engine's Python workers start and import on the first task
+
+
 def measure(name: str, samples: int, out: Path, repeats: int, call: Callable[[Path], Any]) -> dict[str, Any]:
     times, peaks = [], []
+    for w in range(WARMUP):
+        target = out / f"{name}-warmup{w}"
+        shutil.rmtree(target, ignore_errors=True)
+        call(target)
+        shutil.rmtree(target, ignore_errors=True)
     for r in range(repeats):
         target = out / f"{name}-{r}"
         shutil.rmtree(target, ignore_errors=True)
@@ -264,7 +273,9 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=4_000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed calls before the timed ones")
     args = parser.parse_args()
+    globals()["WARMUP"] = args.warmup
 
     from stallfree.engines.ray_shard import RayExecutor
     from stallfree.engines.spark import SparkExecutor
