@@ -23,13 +23,14 @@ def register(sub: argparse._SubParsersAction) -> None:
             "is logged at training time: the order is a function of the state's seed, and the state "
             "carries the run's steps, world sizes and skips. A step after the state's is the one its "
             "run went on to read (the same world size, no further skips).",
-            "Name the dataset with --data (a sharded dataset: directory, manifest or URL) or "
-            "--dataset MODULE:FUNCTION (a function returning it, e.g. the mixture your training "
-            "script builds; the current directory is importable).",
+            "A sharded dataset is opened from where the state says it was opened (or --data, when it "
+            "moved); a dataset built in code is named with --dataset MODULE:FUNCTION (a function "
+            "returning it, e.g. the mixture your training script builds; the current directory is "
+            "importable) and its arguments as --dataset-arg.",
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
-            "example:\n  stallfree trace ckpt/loader.json --step 1200 --data ./in1k\n"
+            "example:\n  stallfree trace ckpt/loader.json --step 1200\n"
             "  stallfree trace ckpt/loader.json --step 1200 --rank 3 --dataset train:make_mixture "
             "--dataset-arg ./data --json"
         ),
@@ -42,8 +43,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--loader", type=int, default=0, help="which loader of a state file holding several (default 0)"
     )
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--data", help="a sharded dataset (directory, manifest.json or fsspec URL)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--data",
+        help="a sharded dataset (directory, manifest.json or fsspec URL); default: the one the state names",
+    )
     where.add_argument("--dataset", help="MODULE:FUNCTION returning the dataset the state was saved for")
     p.add_argument(
         "--dataset-arg",
@@ -71,11 +75,19 @@ def _state(path: str, loader: int) -> dict[str, Any]:
     return doc
 
 
-def _dataset(args: argparse.Namespace) -> Any:
-    if args.data is not None:
+def _dataset(args: argparse.Namespace, state: dict[str, Any]) -> Any:
+    url = args.data
+    if url is None and args.dataset is None:
+        url = state.get("url")
+        if not isinstance(url, str) or not url:
+            raise ValueError(
+                "the state names no dataset it was opened from (a dataset built in code, or a state saved "
+                "before stallfree recorded it): pass --data URL or --dataset MODULE:FUNCTION"
+            )
+    if url is not None:
         from stallfree.shards.open import open_dataset
 
-        return open_dataset(args.data, **storage_options(args))
+        return open_dataset(url, **storage_options(args))
     module_name, sep, attr = args.dataset.partition(":")
     if not sep or not module_name or not attr:
         raise ValueError(f"--dataset takes MODULE:FUNCTION, got {args.dataset!r}")
@@ -94,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         state = _state(args.state, args.loader)
-        dataset = _dataset(args)
+        dataset = _dataset(args, state)
         found = trace_state(state, dataset, args.step, args.rank)
     except (OSError, ValueError, ImportError, AttributeError) as exc:
         return fail("trace", exc)

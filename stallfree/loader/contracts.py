@@ -68,6 +68,14 @@ class ShardedSource(Protocol):
 
 
 @runtime_checkable
+class OpenedFromUrl(Protocol):
+    """A dataset opened from a URL (``open_dataset``): a resume state names it, so ``stallfree
+    trace STATE`` can open it again."""
+
+    url: str
+
+
+@runtime_checkable
 class KeyedSource(Protocol):
     """Tells a sample's ``__key__`` from its index without reading it (None: it cannot cheaply)."""
 
@@ -175,6 +183,11 @@ def orders_itself(dataset: Any) -> bool:
 def is_remote(dataset: Any) -> bool:
     """A dataset on anything but the local filesystem (the one rule: storage.fs.is_local)."""
     return isinstance(dataset, OnFilesystem) and dataset.fs is not None and not is_local(dataset.fs)
+
+
+def url_of(dataset: Any) -> str | None:
+    url = dataset.url if isinstance(dataset, OpenedFromUrl) and isinstance(dataset, ShardedSource) else None
+    return url if isinstance(url, str) and url else None
 
 
 def fingerprint_of(dataset: Any) -> str | None:

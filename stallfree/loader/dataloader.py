@@ -319,6 +319,7 @@ class DataLoader(tud.DataLoader[T_co]):
             world_size=self.world.size,
             dataset=contracts.mixture_state(self.dataset),
             fingerprint=contracts.fingerprint_of(self.dataset),
+            url=contracts.url_of(self.dataset),
             **fields,
         ).to_dict()
 

@@ -118,6 +118,14 @@ def test_stallfree_trace_prints_the_batch(tmp_path, capsys):
     assert all(k in text for k in batches[2]) and "world size 2" in text
     assert main(["trace", str(path), "--step", "2", "--rank", "5", "--data", root]) == 1
     assert "outside the world of 2" in capsys.readouterr().err
+    assert json.loads(path.read_text())["url"] == root  # the state names where the data was opened
+    assert main(["trace", str(path), "--step", "2", "--rank", "1", "--json"]) == 0
+    assert [s["key"] for s in json.loads(capsys.readouterr().out)["samples"]] == batches[2]
+    state = json.loads(path.read_text())
+    del state["url"]
+    path.write_text(json.dumps(state))
+    assert main(["trace", str(path), "--step", "2"]) == 1
+    assert "pass --data URL or --dataset" in capsys.readouterr().err
 
 
 def test_trace_refuses_a_state_of_other_data(tmp_path):

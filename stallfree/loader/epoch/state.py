@@ -43,6 +43,7 @@ class LoaderState:
     step: int | None = None  # steps (batches per rank) delivered since the run began (our order)
     history: tuple[dict[str, Any], ...] = ()  # the run's spans (timeline.py): what samples_at reads
     skips: tuple[dict[str, Any], ...] = ()  # position ranges left out by skip_steps= (timeline.py)
+    url: str | None = None  # where the dataset was opened from (open_dataset), for stallfree trace
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -61,6 +62,7 @@ class LoaderState:
             **({"step": self.step} if self.step is not None else {}),
             **({"history": [dict(h) for h in self.history]} if self.history else {}),
             **({"skips": [dict(k) for k in self.skips]} if self.skips else {}),
+            **({"url": self.url} if self.url is not None else {}),
         }
 
     @classmethod
@@ -90,6 +92,7 @@ class LoaderState:
                 step=_int(d, "step", low=0) if d.get("step") is not None else None,
                 history=_entries(d, "history"),
                 skips=_entries(d, "skips"),
+                url=_str(d, "url"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed loader state: {exc}") from exc
