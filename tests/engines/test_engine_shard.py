@@ -152,3 +152,12 @@ def test_naming_the_local_engine_imports_no_cluster_library(tmp_path: Path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("engine, extra", [("spark:local[1]", "spark"), ("ray", "ray")])
+def test_a_missing_engine_library_names_its_extra(monkeypatch, engine, extra):
+    from stallfree.extras import MissingExtra
+
+    monkeypatch.setitem(sys.modules, "pyspark" if extra == "spark" else "ray", None)  # not importable
+    with pytest.raises(MissingExtra, match=rf"pip install 'stallfree\[{extra}\]'"):
+        make_executor(engine)
