@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,9 +83,7 @@ def _run(body: str, tmp_path: Path, timeout: float = 30.0) -> tuple[subprocess.C
     script = PRELUDE + textwrap.dedent(body).replace("DIR", repr(str(tmp_path / "ds")))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = run_python(script, cwd=ROOT, env=env, timeout=timeout)  # a fresh interpreter, torch preloaded
     return proc, time.monotonic() - t0
 
 

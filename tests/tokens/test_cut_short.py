@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
@@ -22,6 +20,7 @@ from stallfree.errors import CorruptShardError
 from stallfree.tokens.packing import TokenDataset, open_tokens
 from stallfree.tokens.rawbin import RawBinSource
 from tests.tokens.helpers import write_megatron
+from tests.zygote import run_python
 
 TIMEOUT = 120
 SEQ, BATCH, CUT = 64, 4, 1000  # the first batch's windows hold bytes 0..1028 of int32 tokens
@@ -68,12 +67,7 @@ def _corpus(tmp_path, layout):
 )
 def test_cut_short_under_the_loader_is_an_error_naming_the_file(tmp_path, layout, workers):
     source, bin_path = _corpus(tmp_path, layout)
-    r = subprocess.run(
-        [sys.executable, "-c", _SCRIPT, source, bin_path, str(workers)],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
+    r = run_python(_SCRIPT, source, bin_path, str(workers), timeout=TIMEOUT)  # torch preloaded
     assert r.returncode == 3, (r.returncode, r.stdout, r.stderr[-3000:])  # -7 was SIGBUS
     err = json.loads(r.stdout.splitlines()[-1])
     assert f"the file is now {CUT} bytes" in err["message"] or f"it is now {CUT}" in err["message"]
