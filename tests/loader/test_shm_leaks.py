@@ -9,12 +9,12 @@ The loader now removes what a stopped worker left (``_torch_compat.remove_leftov
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -42,19 +42,13 @@ print("LEFT", left, flush=True)
 """
 
 
-@pytest.mark.serial  # watches /dev/shm
+# Not `serial`: it counts only the segments named after its own processes (torch_<pid>_*), so other
+# tests' segments never show up in it, and it runs in the parallel pass.
 @pytest.mark.slow  # 50 pools of 2 workers: ~10 s on 2 busy cores
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
 def test_iterators_dropped_at_random_points_leave_no_shared_memory():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(SCRIPT)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    proc = run_python(textwrap.dedent(SCRIPT), cwd=ROOT, env=env, timeout=240)  # torch preloaded
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LEFT"))
     assert line == "LEFT []", line
