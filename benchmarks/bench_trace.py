@@ -11,6 +11,8 @@ each timed on its own; and ``loader.samples_at`` on a loader restored from that 
            the loader's order for it
   mixture: three sources of 4*10^8, 3*10^8, 3*10^8 virtual samples, a three-stage schedule, 10^9
            positions per epoch (source and index in the source named)
+  tokens : packed windows of 32 tokens over 3.2 million virtual documents (10^9 windows; each
+           window's documents and token offsets named), global order
   ints   : a virtual dataset of 10^9 samples, global order (positions and indices only)
 
 Part 2, the delivery record. The same loader (a virtual dataset of ints, batch 256: the loader
@@ -37,6 +39,8 @@ import tempfile
 import time
 from typing import Any
 
+import numpy as np
+
 BATCH = 256
 
 
@@ -51,6 +55,25 @@ class Ints:
 
     def __getitem__(self, i: int) -> int:
         return i
+
+
+class VirtualTokens:
+    """A token source of ``documents`` documents of 1,000 to 19,000 tokens (a fixed pattern),
+    nothing stored: packing into windows and naming a window's documents need only the lengths."""
+
+    name = "virtual-tokens"
+    dtype = np.dtype("uint16")
+    eos = None
+
+    def __init__(self, documents: int) -> None:
+        self.doc_lengths = 1000 + (np.arange(documents, dtype=np.int64) * 7919) % 18000
+
+    @property
+    def fingerprint(self) -> str:
+        return f"virtual-{len(self.doc_lengths)}"
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        return np.zeros(stop - start, self.dtype)
 
 
 def write_manifest(root: str, shards: int, per_shard: int) -> None:
@@ -215,7 +238,11 @@ def main() -> None:
             schedule,
             samples_per_epoch=10**9,
         )
-        for name, ds in (("images", images), ("mixture", mixture), ("ints", Ints(10**9))):
+        # 10^9 windows of 32 tokens: 3.2 * 10^10 tokens in 3.2 million documents of ~10,000
+        tokens = stallfree.TokenDataset(VirtualTokens(3_201_000), 32)
+        assert len(tokens) >= 10**9, len(tokens)
+        sets = (("images", images), ("mixture", mixture), ("tokens", tokens), ("ints", Ints(10**9)))
+        for name, ds in sets:
             row = time_lookups(name, ds, args.lookups, seed=7)
             print(json.dumps(row))
     if args.skip_record:
