@@ -274,6 +274,13 @@ def main() -> None:
                     "main_cpu_us_per_batch_off": round(cpu_off, 1),
                     "main_cpu_us_per_batch_on": round(cpu_on, 1),
                     "main_cpu_on_over_off": round(cpu_on / cpu_off, 4),
+                    # each round runs both, back to back: the median of the rounds' own ratios
+                    "paired_cpu_ratio_median": round(
+                        statistics.median(a / b for a, b in zip(cpu["on"], cpu["off"], strict=True)), 4
+                    ),
+                    "paired_wall_ratio_median": round(
+                        statistics.median(a / b for a, b in zip(runs["on"], runs["off"], strict=True)), 4
+                    ),
                     "best_on_over_best_off": round(max(runs["on"]) / max(runs["off"]), 4),
                     "loader_us_per_batch": round(us_per_batch, 1),
                     "record_share_of_batch": round(cost["record_us_per_batch"] / us_per_batch, 5),
