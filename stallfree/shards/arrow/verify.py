@@ -67,7 +67,8 @@ def verify_arrow_shard(
     layout = "Parquet file" if path.endswith(".parquet") else "Arrow IPC file"
     b = -1
     try:
-        with open_read(fs, path, size, shard=shard) as f:
+        # read ahead: batches are read front to back (a stream twice: walked, then each batch)
+        with open_read(fs, path, size, shard=shard, block_size=1 << 22) as f:
             batches, layout, tables = _table_batches(f, path, shard)
             rows = 0
             seen: set[str] = set()
