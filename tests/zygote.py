@@ -35,6 +35,53 @@ PRELOAD = ("numpy", "psutil", "torch", "stallfree", "stallfree.loader.dataloader
 _STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "CUDA", "LD_", "MALLOC")
 
 
+class Child:
+    """A child forked by ``start_python``: ``wait`` for its exit code, ``kill_session``, then
+    ``output`` (its stdout and stderr; once, it removes their files)."""
+
+    def __init__(self, code: str, args: tuple[str, ...], cwd: str, env: dict[str, str]) -> None:
+        self.zygote = _zygote(env)
+        self.paths = []
+        for name in ("out", "err"):
+            fd, path = tempfile.mkstemp(prefix=f"zygote-{name}-")
+            os.close(fd)
+            self.paths.append(path)
+        request = dict(
+            op="run", code=code, argv=list(args), cwd=cwd, env=env, out=self.paths[0], err=self.paths[1]
+        )
+        self.pid: int = self.zygote.ask(**request)["pid"]
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Its exit code as ``subprocess`` gives it (negative: the signal); None if it still runs
+        after ``timeout`` s."""
+        if self.returncode is None:
+            self.returncode = self.zygote.ask(op="wait", pid=self.pid, timeout=timeout)["rc"]
+        return self.returncode
+
+    def kill_session(self) -> None:
+        """SIGKILL every process of its session (it leads one), and reap it."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.wait()
+
+    def output(self) -> tuple[str, str]:
+        texts = []
+        for path in self.paths:
+            texts.append(Path(path).read_text(errors="replace"))
+            os.unlink(path)
+        return texts[0], texts[1]
+
+
+def start_python(
+    code: str, *args: str, cwd: str | os.PathLike | None = None, env: typing.Mapping[str, str] | None = None
+) -> Child:
+    """``python -c code args...`` forked from this process's zygote, in a session of its own, its
+    stdout and stderr captured."""
+    env = dict(os.environ if env is None else env)
+    return Child(code, args, str(cwd if cwd is not None else os.getcwd()), env)
+
+
 def run_python(
     code: str,
     *args: str,
@@ -45,28 +92,14 @@ def run_python(
     """``subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, ...)``,
     forked from this process's zygote; on ``timeout`` the child's session is killed and
     ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
-    env = dict(os.environ if env is None else env)
     cmd = [sys.executable, "-c", code, *args]
-    cwd = str(cwd if cwd is not None else os.getcwd())
-    zygote = _zygote(env)
-    paths = []
-    for name in ("out", "err"):
-        fd, path = tempfile.mkstemp(prefix=f"zygote-{name}-")
-        os.close(fd)
-        paths.append(path)
+    child = start_python(code, *args, cwd=cwd, env=env)
     try:
-        pid = zygote.ask(op="run", code=code, argv=list(args), cwd=cwd, env=env, out=paths[0], err=paths[1])[
-            "pid"
-        ]
-        rc = zygote.ask(op="wait", pid=pid, timeout=timeout)["rc"]
+        rc = child.wait(timeout)
         if rc is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pid, signal.SIGKILL)
-            zygote.ask(op="wait", pid=pid, timeout=None)
-        out, err = (Path(p).read_text(errors="replace") for p in paths)
+            child.kill_session()
     finally:
-        for p in paths:
-            os.unlink(p)
+        out, err = child.output()
     if rc is None:
         raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err)
     return subprocess.CompletedProcess(cmd, rc, out, err)

@@ -1,16 +1,10 @@
 """Child side of test_torch_equivalence.py: the datasets, samplers and scenarios, run in a fresh
-interpreter per loader that prints its observations as JSON.
+interpreter per loader (``python -c _CHILD scenario impl``) that prints its observations as JSON.
 
 Kept apart from the test module so that each child, and each spawn or forkserver worker that
 unpickles a dataset, imports only torch and stallfree, not pytest: 0.25 CPU-s a process, about 40
-processes a run.
-
-The children are forked from a zygote (``_zygote``): an interpreter that imported this module
-(torch, stallfree, psutil) once and then forks one child per run. Importing torch is most of a
-child's cost (about 1.7 CPU-s; 30 children a run), and a child forked after the imports is the
-interpreter a ``python -c`` child is once its imports are done: a session of its own, its own
-stdout and stderr, argv and environment, and it ends through the interpreter's normal exit
-(``SystemExit``, or the scenario's uncaught exception), atexit handlers and finalisation included.
+processes a run. The children fork from a zygote that imported torch and stallfree once
+(``tests/zygote.py``).
 """
 
 from __future__ import annotations
@@ -20,7 +14,6 @@ import json
 import math
 import multiprocessing
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -169,60 +162,6 @@ def _child(scenario: str, impl: str) -> None:
         except Exception as e:  # noqa: BLE001 - the type and message are the observation
             result = {"raised": [type(e).__name__, _last_line(e)]}
     print(MARK + json.dumps(result), flush=True)
-
-
-def _zygote() -> None:
-    """Serve runs on stdin, one JSON request a line, one JSON reply a line on stdout, until EOF.
-
-    ``{"op": "run", "scenario", "impl", "out", "err", "cwd", "env"}`` forks a child that runs
-    ``_child(scenario, impl)`` with stdout and stderr on the files ``out`` and ``err``; reply
-    ``{"pid"}``. ``{"op": "wait", "pid", "timeout"}`` reaps it; reply ``{"rc"}``: its exit code as
-    ``subprocess`` gives it (negative: the signal), None if it still runs after ``timeout`` s.
-    """
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request["op"] == "run":
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                _forked_child(request)  # never returns: the child leaves through the interpreter's exit
-            reply: dict = {"pid": pid}
-        else:
-            reply = {"rc": _wait(request["pid"], request["timeout"])}
-        sys.stdout.write(json.dumps(reply) + "\n")
-        sys.stdout.flush()
-
-
-def _forked_child(request: dict) -> None:
-    """In the forked child: become what ``python -c ... scenario impl`` would be, run the scenario,
-    and leave by raising (SystemExit(0), or the scenario's own uncaught exception)."""
-    os.setsid()
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        opened = os.open(path, os.O_WRONLY | os.O_TRUNC)
-        os.dup2(opened, fd)
-        os.close(opened)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)  # the zygote's request pipe is not the child's
-    os.close(null)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    tempfile.tempdir = None  # TMPDIR is this run's
-    sys.argv = ["-c", request["scenario"], request["impl"]]
-    _child(request["scenario"], request["impl"])
-    raise SystemExit(0)
-
-
-def _wait(pid: int, timeout: float | None) -> int | None:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while True:
-        done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(0.01)
 
 
 # --- scenarios: each takes the DataLoader class and returns what a user would look at ---

@@ -1,7 +1,6 @@
 """Drop-in fidelity: the same scenario through torch's DataLoader and ours, compared as a user sees it.
 
-Each scenario (in ``equivalence_child.py``) runs in a fresh interpreter per loader (``_Run``; forked
-from a zygote that imported torch and stallfree once, see there), both
+Each scenario (in ``equivalence_child.py``) runs in a fresh interpreter per loader (``_Run``), both
 at once, each in a session of its own with a deadline, so a hang or a leaked worker fails the test,
 not the suite: the child prints its observations as JSON, and the parent adds the exit code, the
 last line of stderr, the "Exception ignored" lines and the processes of the child's session still
@@ -14,10 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import tempfile
 import time
 import typing
 from dataclasses import asdict, dataclass
@@ -30,9 +25,10 @@ import torch.utils.data as tud
 
 import stallfree
 from tests.loader.equivalence_child import MARK
+from tests.zygote import start_python
 
 ROOT = Path(__file__).resolve().parents[2]
-_ZYGOTE = "from tests.loader import equivalence_child as m; m._zygote()"
+_CHILD = "import sys; from tests.loader import equivalence_child as m; m._child(sys.argv[1], sys.argv[2])"
 
 
 # --- running a scenario in a child interpreter ---
@@ -50,94 +46,20 @@ class Outcome:
     leftover_processes: int
 
 
-class _Zygote:
-    """An interpreter that imported the scenarios (torch, stallfree) once and forks one child per run
-    (``equivalence_child._zygote``): the 1.7 CPU-s of importing torch once per test process, not
-    twice per test."""
-
-    def __init__(self) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _ZYGOTE],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-
-    def ask(self, **request: typing.Any) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        assert line, f"the zygote exited with {self.proc.wait()}"
-        return json.loads(line)
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-_zygotes: list[_Zygote] = []
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_zygote_per_test_process():
-    """Started by the first test here in this process; stopped at the end of the session."""
-    yield
-    while _zygotes:
-        _zygotes.pop().close()
-
-
-def _zygote() -> _Zygote:
-    if not _zygotes or _zygotes[0].proc.poll() is not None:
-        _zygotes[:] = [_Zygote()]
-    return _zygotes[0]
-
-
 class _Run:
-    """One child interpreter running ``scenario`` with ``impl``'s DataLoader, in a session of its own."""
+    """One child interpreter running ``scenario`` with ``impl``'s DataLoader, in a session of its own
+    (forked from a zygote that imported torch and stallfree once: ``tests/zygote.py``)."""
 
     def __init__(self, scenario: str, impl: str) -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        self.paths = []
-        for name in ("out", "err"):
-            fd, path = tempfile.mkstemp(prefix=f"{impl}-{name}-")
-            os.close(fd)
-            self.paths.append(path)
-        self.zygote = _zygote()
-        self.pid: int = self.zygote.ask(
-            op="run",
-            scenario=scenario,
-            impl=impl,
-            out=self.paths[0],
-            err=self.paths[1],
-            cwd=str(ROOT),
-            env=env,
-        )["pid"]
+        self.child = start_python(_CHILD, scenario, impl, cwd=ROOT, env=env)
 
     def finish(self, deadline: float) -> Outcome:
         """Wait until ``deadline`` (monotonic); then count what is left of the session and kill it."""
-        rc: int | None = self.zygote.ask(
-            op="wait", pid=self.pid, timeout=max(0.0, deadline - time.monotonic())
-        )["rc"]
-        _, alive = psutil.wait_procs(_session_members(self.pid), timeout=5)
-        try:
-            os.killpg(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        if rc is None:
-            self.zygote.ask(op="wait", pid=self.pid, timeout=None)
-        texts = []
-        for path in self.paths:
-            texts.append(Path(path).read_text())
-            os.unlink(path)
-        stdout, stderr = texts
+        rc = self.child.wait(timeout=max(0.0, deadline - time.monotonic()))
+        _, alive = psutil.wait_procs(_session_members(self.child.pid), timeout=5)
+        self.child.kill_session()
+        stdout, stderr = self.child.output()
         results = [line[len(MARK) :] for line in stdout.splitlines() if line.startswith(MARK)]
         lines = [line for line in stderr.splitlines() if line.strip()]
         return Outcome(
