@@ -17,8 +17,11 @@ per image in the trainer's process tree (core 0) and in the Ray worker processes
 (b) the bytes on the wire per image and the trainer's CPU per remote batch (ray.get + the copy out
 of the object store), from ``loader.stats()["remote"]``.
 
+The loaders take turns for ``--rounds`` rounds; ratios are taken within a round and their median
+reported (the machines are shared: the load drifts between minutes).
+
 Run: .venv/bin/python benchmarks/bench_remote.py [--images 768] [--batch 32] [--steps 40]
-     [--step-ms 10] [--json out.json]
+     [--step-ms 10] [--rounds 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--step-ms", type=float, default=10.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefetch", type=int, default=4, help="prefetch_factor of both loaders")
+    ap.add_argument("--in-flight", type=int, default=2, help="RayWorkers(in_flight=)")
     ap.add_argument("--only", default="a,b,c")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -149,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     shards = write_jpeg_shards(tmp / "ds", args.images, per_shard=64, size=(500, 375))
 
     os.sched_setaffinity(0, {ray_core})  # the cluster's processes inherit core 1
-    cluster = start_loopback_cluster(worker_nodes=1, cpus_per_node=1, resource=None, object_store_bytes=256 << 20)
+    cluster = start_loopback_cluster(
+        worker_nodes=1, cpus_per_node=1, resource=None, object_store_bytes=256 << 20
+    )
     os.sched_setaffinity(0, {trainer_core})  # the trainer (and its local worker) on core 0
     HEAD.append(cluster.raylet_pid(cluster.head))
     HEAD.extend(
@@ -171,34 +180,21 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     only = set(args.only.split(","))
-    remote_stats = None
-    for name in ("a", "b"):
-        if name not in only:
-            continue
-        remote = RayWorkers(1, cpus_per_worker=1) if name == "b" else None
-        loader = DataLoader(
+
+    def loader_for(remote: bool) -> DataLoader:
+        return DataLoader(
             open_dataset(str(shards)),
             batch_size=args.batch,
             shuffle=True,
             seed=0,
             num_workers=1,
             persistent_workers=True,
+            prefetch_factor=args.prefetch,
             decode=ImageDecode(**recipe),
-            remote=remote,
+            remote=RayWorkers(1, cpus_per_worker=1, in_flight=args.in_flight) if remote else None,
         )
-        results.append(
-            measure("local" if name == "a" else "+remote", forever(loader), args.steps, args.warmup, step_s, args.batch)
-        )
-        if remote is not None:
-            remote_stats = loader.stats()["remote"]
-            results[-1]["bytes_per_img"] = remote_stats["bytes_per_batch"] / args.batch
-            results[-1]["trainer_cpu_ms_per_remote_batch"] = remote_stats["trainer_cpu_ms_per_batch"]
-            results[-1]["remote_share"] = remote_stats["batches_remote"] / max(
-                1, remote_stats["batches_remote"] + remote_stats["batches_local"]
-            )
-        loader.close()
-    if "c" in only:
-        import numpy as np
+
+    def ray_data_stream():
         import ray.data
 
         decoder = ImageDecode(**recipe)
@@ -215,27 +211,69 @@ def main(argv: list[str] | None = None) -> int:
         ds = ray.data.read_webdataset(tars, decoder=None).map_batches(
             decode, batch_size=args.batch, batch_format="numpy"
         )
+        while True:
+            yield from ds.iter_torch_batches(batch_size=args.batch)
 
-        def ray_batches():
-            while True:
-                yield from ds.iter_torch_batches(batch_size=args.batch)
-
-        results.append(measure("ray-data", ray_batches(), args.steps, args.warmup, step_s, args.batch))
-        del np
+    # the loaders take turns, round after round (the machine's load drifts: a ratio within one
+    # round compares like with like); each is made afresh per round and closed after it (the CPU
+    # node has one CPU: a remote worker holds it while its loader lives), and measured after
+    # warm-up steps (its start, the actor's placement, Ray Data's first tasks)
+    rounds: list[list[dict]] = []
+    remote_stats = None
+    for r in range(args.rounds):
+        print(f" round {r + 1}/{args.rounds}", flush=True)
+        rnd = []
+        for name in ("a", "b"):
+            if name in only:
+                loader = loader_for(remote=name == "b")
+                label = "local" if name == "a" else "+remote"
+                rnd.append(measure(label, forever(loader), args.steps, args.warmup, step_s, args.batch))
+                if name == "b":
+                    remote_stats = loader.stats()["remote"]
+                loader.close()
+        if "c" in only:
+            stream = ray_data_stream()
+            rnd.append(measure("ray-data", stream, args.steps, args.warmup, step_s, args.batch))
+            stream.close()
+        rounds.append(rnd)
+    results = [row for rnd in rounds for row in rnd]
     cluster.shutdown()
-    by = {r["loader"]: r for r in results}
-    if "local" in by and "+remote" in by:
-        print(f"  (b)/(a) img/s: {by['+remote']['img_s'] / by['local']['img_s']:.2f}x")
-    if "ray-data" in by and "+remote" in by:
-        print(f"  (b)/(c) img/s: {by['+remote']['img_s'] / by['ray-data']['img_s']:.2f}x")
+    names = {row["loader"] for row in results}
+
+    def ratio(x: str, y: str) -> list[float]:
+        return [
+            next(r["img_s"] for r in rnd if r["loader"] == x)
+            / next(r["img_s"] for r in rnd if r["loader"] == y)
+            for rnd in rounds
+        ]
+
+    summary: dict[str, object] = {}
+    for x, y, label in (("+remote", "local", "(b)/(a)"), ("+remote", "ray-data", "(b)/(c)")):
+        if {x, y} <= names:
+            per = ratio(x, y)
+            summary[label] = {"per_round": per, "median": statistics.median(per)}
+            print(
+                f"  {label} img/s: median {statistics.median(per):.2f}x; rounds "
+                + ", ".join(f"{v:.2f}" for v in per)
+            )
     if remote_stats is not None:
+        remote_share = remote_stats["batches_remote"] / max(
+            1, remote_stats["batches_remote"] + remote_stats["batches_local"]
+        )
+        summary["remote"] = {
+            "share_of_batches": remote_share,
+            "bytes_per_img": remote_stats["bytes_per_batch"] / args.batch,
+            "trainer_cpu_ms_per_remote_batch": remote_stats["trainer_cpu_ms_per_batch"],
+        }
         print(
-            f"  remote batches: {by['+remote']['remote_share']:.0%} of the batches; on the wire "
-            f"{by['+remote']['bytes_per_img'] / 1024:.0f} KiB/img; trainer CPU per remote batch "
-            f"{by['+remote']['trainer_cpu_ms_per_remote_batch']:.2f} ms"
+            f"  remote batches: {remote_share:.0%} of (b)'s; on the wire {remote_stats['bytes_per_batch'] / args.batch / 1024:.0f} "
+            f"KiB/img; trainer CPU per remote batch {remote_stats['trainer_cpu_ms_per_batch']:.2f} ms "
+            f"(ray.get + the copy out of the object store)"
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "results": results, "summary": summary}, indent=2)
+        )
     return 0
 
 

@@ -83,13 +83,19 @@ def main() -> None:
         seed=args.seed,
         num_workers=args.workers,
         persistent_workers=args.workers > 0,
-        decode=stallfree.ImageDecode(train=True, size=args.size, backend="cpu", transfer="uint8" if cuda else None),
+        decode=stallfree.ImageDecode(
+            train=True, size=args.size, backend="cpu", transfer="uint8" if cuda else None
+        ),
         device=device if cuda else None,
         drop_last=True,
         remote=remote,
     )
     model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, classes)
+        nn.Conv2d(3, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, classes),
     ).to(device)
     optim = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     step, start_epoch = 0, 0

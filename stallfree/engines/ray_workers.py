@@ -136,7 +136,13 @@ class RayWorkers:
             raise RemoteClusterError(f"starting the remote workers on their plan failed: {exc}") from exc
         settings = PoolSettings(self.in_flight, self.on_lost, self.reissue_after_s, self.min_reissue_s)
         return RemotePool(
-            local, settings, self.stats_keeper, list(self._actors), list(self._nodes), prefetch_factor, pin_memory
+            local,
+            settings,
+            self.stats_keeper,
+            list(self._actors),
+            list(self._nodes),
+            prefetch_factor,
+            pin_memory,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -194,7 +200,9 @@ class RayWorkers:
                 )
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(others[wid % len(others)], soft=False)
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(
+                others[wid % len(others)], soft=False
+            )
         return opts
 
     def _place(self, ray: Any, first_wid: int) -> None:

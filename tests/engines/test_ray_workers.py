@@ -27,7 +27,10 @@ def decode(sample: dict) -> dict:
     raw = sample["bin"]
     if raw.startswith(b"BAD"):
         raise ValueError(f"corrupt payload in {sample['__key__']}")
-    return {"key": sample["__key__"], "x": torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64)}
+    return {
+        "key": sample["__key__"],
+        "x": torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(torch.int64),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +121,12 @@ def test_exactly_once_and_the_local_order(ray_cluster, dataset, num_workers):
     assert {w["node"] for w in workers.values()} == {"127.0.0.1"}
     assert sum(w["batches"] for w in workers.values()) == remote_stats["batches_remote"]
     assert all(w["bytes_sent"] > 0 and w["cpu_s"] > 0 for w in workers.values() if w["batches"])
+    from stallfree.loader.export import flatten_stats
+
+    flat = flatten_stats(stats)  # what TensorBoard and the JSON lines get
+    assert flat["remote/batches_remote"] == remote_stats["batches_remote"]
+    first = min(workers)
+    assert flat[f"remote/workers/{first}/batches"] == workers[first]["batches"]
 
 
 def test_resume_mid_epoch_into_one_remote_worker_and_into_none(ray_cluster, dataset):
@@ -279,7 +288,9 @@ def test_the_example_trains_every_sample_once_across_two_ranks(ray_cluster, tmp_
         for k in json.loads(line)["keys"]
     ]
     assert sorted(keys) == [f"{i:08d}" for i in range(48)]
-    summaries = [json.loads(line.split("remote: ", 1)[1]) for line in r.stdout.splitlines() if " remote: " in line]
+    summaries = [
+        json.loads(line.split("remote: ", 1)[1]) for line in r.stdout.splitlines() if " remote: " in line
+    ]
     assert len(summaries) == 2 and all(s["batches_remote"] > 0 for s in summaries), r.stdout
     assert os.path.exists(tmp_path / "ckpt.pt")
 

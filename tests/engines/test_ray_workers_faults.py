@@ -145,7 +145,9 @@ def test_a_straggler_batch_is_reissued_and_delivered_once(outcome):
 
 def test_all_remote_workers_gone_raises_when_told(outcome):
     r = outcome["raise"]
-    assert r["error"] is not None and r["error"].startswith("every remote worker is gone (1 on ['127.0.0.1'])")
+    assert r["error"] is not None and r["error"].startswith(
+        "every remote worker is gone (1 on ['127.0.0.1'])"
+    )
     assert len(r["got"]) == len(set(r["got"]))
 
 
