@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=6)
     ap.add_argument("--step-ms", type=float, default=10.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--prefetch", type=int, default=4, help="prefetch_factor of both loaders")
+    ap.add_argument("--prefetch", type=int, default=2, help="prefetch_factor of both loaders")
     ap.add_argument("--in-flight", type=int, default=2, help="RayWorkers(in_flight=)")
     ap.add_argument("--only", default="a,b,c")
     ap.add_argument("--json", default=None)
