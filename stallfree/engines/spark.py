@@ -47,6 +47,7 @@ from stallfree.shards.write_engines import (
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.2
+_STOP_WAIT_S = 30.0
 _NO_NODES = "<no executor registered yet>"  # not this machine: local paths are refused
 
 
@@ -188,10 +189,12 @@ class SparkExecutor:
                 reported = _report(written.value, reported, progress)
         except BaseException:
             sc.cancelJobGroup(group)
-            thread.join(30)
+            thread.join(_STOP_WAIT_S)
+            _wait_for_tasks_to_stop(sc, group)
             raise
         _report(written.value, reported, progress)
         if "error" in box:
+            _wait_for_tasks_to_stop(sc, group)
             raise _task_error(box["error"], tasks) from None
         outcomes: list[TaskOutcome] = box["outcomes"]
         error = next((o for o in outcomes if o.error is not None), None)
@@ -211,6 +214,24 @@ class SparkExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wait_for_tasks_to_stop(sc: Any, group: str) -> None:
+    """After a failed job, wait until none of its task attempts still runs (Spark kills them
+    asynchronously), so none renames a shard into place after the run removed its shards."""
+    tracker = sc.statusTracker()
+    deadline = time.monotonic() + _STOP_WAIT_S
+    while time.monotonic() < deadline:
+        active = 0
+        for job_id in tracker.getJobIdsForGroup(group):
+            job = tracker.getJobInfo(job_id)
+            for stage_id in job.stageIds if job is not None else ():
+                stage = tracker.getStageInfo(stage_id)
+                active += stage.numActiveTasks if stage is not None else 0
+        if active == 0:
+            return
+        time.sleep(_POLL_S)
+    log.warning("Spark tasks of %s still ran %.0f s after the job failed", group, _STOP_WAIT_S)
 
 
 def _report(
@@ -291,8 +312,18 @@ def write_spark(
             part = PartitionPart(partition, None, error=str(exc)).dumps()
         yield pa.RecordBatch.from_pydict({"part": [part]})
 
+    sc = spark.sparkContext
+    group = f"stallfree-write-{uuid.uuid4().hex[:12]}"
+    previous = sc.getLocalProperty("spark.jobGroup.id")
     try:
-        rows = df.mapInArrow(write, "part string").collect()
+        sc.setLocalProperty("spark.jobGroup.id", group)  # this thread's jobs, to wait for on failure
+        try:
+            rows = df.mapInArrow(write, "part string").collect()
+        except BaseException:
+            _wait_for_tasks_to_stop(sc, group)
+            raise
+        finally:
+            sc.setLocalProperty("spark.jobGroup.id", previous)
         parts = [PartitionPart.loads(row.part) for row in rows]
         bad = first_error(parts)
         if bad is not None:
