@@ -1,7 +1,9 @@
 """Parallel sharding: plan shard boundaries up front from the listed item sizes, let worker
 processes each write whole shards with the single-shard writers, then write one manifest in
 shard order. The plan depends only on the items, the limits and the shuffle seed, and each shard
-is written by one deterministic writer, so the output is byte-identical for any worker count.
+is written by one deterministic writer, so the output is byte-identical for any worker count,
+and on any engine: the shard tasks run through a ``TaskRunner`` (``LocalRunner``: this process or
+forked workers; Ray and Spark: ``stallfree/engines/``), while the plan and the manifest stay here.
 
 Replacing a dataset (``overwrite``) is all or nothing. The new shards take names the old
 dataset does not use (``Manifest.generation_stem``: ``shard-000000.tar`` or ``shard-000000.g1.tar``),
