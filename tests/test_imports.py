@@ -1,4 +1,4 @@
-"""The package's import graph: no cycles, and the layering DESIGN.md states.
+"""The package's import graph: no cycles, and the layering docs/ARCHITECTURE.md states.
 
 Every ``import`` / ``from ... import`` statement in stallfree/ counts, wherever it is written
 (module level, inside functions, under ``if TYPE_CHECKING:``): a function-level import hides a

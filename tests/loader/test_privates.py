@@ -1,4 +1,4 @@
-"""A package's privates stay inside it (DESIGN.md; issue 23.3): no module reads or writes an
+"""A package's privates stay inside it (docs/ARCHITECTURE.md; issue 23.3): no module reads or writes an
 underscore attribute that only another stallfree package defines.
 
 Before, ``loader/worker/shards.py`` drove ``ShardedDataset``'s ``_open_reader``, ``_readers``,
