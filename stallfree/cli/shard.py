@@ -350,6 +350,8 @@ def _engine(args: argparse.Namespace) -> Any:
         raise ValueError("--engine applies to sample shards, not with --tokenizer (which runs here)")
     if engine.name == "local" and args.shared_fs:
         raise ValueError("--shared-fs applies only with a cluster --engine (ray, spark)")
+    if engine.name != "local" and args.workers != 1:
+        raise ValueError(f"--workers applies to --engine local; {engine.name} runs one task per shard")
     return engine
 
 

@@ -139,6 +139,8 @@ def test_cli_engine_errors_are_usage_errors(folder: Path, tmp_path: Path, capsys
     assert "unknown engine 'dask'" in capsys.readouterr().err
     assert main(["shard", str(folder), out, "--shared-fs", "--no-progress"]) == 2
     assert "--shared-fs applies only with a cluster --engine" in capsys.readouterr().err
+    assert main(["shard", str(folder), out, "--engine", "ray", "--workers", "4", "--no-progress"]) == 2
+    assert "--workers applies to --engine local" in capsys.readouterr().err
     assert not Path(out).exists()
 
 
