@@ -16,6 +16,7 @@ from typing import Any
 from stallfree.loader.dataloader import DataLoader
 from stallfree.loader.epoch import order
 from stallfree.loader.epoch.state import LoaderState
+from stallfree.loader.epoch.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ def check_world(loader: DataLoader, *, rank: int, size: int, who: str) -> None:
 def position_after_restore(loader: DataLoader, state: Mapping[str, Any]) -> EpochPosition:
     """Where ``loader`` stands once ``state`` is loaded into it, in this rank's batches: the share
     of the rest of the epoch this world gives the rank, cut into batches as the loader cuts it
-    (``order.RankShare``, ``order.batches``)."""
+    (``order.RankShare``, ``order.batches``), steps skipped by ``skip_steps=`` left out."""
     st = LoaderState.from_dict(state)
     if st.mode != "fast":
         raise ValueError(
@@ -70,9 +71,13 @@ def position_after_restore(loader: DataLoader, state: Mapping[str, Any]) -> Epoc
         )
     w, uneven = loader.world, loader.uneven
     batch_size = int(loader.batch_size or 1)
+    # position ranges of this epoch a resume past known-bad steps leaves out (skip_steps=): the
+    # resumed span starts at the state's step, past every skip the state carries
+    timeline = Timeline.from_state(st.dataset_len, st.history, st.skips)
+    skipped = tuple((k.lo, k.hi) for k in timeline.skips if k.epoch == st.epoch)
 
     def batches_from(start: int) -> int:
-        share = order.RankShare(order.Sequential(st.dataset_len), start, w.rank, w.size, uneven)
+        share = order.RankShare(order.Sequential(st.dataset_len), start, w.rank, w.size, uneven, skipped)
         return len(order.batches(share, batch_size, loader.drop_last))
 
     total, left = batches_from(0), batches_from(st.consumed)

@@ -77,3 +77,27 @@ def test_only_our_loader_in_our_order_is_accepted():
     assert sampled.mode == "sampler"
     with pytest.raises(ValueError, match="runs in mode 'sampler'"):
         loader_facts.require_own_order(sampled, who="x")
+
+
+@pytest.mark.parametrize("size", [1, 2])
+def test_the_position_after_a_restore_leaves_out_skipped_steps(size):
+    """A state that carries skip_steps= ranges of its epoch (saved after a resume past bad steps):
+    the batches a framework is told are left are the ones the loader then yields, skips left out."""
+    first = _loader(64, 0, 1, 4, False, "pad")
+    it = iter(first)
+    for _ in range(3):
+        next(it)
+    saved = first.state_dict()
+    skipping = _loader(64, 0, 1, 4, False, "pad")
+    skipping.load_state_dict(saved, skip_steps=[(5, 8)])  # three batches of this epoch, not yet read
+    it = iter(skipping)
+    next(it)
+    state = skipping.state_dict()
+    assert state["skips"]  # the skips travel in the state
+    for rank in range(size):
+        loader = _loader(64, rank, size, 4, False, "pad")
+        loader.load_state_dict(state)
+        where = loader_facts.position_after_restore(loader, state)
+        loader.set_epoch(0)
+        left = list(loader)
+        assert (where.epoch, where.batches_left) == (0, len(left))
