@@ -260,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
         remote_share = remote_stats["batches_remote"] / max(
             1, remote_stats["batches_remote"] + remote_stats["batches_local"]
         )
+        worker = next(iter(remote_stats["workers"].values()))
+        per_batch = max(1, worker["batches"])
         summary["remote"] = {
+            "busy_ms_per_batch": 1000 * worker["busy_s"] / per_batch,
+            "in_flight_ms_per_batch": 1000 * worker["in_flight_s"] / per_batch,
             "share_of_batches": remote_share,
             "bytes_per_img": remote_stats["bytes_per_batch"] / args.batch,
             "trainer_cpu_ms_per_remote_batch": remote_stats["trainer_cpu_ms_per_batch"],
@@ -268,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  remote batches: {remote_share:.0%} of (b)'s; on the wire {remote_stats['bytes_per_batch'] / args.batch / 1024:.0f} "
             f"KiB/img; trainer CPU per remote batch {remote_stats['trainer_cpu_ms_per_batch']:.2f} ms "
-            f"(ray.get + the copy out of the object store)"
+            f"(ray.get + the copy out of the object store); a remote batch took "
+            f"{summary['remote']['busy_ms_per_batch']:.0f} ms on its worker and "
+            f"{summary['remote']['in_flight_ms_per_batch']:.0f} ms from dispatch to delivery"
         )
     if args.json:
         Path(args.json).write_text(
