@@ -45,7 +45,10 @@ def _samples() -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def shard_dir(tmp_path) -> Path:
+def shard_dir(tmp_path, monkeypatch) -> Path:
+    # one row per record batch (as a shard of big samples is laid out), so the damage tests can
+    # hit batch 5 = row 5; multi-row batches are fuzzed through the Hugging Face stream below
+    monkeypatch.setattr("stallfree.shards.arrow.writer.BATCH_ROWS", 1)
     root = tmp_path / "ds"
     with ShardWriter(str(root), format="arrow", max_samples=ROWS) as w:
         for s in _samples():
