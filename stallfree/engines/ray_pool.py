@@ -221,6 +221,9 @@ class RemotePool:
     def send(self, worker: int, task: Task) -> None:
         key = (task.gen, task.seq)
         with self._lock:
+            if self._charged and next(iter(self._charged))[0] < task.gen:
+                # a persistent pool's new iterator: the last one's leftovers are never asked for
+                self._charged = {k: w for k, w in self._charged.items() if k[0] >= task.gen}
             self._charged[key] = worker
             flight = _Flight(task, worker, sent_at=time.monotonic(), local=worker < self.L)
             self._flights[key] = flight

@@ -327,3 +327,22 @@ def test_a_dataset_on_the_s3_server_is_read_by_the_remote_workers(ray_cluster):
             loader.close()
     assert got == written
     assert stats["batches_remote"] == 10 and stats["batches_local"] == 0
+
+
+def test_a_persistent_pool_serves_two_epochs_with_the_same_actors(ray_cluster, dataset):
+    from stallfree import RayWorkers
+
+    remote = RayWorkers(2, resources={"stallfree_cpu": 1})
+    loader = loader_for(dataset, 1, remote, persistent_workers=True)
+    try:
+        first = keys_of(loader)
+        actors = list(remote._actors)
+        second = keys_of(loader)
+        assert remote._actors == actors  # kept across epochs, not placed again
+        stats = loader.stats()["remote"]
+    finally:
+        loader.close()
+    assert sorted(first) == sorted(second) == sorted(expected_keys())
+    assert first != second  # epoch 1's order is another permutation
+    assert stats["batches_remote"] + stats["batches_local"] == 2 * (N // BATCH)
+    assert remote._actors == []  # close() stopped them
