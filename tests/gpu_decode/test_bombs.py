@@ -217,6 +217,7 @@ def test_c_decoder_refuses_a_box_that_is_not_finite(flat, box):
         cpu._turbo.decode_into(flat, *box, 8, False, out)
 
 
+@pytest.mark.slow  # a child process per backend: started first
 def test_scan_bomb_through_the_loader_for_every_backend(tmp_path, flat):
     """The reported file's shape (one colour, last scan repeated), smaller: refused by its header in
     every backend here, through the real DataLoader, in a subprocess (a decoder that does not

@@ -52,6 +52,7 @@ def test_one_rank_bench_with_analysis_and_tuning_opens_each_dataset_once(opens):
     assert sorted(opens) == [(os.getpid(), SPEC), (os.getpid(), WARM)]
 
 
+@pytest.mark.slow  # two spawned ranks, each with its loader workers: started first
 def test_two_rank_bench_opens_the_dataset_once_per_process(opens, capfd):
     root = logging.getLogger()
     level = root.level

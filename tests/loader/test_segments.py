@@ -82,7 +82,8 @@ def test_a_broken_socket_sends_the_storage_itself():
     assert SegmentSender(theirs).send(_storage(1)) is None  # BatchReady keeps the storage
 
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+# spawn: two fresh interpreters importing torch, so marked slow (started first)
+@pytest.mark.parametrize("method", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_loader_batches_come_in_descriptor_segments_and_equal_the_dataset(method, monkeypatch):
     received = []
     real = SegmentReceiver.receive
