@@ -117,8 +117,9 @@ def samples_of(
 
 
 def arrow_schema(batch_schema: Any, fmt: str) -> Any:
-    """The column types an Arrow shard keeps: the engine's own, ``__key__`` a string."""
-    if fmt != "arrow" or batch_schema is None:
+    """The column types a typed-fields format (Arrow) keeps: the engine's own, ``__key__`` a
+    string; None for a format whose fields are bytes."""
+    if batch_schema is None or not formats.get_format(fmt).typed_fields:
         return None
     import pyarrow as pa
 
