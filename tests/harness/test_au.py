@@ -197,3 +197,18 @@ def test_table_gives_the_max_per_loader_and_au_per_n():
     assert rows["torch"][1:] == ["0", "0", "-", "-", "1:42%"]
     assert "dali: skipped (nvidia.dali is not installed)" in table
     assert "unet3d_h100.yaml" in table and "AU threshold 90%" in table and "1/64" in table
+
+
+def test_cli_refuses_bad_workload_settings_before_running(tmp_path, capsys):
+    from stallfree.cli import main
+
+    assert main(["bench", str(tmp_path / "d"), "--workload", "unet3d", "--scale", "0"]) == 2
+    assert "--scale must be a whole number >= 1, got 0" in capsys.readouterr().err
+    assert main(["bench", str(tmp_path / "d"), "--workload", "unet3d", "--max-accelerators", "0"]) == 2
+    assert "--max-accelerators must be >= 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()  # nothing written for a run that cannot start
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    assert main(["bench", str(tmp_path / "mine"), "--workload", "cosmoflow", "--loader", "torch"]) == 2
+    assert "holds no workload.json: not workload data" in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
