@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import textwrap
 import threading
 from pathlib import Path
@@ -19,6 +17,7 @@ import stallfree
 from stallfree import ImageDecode, open_dataset
 from stallfree.errors import BatchDecodeError
 from stallfree.testing.images import jpeg_bytes
+from tests.zygote import run_python
 
 N = 24
 BATCH = 4
@@ -231,6 +230,6 @@ def test_an_interrupt_during_the_first_batch_leaves_no_worker_behind(shards, tmp
         print("then", len([k for b in loader for k in b["__key__"]]))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = run_python(code, timeout=120)  # a fresh interpreter, torch preloaded (tests/zygote.py)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["interrupted", "0", "then", str(N)]
