@@ -16,8 +16,9 @@ pool (``send``, ``result``, ``doing``, ``dead``, ...). What it adds:
 - **Exactly once**: every dispatched batch is a flight keyed by ``(gen, seq)``; the first
   result delivers it and ends the flight, any later one (a re-issued copy) is dropped, counted.
 - **Deadlines**: a remote batch in flight longer than its deadline (``reissue_after_s``, or
-  four times the recent median, at least ``min_reissue_s``) is sent once more to another live
-  remote worker; whichever finishes first is kept.
+  four times the recent median, at least ``min_reissue_s``) is sent once more: to another live
+  remote worker with room, else to a local worker process (never the main process's thread);
+  whichever finishes first is kept. So a hung remote worker cannot hang the epoch.
 - **Faults**: a remote worker whose call fails with Ray's actor or node errors is gone; its
   batches go to another live remote worker, or, when none is left, to the local workers (one
   warning) or end the epoch with ``RemoteWorkersLost`` (``on_lost="raise"``).
@@ -167,6 +168,7 @@ class RemotePool:
         self._flights: dict[tuple[int, int], _Flight] = {}
         self._refs: dict[Any, tuple[tuple[int, int], int, float]] = {}  # ref -> (key, remote wid, sent)
         self._charged: dict[tuple[int, int], int] = {}
+        self._local_copies: set[tuple[int, int]] = set()  # late remote batches also sent to a local worker
         self._times: deque[float] = deque(maxlen=32)  # recent remote in-flight times
         self._rotate = itertools.count()
         self._ticks = itertools.count()
@@ -318,9 +320,11 @@ class RemotePool:
             ]
         for f in late:
             w = self._other_remote(set(f.attempts.values()), allow_full=False)
-            if w is None:
-                continue
+            if w is None and self.local.in_process:
+                continue  # the training loop's own thread is no place for a copy: wait for room
             f.reissued = True
+            if w is None:  # no other remote worker has room: a local worker makes a copy
+                w = self._local_copy(f)
             logger.info(
                 "batch %d has been on remote worker(s) %s for %.1f s (deadline %.1f s): sent to worker %d too",
                 f.task.seq,
@@ -331,7 +335,18 @@ class RemotePool:
             )
             with self._stats.lock:
                 self._stats.reissued += 1
-            self._submit(f, w)
+            if w >= self.L:
+                self._submit(f, w)
+
+    def _local_copy(self, flight: _Flight) -> int:
+        """Send a late remote batch to the least busy local worker as well; whichever result
+        comes first is delivered (the forwarder turns a later local copy into a leftover)."""
+        with self._lock:
+            w = min(range(self.L), key=lambda x: self._inflight[x])
+            self._inflight[w] += 1
+            self._local_copies.add((flight.task.gen, flight.task.seq))
+        self.local.send(w, flight.task)
+        return w
 
     def _lost(self, rwid: int, exc: BaseException) -> None:
         with self._lock:
@@ -399,10 +414,18 @@ class RemotePool:
                     self.out.put(_Raise(exc))
                 return
             if isinstance(msg, (BatchReady, WorkerFailure)):
+                key = (msg.gen, msg.seq)
                 with self._lock:
                     if msg.worker < self.L:
                         self._inflight[msg.worker] -= 1
-                    self._flights.pop((msg.gen, msg.seq), None)
+                    late_copy = key in self._local_copies and key not in self._flights
+                    self._local_copies.discard(key)
+                    self._flights.pop(key, None)
+                if late_copy:  # its remote original was delivered: a leftover to the assembler,
+                    # which hands its slot back to the worker and delivers nothing
+                    msg = replace(msg, gen=-1)
+                    with self._stats.lock:
+                        self._stats.duplicates_dropped += 1
             self.out.put(msg)
 
     def _collect(self) -> None:

@@ -95,6 +95,14 @@ got, _ = epoch(loader)
 out["straggler"] = {"got": got, "stats": loader.stats()["remote"]}
 loader.close()
 
+# 1b. the only remote worker is the straggler (worker 1, beside one local worker 0): its late
+# batches get a copy on the local worker; the first result is delivered, the other dropped
+remote = RayWorkers(1, resources=res, reissue_after_s=0.2)
+loader = DataLoader(Slow(slow_wid=1, delay=0.02), batch_size=BATCH, shuffle=True, seed=5, num_workers=1, remote=remote)
+got, _ = epoch(loader)
+out["straggler_alone"] = {"got": got, "stats": loader.stats()["remote"]}
+loader.close()
+
 # 2. every remote worker killed mid-epoch, on_lost="raise"
 remote = RayWorkers(1, resources=res, on_lost="raise")
 loader = DataLoader(Slow(), batch_size=BATCH, shuffle=True, seed=2, num_workers=1, remote=remote)
@@ -141,6 +149,13 @@ def test_a_straggler_batch_is_reissued_and_delivered_once(outcome):
     assert stats["reissued"] >= 1
     assert stats["duplicates_dropped"] >= 1  # the straggler's late copies, never delivered
     assert stats["batches_remote"] == 30  # each batch delivered once, whichever copy came first
+
+
+def test_the_only_remote_worker_late_gets_a_local_copy_delivered_once(outcome):
+    got, stats = outcome["straggler_alone"]["got"], outcome["straggler_alone"]["stats"]
+    assert sorted(got) == list(range(120))  # nothing twice: a copy's twin is dropped
+    assert stats["reissued"] >= 1
+    assert stats["duplicates_dropped"] >= 1
 
 
 def test_all_remote_workers_gone_raises_when_told(outcome):
