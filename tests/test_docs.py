@@ -390,7 +390,9 @@ def test_results_open_with_the_current_figures_table():
     assert len(rows) >= 10
     capabilities = [re.match(r"^\| \[([^\]]+)\]\(#([\w-]+)\) \|", row) for row in rows]
     assert all(capabilities), rows
-    assert len({m.group(2) for m in capabilities}) == len(rows), "a capability with two rows"
+    assert len({m.group(2) for m in capabilities}) == len(rows), (
+        "a capability with two rows: one row per capability (merge its figures into one row)"
+    )
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split(" | ")]
         assert len(cells) == 6, row
