@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=2, help="prefetch_factor of both loaders")
     ap.add_argument("--in-flight", type=int, default=2, help="RayWorkers(in_flight=)")
+    ap.add_argument("--any-order", action="store_true", help="in_order=False for both loaders")
     ap.add_argument("--only", default="a,b,c")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             num_workers=1,
             persistent_workers=True,
             prefetch_factor=args.prefetch,
+            in_order=not args.any_order,
             decode=ImageDecode(**recipe),
             remote=RayWorkers(1, cpus_per_worker=1, in_flight=args.in_flight) if remote else None,
         )
