@@ -94,18 +94,15 @@ def _column(value: Any, typ: pa.DataType, field: str, key: str) -> pa.Array:
         ) from None
 
 
-def row_nbytes(sample: dict[str, Any]) -> int:
-    """A row's data bytes as the batching rule counts them: bytes/str lengths, array payloads,
-    8 per other value (its key included). Deterministic: the batch layout follows from it."""
-    total = 0
-    for value in sample.values():
-        if isinstance(value, (bytes, str)):
-            total += len(value)
-        elif isinstance(value, np.ndarray):
-            total += value.nbytes
-        else:
-            total += 8
-    return total
+def value_nbytes(value: Any) -> int:
+    """A value's data bytes as the batching rule counts them: bytes/str lengths, array payloads,
+    8 for any other value. A row's size is the sum over its key and fields; the batch layout
+    follows from these sizes only (deterministic)."""
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, np.ndarray):
+        return value.nbytes
+    return 8
 
 
 def _batch_column(values: list[Any], keys: list[str], typ: pa.DataType, field: str) -> pa.Array:
@@ -204,8 +201,13 @@ class ArrowShardWriter(CommitOnExit):
         self._file = AtomicFile(fs, path, shard=self.name)
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
         self._keys: set[str] = set()
-        self._pending: list[dict[str, Any]] = []  # rows of the batch not yet written
-        self._pending_bytes = 0  # their ``row_nbytes``
+        # the batch in progress, column by column: its keys, then each field's values in
+        # ``_names`` order; ``_pending_bytes``: their data bytes (``value_nbytes``)
+        self._names: tuple[str, ...] = ()
+        self._known: frozenset[str] = frozenset()
+        self._pending_keys: list[str] = []
+        self._pending: list[list[Any]] = []
+        self._pending_bytes = 0
         self.batches = 0  # record batches written so far
         self.info: ShardInfo | None = None
 
@@ -251,8 +253,11 @@ class ArrowShardWriter(CommitOnExit):
         key = check_key(sample.get(KEY))
         if self.schema is None:
             self.schema = infer_schema(sample)
-        schema = self.schema
-        extra = [n for n in sample if not n.startswith("_") and schema.get_field_index(n) < 0]
+        if not self._known:
+            self._names = tuple(n for n in self.schema.names if n != KEY)
+            self._known = frozenset(self.schema.names)
+            self._pending = [[] for _ in self._names]
+        extra = [n for n in sample if n not in self._known and not n.startswith("_")]
         if extra:
             raise WriteError(
                 f"fields {extra} are not in the shard's columns {self.fields} (all samples of an Arrow "
@@ -264,34 +269,43 @@ class ArrowShardWriter(CommitOnExit):
             raise DuplicateKeyError(
                 "duplicate sample key in shard", shard=self.name, key=key, offset=self.bytes
             )
-        row = {KEY: key}
-        for name in schema.names:
-            if name != KEY:
-                value = sample.get(name)
-                row[name] = bytes(value) if isinstance(value, (bytearray, memoryview)) else value
-        size = row_nbytes(row)
+        values = [sample.get(name) for name in self._names]
+        size = len(key)
+        for i, value in enumerate(values):
+            if isinstance(value, (bytes, str)):
+                size += len(value)
+            elif isinstance(value, (bytearray, memoryview)):
+                values[i] = value = bytes(value)
+                size += len(value)
+            else:
+                size += value_nbytes(value)
         start = self.bytes
-        if self._pending and self._pending_bytes + size > BATCH_BYTES:
+        if self._pending_keys and self._pending_bytes + size > BATCH_BYTES:
             self._flush()  # the row does not fit the batch in progress: it starts the next one
         self._keys.add(key)
-        self._pending.append(row)
+        self._pending_keys.append(key)
+        for column, value in zip(self._pending, values, strict=True):
+            column.append(value)
         self._pending_bytes += size
-        if self._pending_bytes >= BATCH_BYTES or len(self._pending) >= BATCH_ROWS:
+        if self._pending_bytes >= BATCH_BYTES or len(self._pending_keys) >= BATCH_ROWS:
             self._flush()
         return self.bytes - start
 
     def _flush(self) -> None:
         """Write the pending rows as one record batch (converted column by column)."""
-        rows, self._pending, self._pending_bytes = self._pending, [], 0
-        if not rows:
+        keys, pending = self._pending_keys, self._pending
+        if not keys:
             return
+        self._pending_keys, self._pending, self._pending_bytes = [], [[] for _ in self._names], 0
         schema = self.schema
-        keys = [r[KEY] for r in rows]
+        by_name = dict(zip(self._names, pending, strict=True))
         try:
-            columns = [pa.array(keys, pa.string())]
-            for f in schema:
-                if f.name != KEY:
-                    columns.append(_batch_column([r[f.name] for r in rows], keys, f.type, f.name))
+            columns = [
+                pa.array(keys, pa.string())
+                if f.name == KEY
+                else _batch_column(by_name[f.name], keys, f.type, f.name)
+                for f in schema
+            ]
             batch = pa.RecordBatch.from_arrays(columns, schema=schema)
         except WriteError as exc:
             self._file.abort()
