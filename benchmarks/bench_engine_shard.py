@@ -286,7 +286,12 @@ def main() -> None:
     images = make_images(OUT / "images", args.images)
     out = OUT / "runs"
     out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"rows": args.rows, "images": args.images, "cpus": os.cpu_count()}
+    results: dict[str, Any] = {
+        "rows": args.rows,
+        "images": args.images,
+        "cpus": os.cpu_count(),
+        "load_average_start": round(os.getloadavg()[0], 1),  # other work on the machine skews every figure
+    }
     with (
         loopback_cluster(worker_nodes=2, cpus_per_node=1, resource=None) as _cluster,
         local_spark_cluster(workers=2, cores=1, memory_mb=1024) as spark,
@@ -296,6 +301,7 @@ def main() -> None:
         results["engines"] = engines_phase(args, table, images, out, ray_ex, spark_ex)
         results["ray_peer"] = ray_phase(args, table, images, out)
         results["spark_peer"] = spark_phase(args, spark, table, images, out)
+    results["load_average_end"] = round(os.getloadavg()[0], 1)
     for rows in ("engines", "ray_peer", "spark_peer"):
         for row in results[rows]:
             row.pop("dir", None)
@@ -303,6 +309,7 @@ def main() -> None:
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=1))
     print_table(results)
+    print(f"load average {results['load_average_start']} -> {results['load_average_end']}", file=sys.stderr)
 
 
 def print_table(results: dict[str, Any]) -> None:
