@@ -6,11 +6,14 @@ Layout choice: small rows are grouped into record batches of up to ``BATCH_BYTES
 (and at most ``BATCH_ROWS`` rows); a row of ``BATCH_BYTES`` or more is a batch of its own. Why:
 a record batch carries a few hundred bytes of metadata (its message header, per-column buffer
 descriptions, a footer block) and costs pyarrow a per-batch write; one batch per row made a
-~100-byte tabular row take ~535 bytes on disk and write ~2x slower than MDS. Random access
-still reads exactly one batch (its metadata and body: two ranged reads remotely), now up to
-``BATCH_BYTES`` of neighbours instead of one row, which is what an image or document shard
-already paid per row, so big-sample shards keep the one-row-per-batch layout unchanged. The
-grouping depends only on the rows' sizes, so the bytes are the same for any worker count or engine.
+~100-byte tabular row take ~535 bytes on disk and write ~2x slower than MDS (now ~160 bytes).
+Random access still reads exactly one batch, now up to ``BATCH_BYTES`` with the row's
+neighbours; shards of samples of ``BATCH_BYTES`` or more (images, documents) keep one row per
+batch, and their read cost. The cost moved to opening: the IPC footer lists batches but not
+their row counts, so ``ArrowShardReader`` counts each batch's rows when it opens a shard whose
+batch count differs from its row count (free from a memory map; remotely, one read per batch).
+The grouping depends only on the rows' sizes, so the bytes are the same for any worker count
+or engine.
 
 Rows are buffered until their batch closes and converted column by column (not cell by cell):
 a value that does not fit its column is therefore reported when its batch is written (by a
