@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefetch", type=int, default=2, help="prefetch_factor of both loaders")
     ap.add_argument("--in-flight", type=int, default=2, help="RayWorkers(in_flight=)")
+    ap.add_argument("--local-ahead", type=int, default=4, help="RayWorkers(local_ahead=)")
     ap.add_argument("--any-order", action="store_true", help="in_order=False for both loaders")
     ap.add_argument("--only", default="a,b,c")
     ap.add_argument("--json", default=None)
@@ -193,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_factor=args.prefetch,
             in_order=not args.any_order,
             decode=ImageDecode(**recipe),
-            remote=RayWorkers(1, cpus_per_worker=1, in_flight=args.in_flight) if remote else None,
+            remote=RayWorkers(1, cpus_per_worker=1, in_flight=args.in_flight, local_ahead=args.local_ahead)
+            if remote
+            else None,
         )
 
     def ray_data_stream():
@@ -270,13 +273,17 @@ def main(argv: list[str] | None = None) -> int:
             "share_of_batches": remote_share,
             "bytes_per_img": remote_stats["bytes_per_batch"] / args.batch,
             "trainer_cpu_ms_per_remote_batch": remote_stats["trainer_cpu_ms_per_batch"],
+            "passed_over": remote_stats.get("passed_over", 0),
+            "probes": remote_stats.get("probes", 0),
         }
         print(
             f"  remote batches: {remote_share:.0%} of (b)'s; on the wire {remote_stats['bytes_per_batch'] / args.batch / 1024:.0f} "
             f"KiB/img; trainer CPU per remote batch {remote_stats['trainer_cpu_ms_per_batch']:.2f} ms "
             f"(ray.get + the copy out of the object store); a remote batch took "
             f"{summary['remote']['busy_ms_per_batch']:.0f} ms on its worker and "
-            f"{summary['remote']['in_flight_ms_per_batch']:.0f} ms from dispatch to delivery"
+            f"{summary['remote']['in_flight_ms_per_batch']:.0f} ms from dispatch to delivery; "
+            f"{summary['remote']['passed_over']} batches kept local (the remote worker would be later), "
+            f"{summary['remote']['probes']} probes (last round)"
         )
     if args.json:
         Path(args.json).write_text(

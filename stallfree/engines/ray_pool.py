@@ -5,10 +5,18 @@ It wraps the local pool (``stallfree/loader/pool.py`` ``Engine``: worker ids ``0
 adds the remote workers as ids ``L..L+R-1``, with the same calls the assembler makes on a local
 pool (``send``, ``result``, ``doing``, ``dead``, ...). What it adds:
 
-- **Which worker** (``pick``): the trainer's own workers first, each up to ``prefetch_factor``
-  batches, then the remote worker with the fewest in flight, each up to its credits
-  (``RayWorkers(in_flight=)``); with ``num_workers=0`` the main process's worker thread only
-  when every remote worker is gone (it would take the training loop's own core).
+- **Which worker** (``pick``): a trainer's own worker below ``prefetch_factor`` first; then
+  whichever worker would deliver the batch first (earliest finish, ``_Rates``: each worker's
+  measured pace, and a remote worker's round trip): a remote worker with room under its
+  credits (``RayWorkers(in_flight=)``), or a local worker up to ``local_ahead`` batches more
+  (the in-order window then covers a remote round trip instead of the local workers waiting
+  for credits behind a remote batch not yet back); none when every one would be later than a
+  local worker once it has room. So a remote worker is sent only what it can return before
+  the local workers would reach it: a slow-but-steady one (its core busy with other work) gets
+  the batches it was given before its pace was known and then a probe now and then (to be
+  measured again), and never sets the epoch's pace. With ``num_workers=0`` the main process's
+  worker thread only when every remote worker is gone (it would take the training loop's own
+  core).
 - **One stream of results**: a thread forwards the local workers' messages and a collector
   thread waits on the remote workers' object refs; both feed one queue that ``result`` reads.
   A remote batch is copied out of the object store once (``ray_wire.from_wire``) and its object
@@ -49,6 +57,8 @@ logger = logging.getLogger(__name__)
 
 _WAIT_S = 0.02  # the collector's longest wait on the refs before it looks at deadlines and new refs
 _COLD_DEADLINE_S = 60.0  # before enough batches came back to know a typical time
+_PROBE_AFTER = 16  # batches dispatched elsewhere before a passed-over idle remote worker gets one
+_RATE_SAMPLES = 6  # recent batches per worker the expected times are taken from
 
 
 class RemoteWorkersLost(LoaderError):
@@ -63,6 +73,7 @@ class PoolSettings:
     on_lost: str
     reissue_after_s: float | None
     min_reissue_s: float
+    local_ahead: int = 0  # batches each local worker may hold beyond prefetch_factor
 
 
 @dataclass
@@ -75,11 +86,49 @@ class _Flight:
     sent_at: float = 0.0
     reissued: bool = False
     local: bool = False  # running on a local worker (dispatched there, or fallen back)
+    ahead: int = 0  # batches its worker held when it was sent (for the worker's pace)
 
 
 @dataclass
 class _Raise:
     error: BaseException
+
+
+class _Rates:
+    """What the dispatcher knows of each worker's pace, to send a remote worker only the batches
+    it can return before the local workers would reach them.
+
+    A worker's *pace* is the time between its deliveries while busy (a batch starts when the one
+    ahead of it was delivered, or when it was sent if the worker was idle): for a remote worker
+    that includes whatever limits it (its core, the object transfer). A remote worker's *round
+    trip* for a batch with ``k`` ahead of it is ``base + k * pace``, ``base`` taken from the
+    recent batches' dispatch-to-delivery times less the queue they waited behind. Medians of the
+    last few batches: one stray batch does not flip the rule."""
+
+    def __init__(self, workers: int) -> None:
+        self.pace: list[deque[float]] = [deque(maxlen=_RATE_SAMPLES) for _ in range(workers)]
+        self.trips: list[deque[tuple[float, int]]] = [deque(maxlen=_RATE_SAMPLES) for _ in range(workers)]
+        self.done_at = [0.0] * workers
+
+    def delivered(self, wid: int, sent_at: float, ahead: int, now: float) -> None:
+        self.pace[wid].append(now - max(sent_at, self.done_at[wid]))
+        self.trips[wid].append((now - sent_at, ahead))
+        self.done_at[wid] = now
+
+    def local_eta(self, local_ids: range, inflight: list[int]) -> float | None:
+        """When a batch sent now to the least busy local worker would be made (None: not known)."""
+        paces = [p for w in local_ids for p in self.pace[w]]
+        if not paces:
+            return None
+        return (min(inflight[w] for w in local_ids) + 1) * statistics.median(paces)
+
+    def remote_eta(self, wid: int, ahead: int) -> float | None:
+        """When remote worker ``wid`` would deliver a batch sent now behind ``ahead`` others."""
+        if not self.pace[wid]:
+            return None
+        pace = statistics.median(self.pace[wid])
+        base = statistics.median(trip - k * pace for trip, k in self.trips[wid])
+        return max(base, pace) + ahead * pace
 
 
 class RemoteStats:
@@ -91,6 +140,8 @@ class RemoteStats:
         self.local_batches = 0
         self.remote_batches = 0
         self.reissued = 0
+        self.passed_over = 0  # batches kept for local workers: the remote ones would be later
+        self.probes = 0  # batches sent to a passed-over remote worker to measure it again
         self.duplicates_dropped = 0
         self.retried = 0  # batches run again after their worker died
         self.fell_back = 0  # batches sent to local workers because no remote worker was left
@@ -122,6 +173,8 @@ class RemoteStats:
                 "batches_local": self.local_batches,
                 "batches_remote": remote,
                 "reissued": self.reissued,
+                "passed_over": self.passed_over,
+                "probes": self.probes,
                 "duplicates_dropped": self.duplicates_dropped,
                 "retried": self.retried,
                 "fell_back_to_local": self.fell_back,
@@ -160,6 +213,9 @@ class RemotePool:
         self.storages = local.storages
         self.returns = local.returns
         self._pf = max(1, prefetch_factor)
+        self._local_cap = self._pf + max(0, settings.local_ahead)
+        self._rates = _Rates(self.n)
+        self._passed = [0] * self.n  # per remote worker: batches sent elsewhere since its last one
         self._pin = pin
         self._stats = stats
         self._lock = threading.Lock()
@@ -207,18 +263,39 @@ class RemotePool:
             self.local.discard_segment(worker, new_storage)
 
     def pick(self) -> int | None:
-        """The worker for the next batch (None: all are full): local ones first (not the main
-        process's thread while a remote worker lives), then the least busy live remote one."""
+        """The worker for the next batch (None: wait, every worker is full or a remote one would
+        be later than the local ones): a local worker below ``prefetch_factor`` first (not the
+        main process's thread while a remote worker lives); then whichever would deliver it
+        first, a remote worker with room or a local one up to ``local_ahead`` more (the local
+        one on a tie; a remote one while their paces are not known yet)."""
         with self._lock:
             remote_alive = [w for w in range(self.L, self.n) if self._alive[w]]
-            if not (self.local.in_process and remote_alive):
-                start = next(self._rotate)
-                for i in range(self.L):
-                    w = (start + i) % self.L
-                    if self._inflight[w] < self._pf:
-                        return w
-            free = [w for w in remote_alive if self._inflight[w] < self.remote.in_flight]
-            return min(free, key=lambda w: self._inflight[w]) if free else None
+            free = sorted(
+                (w for w in remote_alive if self._inflight[w] < self.remote.in_flight),
+                key=lambda w: self._inflight[w],
+            )
+            if self.local.in_process and remote_alive:
+                return free[0] if free else None
+            start = next(self._rotate)
+            order = [(start + i) % self.L for i in range(self.L)]
+            for w in order:
+                if self._inflight[w] < self._pf:
+                    return w
+            room = [w for w in order if self._inflight[w] < self._local_cap]
+            local = min(room, key=lambda w: self._inflight[w]) if room else None
+            local_eta = self._rates.local_eta(range(self.L), self._inflight)
+            for w in free:
+                remote_eta = self._rates.remote_eta(w, self._inflight[w])
+                if local_eta is None or remote_eta is None or remote_eta < local_eta:
+                    return w
+                if self._inflight[w] == 0 and self._passed[w] >= _PROBE_AFTER:
+                    with self._stats.lock:
+                        self._stats.probes += 1
+                    return w
+            if free and local is not None:
+                with self._stats.lock:
+                    self._stats.passed_over += 1
+            return local
 
     def send(self, worker: int, task: Task) -> None:
         key = (task.gen, task.seq)
@@ -228,7 +305,10 @@ class RemotePool:
                 self._charged = {k: w for k, w in self._charged.items() if k[0] >= task.gen}
             self._charged[key] = worker
             flight = _Flight(task, worker, sent_at=time.monotonic(), local=worker < self.L)
+            flight.ahead = self._inflight[worker]
             self._flights[key] = flight
+            for w in range(self.L, self.n):
+                self._passed[w] = 0 if w == worker else self._passed[w] + 1
             if worker < self.L:
                 self._inflight[worker] += 1
                 with self._stats.lock:
@@ -245,8 +325,12 @@ class RemotePool:
             return self._charged.pop((msg.gen, msg.seq), msg.worker)
 
     def result(self, timeout: float) -> Any:
-        if self.local.inline_results:
-            return self.local.inline_results.popleft()
+        if self.local.inline_results:  # the pool's first batch, made here as worker 0 would
+            msg = self.local.inline_results.popleft()
+            with self._lock:
+                if self._flights.pop((msg.gen, msg.seq), None) is not None:
+                    self._inflight[msg.worker] -= 1  # the forwarder never sees it
+            return msg
         item = self.out.get(timeout=timeout)
         if isinstance(item, _Raise):
             raise item.error
@@ -293,7 +377,7 @@ class RemotePool:
         now = time.monotonic()
         with self._lock:
             flight.attempts[ref] = rwid
-            self._refs[ref] = ((flight.task.gen, flight.task.seq), rwid, now)
+            self._refs[ref] = ((flight.task.gen, flight.task.seq), rwid, now, self._inflight[rwid])
             self._inflight[rwid] += 1
 
     def _other_remote(self, exclude: set[int], allow_full: bool) -> int | None:
@@ -419,8 +503,16 @@ class RemotePool:
                     if msg.worker < self.L:
                         self._inflight[msg.worker] -= 1
                     late_copy = key in self._local_copies and key not in self._flights
+                    copy = key in self._local_copies
                     self._local_copies.discard(key)
-                    self._flights.pop(key, None)
+                    flight = self._flights.pop(key, None)
+                    if (
+                        flight is not None
+                        and not copy
+                        and msg.worker < self.L
+                        and flight.charged == msg.worker
+                    ):
+                        self._rates.delivered(msg.worker, flight.sent_at, flight.ahead, time.monotonic())
                 if late_copy:  # its remote original was delivered: a leftover to the assembler,
                     # which hands its slot back to the worker and delivers nothing
                     msg = replace(msg, gen=-1)
@@ -457,7 +549,7 @@ class RemotePool:
             entry = self._refs.pop(ref, None)
             if entry is None:
                 return
-            key, rwid, sent = entry
+            key, rwid, sent, ahead = entry
             self._inflight[rwid] -= 1
             flight = self._flights.get(key)
             if flight is not None:
@@ -499,6 +591,8 @@ class RemotePool:
             if self._flights.pop(key, None) is None:
                 return
             self._times.append(now - sent)
+            if res is not None:
+                self._rates.delivered(rwid, sent, ahead, now)
         with self._stats.lock:
             s = self._stats
             s.remote_batches += 1

@@ -54,7 +54,10 @@ class RayWorkers:
     ``node_labels``: Ray node labels the actors' nodes must carry. ``address``: the cluster
     (``"HOST:PORT"``, ``"auto"``; None: the Ray this process is connected to, else ``"auto"``).
     ``in_flight``: batches queued on each remote worker at once (its credits; two hides the round
-    trip). ``on_lost``: when every remote worker is gone, ``"local"`` goes on with the local
+    trip). ``local_ahead``: batches each local worker may hold beyond ``prefetch_factor`` while
+    remote workers are used (the loader's in-order window grows by as many), so the local
+    workers keep working while a remote batch makes its round trip; a remote worker is sent a
+    batch only when it is expected back before the local workers would make it. ``on_lost``: when every remote worker is gone, ``"local"`` goes on with the local
     workers (one warning), ``"raise"`` ends the epoch with ``RemoteWorkersLost``.
     ``reissue_after_s``: a remote batch in flight longer is sent to a second remote worker too
     (None: four times the recent median, at least ``min_reissue_s``). ``start_timeout_s``: how
@@ -74,6 +77,7 @@ class RayWorkers:
         node_labels: dict[str, str] | None = None,
         include_trainer_node: bool = False,
         in_flight: int = 2,
+        local_ahead: int = 4,
         on_lost: str = "local",
         reissue_after_s: float | None = None,
         min_reissue_s: float = 5.0,
@@ -87,6 +91,8 @@ class RayWorkers:
             raise ValueError(f"RayWorkers: cpus_per_worker must be > 0, got {cpus_per_worker!r}")
         if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 1:
             raise ValueError(f"RayWorkers: in_flight must be an int >= 1, got {in_flight!r}")
+        if isinstance(local_ahead, bool) or not isinstance(local_ahead, int) or local_ahead < 0:
+            raise ValueError(f"RayWorkers: local_ahead must be an int >= 0, got {local_ahead!r}")
         if on_lost not in _ON_LOST:
             raise ValueError(f"RayWorkers: on_lost must be one of {_ON_LOST}, got {on_lost!r}")
         if reissue_after_s is not None and not reissue_after_s > 0:
@@ -98,6 +104,7 @@ class RayWorkers:
         self.node_labels = dict(node_labels or {})
         self.include_trainer_node = include_trainer_node
         self.in_flight = in_flight
+        self.local_ahead = local_ahead
         self.on_lost = on_lost
         self.reissue_after_s = reissue_after_s
         self.min_reissue_s = min_reissue_s
@@ -117,8 +124,13 @@ class RayWorkers:
 
     @property
     def remote_depth(self) -> int:
-        """Batches the remote workers may hold at once (added to the loader's in-flight bound)."""
+        """Batches the remote workers may hold at once."""
         return self.count * self.in_flight
+
+    def depth_for(self, local_workers: int) -> int:
+        """Batches added to the loader's in-flight bound beside ``local_workers`` local worker
+        processes: the remote workers' credits, and each local worker's ``local_ahead``."""
+        return self.remote_depth + max(0, local_workers) * self.local_ahead
 
     # -- what the loader calls -----------------------------------------------------------------------
     def pool(self, local: Engine, plan: WorkerPlan, prefetch_factor: int, pin_memory: bool) -> RemotePool:
@@ -134,7 +146,9 @@ class RayWorkers:
             ray.get([a.start.remote(plan_ref) for a in self._actors], timeout=self.start_timeout_s)
         except Exception as exc:
             raise RemoteClusterError(f"starting the remote workers on their plan failed: {exc}") from exc
-        settings = PoolSettings(self.in_flight, self.on_lost, self.reissue_after_s, self.min_reissue_s)
+        settings = PoolSettings(
+            self.in_flight, self.on_lost, self.reissue_after_s, self.min_reissue_s, self.local_ahead
+        )
         return RemotePool(
             local,
             settings,

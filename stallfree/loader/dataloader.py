@@ -624,7 +624,7 @@ class DataLoader(tud.DataLoader[T_co]):
         """The plan's main-process value with this epoch's failure budget."""
         o = self._options
         budget = failure_budget(o.max_failures, samples) if o.on_error != "raise" else None
-        extra = self._remote.remote_depth if self._remote is not None else 0  # remote credits
+        extra = self._remote.depth_for(self.num_workers) if self._remote is not None else 0  # remote credits
         return replace(self._plan.main, budget=budget, depth=self._plan.main.depth + extra)
 
     def _make_tuner(self, n_workers: int) -> Any:

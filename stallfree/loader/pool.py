@@ -49,7 +49,9 @@ class RemoteWorkers(Protocol):
     """What ``DataLoader(remote=...)`` takes (``stallfree.RayWorkers``, ``stallfree/engines/``):
     workers elsewhere that join each epoch's local pool behind the same dispatcher."""
 
-    remote_depth: int  # batches they may hold at once, added to the loader's in-flight bound
+    def depth_for(self, local_workers: int) -> int:
+        """Batches added to the loader's in-flight bound beside ``local_workers`` processes."""
+        ...
 
     def pool(self, local: Engine, plan: WorkerPlan, prefetch_factor: int, pin_memory: bool) -> Any: ...
 

@@ -3,6 +3,9 @@
 
 - a remote batch past its deadline is sent to a second worker; the first result is kept, the
   epoch is exactly once;
+- a remote worker slow but steady (never past its deadline) is passed over once its pace is
+  known: it makes only the batches it was given before that (and a probe now and then), the
+  epoch in the local order, exactly once;
 - every remote worker killed mid-epoch: ``on_lost="raise"`` ends the epoch with
   ``RemoteWorkersLost``; by default the loader goes on with its local workers, one warning,
   nothing lost or repeated;
@@ -50,16 +53,17 @@ logging.getLogger("stallfree.engines").addHandler(Catch())
 class Slow(Dataset):
     # each sample takes a little time, so an epoch lasts long enough to fault it mid-way;
     # on the worker named ``slow_wid`` each sample takes much longer (a straggler)
-    def __init__(self, slow_wid=None, delay=0.004):
+    def __init__(self, slow_wid=None, delay=0.004, slow_delay=0.1):
         self.slow_wid = slow_wid
         self.delay = delay
+        self.slow_delay = slow_delay
 
     def __len__(self):
         return N
 
     def __getitem__(self, i):
         info = torch.utils.data.get_worker_info()
-        time.sleep(0.1 if info is not None and info.id == self.slow_wid else self.delay)
+        time.sleep(self.slow_delay if info is not None and info.id == self.slow_wid else self.delay)
         return {"i": i}
 
 
@@ -101,6 +105,19 @@ remote = RayWorkers(1, resources=res, reissue_after_s=0.2)
 loader = DataLoader(Slow(slow_wid=1, delay=0.02), batch_size=BATCH, shuffle=True, seed=5, num_workers=1, remote=remote)
 got, _ = epoch(loader)
 out["straggler_alone"] = {"got": got, "stats": loader.stats()["remote"]}
+loader.close()
+
+# 1c. the only remote worker is slow but steady (1.2 s a batch there, 0.04 s on the local worker:
+# never past its deadline of four times its own median): once its pace is known it is sent no
+# more than a probe now and then, so it cannot hold up the head of the in-order window
+remote = RayWorkers(1, resources=res)
+loader = DataLoader(
+    Slow(slow_wid=1, delay=0.01, slow_delay=0.3), batch_size=BATCH, shuffle=True, seed=6, num_workers=1, remote=remote
+)
+got, _ = epoch(loader)
+plain = DataLoader(Slow(delay=0), batch_size=BATCH, shuffle=True, seed=6)
+want = [i for batch in plain for i in batch["i"].tolist()]
+out["steady_slow"] = {"got": got, "want": want, "stats": loader.stats()["remote"]}
 loader.close()
 
 # 2. every remote worker killed mid-epoch, on_lost="raise"
@@ -156,6 +173,20 @@ def test_the_only_remote_worker_late_gets_a_local_copy_delivered_once(outcome):
     assert sorted(got) == list(range(120))  # nothing twice: a copy's twin is dropped
     assert stats["reissued"] >= 1
     assert stats["duplicates_dropped"] >= 1
+
+
+def test_a_slow_steady_remote_worker_is_passed_over_once_its_pace_is_known(outcome):
+    from stallfree.engines.ray_pool import _PROBE_AFTER
+
+    r = outcome["steady_slow"]
+    got, stats = r["got"], r["stats"]
+    assert got == r["want"]  # the local loader's order, every sample once
+    assert stats["reissued"] == 0  # slow, never late: the deadline rule alone would keep it
+    assert stats["batches_remote"] + stats["batches_local"] == 30
+    # its two credits' worth before its pace was known, and at most one probe per _PROBE_AFTER
+    # batches; before the dispatch rule it was sent one whenever it had room (8 of 30 in a run)
+    assert stats["batches_remote"] <= 2 + 30 // _PROBE_AFTER, stats
+    assert stats["passed_over"] > 0
 
 
 def test_all_remote_workers_gone_raises_when_told(outcome):
