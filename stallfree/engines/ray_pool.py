@@ -13,8 +13,9 @@ pool (``send``, ``result``, ``doing``, ``dead``, ...). What it adds:
   for credits behind a remote batch not yet back); none when every one would be later than a
   local worker once it has room. So a remote worker is sent only what it can return before
   the local workers would reach it: a slow-but-steady one (its core busy with other work) gets
-  the batches it was given before its pace was known and then a probe now and then (to be
-  measured again), and never sets the epoch's pace. With ``num_workers=0`` the main process's
+  the batches it was given before its pace was known, then now and then a probe (a copy of a
+  batch a local worker makes too, delivered only if it comes first: the remote worker is
+  measured again without the window ever waiting on it), and never sets the epoch's pace. With ``num_workers=0`` the main process's
   worker thread only when every remote worker is gone (it would take the training loop's own
   core).
 - **One stream of results**: a thread forwards the local workers' messages and a collector
@@ -57,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 _WAIT_S = 0.02  # the collector's longest wait on the refs before it looks at deadlines and new refs
 _COLD_DEADLINE_S = 60.0  # before enough batches came back to know a typical time
-_PROBE_AFTER = 16  # batches dispatched elsewhere before a passed-over idle remote worker gets one
+_PROBE_AFTER = 8  # batches dispatched elsewhere before a passed-over idle remote worker gets a probe
 _RATE_SAMPLES = 6  # recent batches per worker the expected times are taken from
 
 
@@ -102,8 +103,10 @@ class _Rates:
     ahead of it was delivered, or when it was sent if the worker was idle): for a remote worker
     that includes whatever limits it (its core, the object transfer). A remote worker's *round
     trip* for a batch with ``k`` ahead of it is ``base + k * pace``, ``base`` taken from the
-    recent batches' dispatch-to-delivery times less the queue they waited behind. Medians of the
-    last few batches: one stray batch does not flip the rule."""
+    recent batches' dispatch-to-delivery times less the queue they waited behind. Paces are
+    medians of the last few batches; ``base`` is their upper quantile, not their median: a
+    remote batch sent on too rosy a guess holds up the in-order window, while one kept local on
+    too dark a guess costs only the remote core's spare time."""
 
     def __init__(self, workers: int) -> None:
         self.pace: list[deque[float]] = [deque(maxlen=_RATE_SAMPLES) for _ in range(workers)]
@@ -127,7 +130,8 @@ class _Rates:
         if not self.pace[wid]:
             return None
         pace = statistics.median(self.pace[wid])
-        base = statistics.median(trip - k * pace for trip, k in self.trips[wid])
+        bases = sorted(trip - k * pace for trip, k in self.trips[wid])
+        base = bases[(len(bases) * 4) // 5] if len(bases) > 1 else bases[0]  # ~80th percentile
         return max(base, pace) + ahead * pace
 
 
@@ -141,7 +145,7 @@ class RemoteStats:
         self.remote_batches = 0
         self.reissued = 0
         self.passed_over = 0  # batches kept for local workers: the remote ones would be later
-        self.probes = 0  # batches sent to a passed-over remote worker to measure it again
+        self.probes = 0  # copies of local batches sent to a passed-over remote worker to measure it
         self.duplicates_dropped = 0
         self.retried = 0  # batches run again after their worker died
         self.fell_back = 0  # batches sent to local workers because no remote worker was left
@@ -216,6 +220,7 @@ class RemotePool:
         self._local_cap = self._pf + max(0, settings.local_ahead)
         self._rates = _Rates(self.n)
         self._passed = [0] * self.n  # per remote worker: batches sent elsewhere since its last one
+        self._probe: int | None = None  # the remote worker the next local batch is copied to
         self._pin = pin
         self._stats = stats
         self._lock = threading.Lock()
@@ -288,10 +293,9 @@ class RemotePool:
                 remote_eta = self._rates.remote_eta(w, self._inflight[w])
                 if local_eta is None or remote_eta is None or remote_eta < local_eta:
                     return w
-                if self._inflight[w] == 0 and self._passed[w] >= _PROBE_AFTER:
-                    with self._stats.lock:
-                        self._stats.probes += 1
-                    return w
+                if self._inflight[w] == 0 and self._passed[w] >= _PROBE_AFTER and local is not None:
+                    self._probe = w  # a copy of the local batch: measured, never waited for
+                    return local
             if free and local is not None:
                 with self._stats.lock:
                     self._stats.passed_over += 1
@@ -307,14 +311,21 @@ class RemotePool:
             flight = _Flight(task, worker, sent_at=time.monotonic(), local=worker < self.L)
             flight.ahead = self._inflight[worker]
             self._flights[key] = flight
+            probe, self._probe = self._probe, None
             for w in range(self.L, self.n):
-                self._passed[w] = 0 if w == worker else self._passed[w] + 1
+                self._passed[w] = 0 if w in (worker, probe) else self._passed[w] + 1
             if worker < self.L:
                 self._inflight[worker] += 1
                 with self._stats.lock:
                     self._stats.local_batches += 1
+                if probe is not None:
+                    self._local_copies.add(key)  # a remote result first makes the local one a leftover
         if worker < self.L:
             self.local.send(worker, task)
+            if probe is not None:
+                with self._stats.lock:
+                    self._stats.probes += 1
+                self._submit(flight, probe)
         else:
             self._submit(flight, worker)
 
@@ -569,6 +580,11 @@ class RemotePool:
         except ray.exceptions.RayTaskError as exc:  # run() itself raised (not a stage: those are messages)
             res = None
             error: Any = exc
+        if res is not None:  # its pace, whether or not its copy is the one delivered
+            with self._lock:
+                self._rates.delivered(rwid, sent, ahead, time.monotonic())
+        if res is None and flight is not None and flight.local:
+            return  # a probe that failed: the local worker makes the batch (and says why if it fails)
         if flight is None or key not in self._flights:  # delivered already (a re-issued copy)
             with self._stats.lock:
                 self._stats.duplicates_dropped += 1
@@ -591,8 +607,6 @@ class RemotePool:
             if self._flights.pop(key, None) is None:
                 return
             self._times.append(now - sent)
-            if res is not None:
-                self._rates.delivered(rwid, sent, ahead, now)
         with self._stats.lock:
             s = self._stats
             s.remote_batches += 1
