@@ -9,7 +9,7 @@ import pyarrow.ipc as ipc
 import pytest
 
 from stallfree.errors import WriteError
-from stallfree.shards.arrow.writer import BATCH_BYTES, BATCH_ROWS, ArrowShardWriter
+from stallfree.shards.arrow.writer import BATCH_BYTES, BATCH_ROWS, ROWS_PER_BATCH, ArrowShardWriter
 from stallfree.shards.open import open_dataset
 from stallfree.shards.writer import ShardWriter
 from stallfree.testing.httpserve import serve_directory
@@ -43,9 +43,9 @@ def test_small_rows_share_batches_and_bytes_per_row_fall(tmp_path):
     assert table.to_pylist() == rows
 
 
-def test_row_cap_and_big_rows_alone(tmp_path):
-    """Tiny rows stop at ``BATCH_ROWS``; a row of ``BATCH_BYTES`` or more is a batch of its own
-    (the layout image and document shards always had), and ends the batch before it."""
+def test_the_first_batch_sets_every_batchs_count(tmp_path):
+    """Tiny rows stop the first batch at ``BATCH_ROWS``; every later batch holds that many rows,
+    whatever their sizes (the last one fewer), and the count is in the schema for readers."""
     tiny = [{"__key__": f"t{i:04d}", "n": i, "blob": b""} for i in range(BATCH_ROWS + 5)]
     big = {"__key__": "big", "n": -1, "blob": b"x" * BATCH_BYTES}
     after = [{"__key__": f"u{i}", "n": i, "blob": b"y"} for i in range(3)]
@@ -55,9 +55,48 @@ def test_row_cap_and_big_rows_alone(tmp_path):
         w.write(big)
         for r in after:
             w.write(r)
-    assert _batch_rows(tmp_path / "a.arrow") == [BATCH_ROWS, 5, 1, 3]
-    keys = ipc.open_file(str(tmp_path / "a.arrow")).read_all().column("__key__").to_pylist()
+    assert _batch_rows(tmp_path / "a.arrow") == [BATCH_ROWS, 9]
+    f = ipc.open_file(str(tmp_path / "a.arrow"))
+    assert f.schema.metadata[ROWS_PER_BATCH] == str(BATCH_ROWS).encode()
+    keys = f.read_all().column("__key__").to_pylist()
     assert keys == [r["__key__"] for r in [*tiny, big, *after]]
+
+
+def test_a_big_first_row_keeps_one_row_per_batch(tmp_path):
+    """A first row of ``BATCH_BYTES`` or more is a batch of its own, and so is every row after it:
+    image and document shards keep the one-row-per-batch layout and its read cost."""
+    rows = [{"__key__": "big", "blob": b"x" * BATCH_BYTES}] + [
+        {"__key__": f"s{i}", "blob": b"y" * (10 + i)} for i in range(4)
+    ]
+    with ArrowShardWriter(str(tmp_path / "b.arrow")) as w:
+        for r in rows:
+            w.write(r)
+    assert _batch_rows(tmp_path / "b.arrow") == [1, 1, 1, 1, 1]
+
+
+def test_a_remote_open_reads_the_footer_and_one_batch_not_every_batch(tmp_path):
+    """Opening a served shard of many small-row batches reads its footer and its last batch (the
+    count check), not every batch: the schema says how many rows each holds."""
+    from fsspec.implementations.http import HTTPFileSystem
+
+    from stallfree.shards.arrow.reader import ArrowShardReader
+
+    rows = [{"__key__": f"r{i:05d}", "n": i, "text": "z" * 100} for i in range(20_000)]
+    with ArrowShardWriter(str(tmp_path / "c.arrow")) as w:
+        for r in rows:
+            w.write(r)
+    info = w.info
+    assert len(_batch_rows(tmp_path / "c.arrow")) > 20
+    with serve_directory(tmp_path) as server:
+        fs = HTTPFileSystem(skip_instance_cache=True)
+        server.stats.reset()
+        reader = ArrowShardReader(fs, f"{server.url}/c.arrow", "c.arrow", info)
+        opened = server.stats.bytes_sent
+        assert len(reader) == 20_000
+        for i in (0, 654, 655, 19_999, 7_777):
+            assert reader.get(i)["__key__"] == f"r{i:05d}"
+        reader.close()
+    assert opened < info.bytes // 4  # reading every batch at open sent the whole file
 
 
 def _mixed_rows() -> list[dict]:

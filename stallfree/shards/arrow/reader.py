@@ -263,6 +263,17 @@ def open_batches(
         raise unreadable_table(path, shard, exc) from None
 
 
+def _rows_per_batch(schema: Any) -> int | None:
+    """The rows per record batch our writer records in the schema (``writer.ROWS_PER_BATCH``), or
+    None: another writer's file, or a value that is not a positive count."""
+    from stallfree.shards.arrow.writer import ROWS_PER_BATCH
+
+    raw = (schema.metadata or {}).get(ROWS_PER_BATCH)
+    if raw is None or not raw.isdigit() or len(raw) > 9:
+        return None
+    return int(raw) or None
+
+
 def unreadable_table(path: str, shard: str, exc: BaseException) -> CorruptShardError:
     """The error for a table file that is none of the layouts ``open_batches`` reads."""
     if path.endswith(".parquet"):
@@ -347,9 +358,16 @@ class ArrowShardReader:
         self.batches = nb = self._reader.num_record_batches
         self._checks = BatchChecks(nb)
         expected = info.samples if info is not None else None
+        per = _rows_per_batch(self._schema)
+        self._per = 1  # rows of every batch but the last, when _starts is None
         if expected is not None and nb == expected:
-            self._starts = None  # one row per batch (how we write): batch index == row
+            self._starts = None  # one row per batch: batch index == row
             self.rows = nb
+        elif per is not None and nb and (expected is None or -(-expected // per) == nb):
+            # our writer's layout: every batch holds ``per`` rows, the last one fewer (each
+            # batch's count is checked when it is read); opening reads the footer only
+            self._starts, self._per = None, per
+            self.rows = (nb - 1) * per + self._rows_of(nb - 1)  # one batch read: checks the count
         else:
             starts, total = [], 0
             for b in range(nb):
@@ -401,7 +419,8 @@ class ArrowShardReader:
         if reader is None:
             raise ValueError(f"the reader of {self.shard} is closed")
         if self._starts is None:
-            first, rows = b, 1
+            first = b * self._per
+            rows = min(self._per, self.rows - first)
         else:
             first = self._starts[b]
             rows = (self._starts[b + 1] if b + 1 < len(self._starts) else self.rows) - first
@@ -426,7 +445,8 @@ class ArrowShardReader:
 
     def get(self, row: int) -> dict[str, Any]:
         if self._starts is None:
-            return self._convert(self._batch(row), 0, row)
+            b, r = divmod(row, self._per)
+            return self._convert(self._batch(b), r, row)
         b = bisect_right(self._starts, row) - 1
         return self._convert(self._batch(b), row - self._starts[b], row)
 
@@ -443,7 +463,8 @@ class ArrowShardReader:
             return None
         try:
             if self._starts is None:
-                batch, r = self._batch(row), 0
+                b, r = divmod(row, self._per)
+                batch = self._batch(b)
             else:
                 b = bisect_right(self._starts, row) - 1
                 batch, r = self._batch(b), row - self._starts[b]

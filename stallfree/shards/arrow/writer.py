@@ -2,18 +2,20 @@
 first), column types kept. Readable by plain ``pyarrow.ipc.open_file`` (and so by Hugging Face
 ``datasets``) unchanged.
 
-Layout choice: small rows are grouped into record batches of up to ``BATCH_BYTES`` of row data
-(and at most ``BATCH_ROWS`` rows); a row of ``BATCH_BYTES`` or more is a batch of its own. Why:
-a record batch carries a few hundred bytes of metadata (its message header, per-column buffer
-descriptions, a footer block) and costs pyarrow a per-batch write; one batch per row made a
-~100-byte tabular row take ~535 bytes on disk and write ~2x slower than MDS (now ~160 bytes).
-Random access still reads exactly one batch, now up to ``BATCH_BYTES`` with the row's
-neighbours; shards of samples of ``BATCH_BYTES`` or more (images, documents) keep one row per
-batch, and their read cost. The cost moved to opening: the IPC footer lists batches but not
-their row counts, so ``ArrowShardReader`` counts each batch's rows when it opens a shard whose
-batch count differs from its row count (free from a memory map; remotely, one read per batch).
-The grouping depends only on the rows' sizes, so the bytes are the same for any worker count
-or engine.
+Layout choice: small rows are grouped into record batches; a shard's batches all hold the same
+number of rows (the last one fewer), recorded in the schema's metadata (``ROWS_PER_BATCH``). The
+first batch sets that number: it closes at ``BATCH_BYTES`` of row data or ``BATCH_ROWS`` rows, and
+a row of ``BATCH_BYTES`` or more is a batch of its own (so shards of images or documents keep one
+row per batch, and their read cost). Why group: a record batch carries a few hundred bytes of
+metadata (its message header, per-column buffer descriptions, a footer block) and costs pyarrow a
+per-batch write; one batch per row made a ~100-byte tabular row take ~535 bytes on disk and write
+~2x slower than MDS (now ~160 bytes). Why the same count in every batch: the IPC footer lists
+batches but not their row counts, so a reader of batches of varying size must read every batch
+to find a row (remotely, the whole shard at each open); with one count in the schema a row's
+batch is ``row // count`` and opening reads the footer only. Random access reads exactly one
+batch, up to ``BATCH_ROWS`` rows: rows that grow after the first batch make bigger batches (the
+price of the fixed count). The layout depends only on the rows' sizes, so the bytes are the same
+for any worker count or engine.
 
 Rows are buffered until their batch closes and converted column by column (not cell by cell):
 a value that does not fit its column is therefore reported when its batch is written (by a
@@ -36,8 +38,10 @@ from stallfree.shards.naming import check_field, check_key
 from stallfree.storage.atomic import AtomicFile, CommitOnExit
 
 KEY = "__key__"
-BATCH_BYTES = 64 * 1024  # row data per record batch (a bigger row is a batch of its own)
+BATCH_BYTES = 64 * 1024  # row data that closes a shard's first record batch (a bigger row: alone)
 BATCH_ROWS = 1024  # rows per record batch at most (tiny rows: bounded work to decode one batch)
+# schema metadata key: the rows each record batch holds (the last one fewer); see the docstring
+ROWS_PER_BATCH = b"stallfree.rows_per_batch"
 
 
 def infer_type(value: Any, field: str, key: str) -> pa.DataType:
@@ -212,6 +216,7 @@ class ArrowShardWriter(CommitOnExit):
         self._pending: list[list[Any]] = []
         self._pending_bytes = 0
         self.batches = 0  # record batches written so far
+        self._per_batch: int | None = None  # rows of every batch, set by the first one
         self.info: ShardInfo | None = None
 
     @property
@@ -283,14 +288,19 @@ class ArrowShardWriter(CommitOnExit):
             else:
                 size += value_nbytes(value)
         start = self.bytes
-        if self._pending_keys and self._pending_bytes + size > BATCH_BYTES:
-            self._flush()  # the row does not fit the batch in progress: it starts the next one
+        per = self._per_batch
+        if per is None and self._pending_keys and self._pending_bytes + size > BATCH_BYTES:
+            self._flush()  # the row does not fit the first batch: that batch's count is set
+            per = self._per_batch
         self._keys.add(key)
         self._pending_keys.append(key)
         for column, value in zip(self._pending, values, strict=True):
             column.append(value)
         self._pending_bytes += size
-        if self._pending_bytes >= BATCH_BYTES or len(self._pending_keys) >= BATCH_ROWS:
+        if per is not None:
+            if len(self._pending_keys) >= per:
+                self._flush()
+        elif self._pending_bytes >= BATCH_BYTES or len(self._pending_keys) >= BATCH_ROWS:
             self._flush()
         return self.bytes - start
 
@@ -315,7 +325,9 @@ class ArrowShardWriter(CommitOnExit):
             raise WriteError(exc.reason, shard=self.name, key=exc.key) from None
         try:
             if self._writer is None:
-                self._writer = pa.ipc.new_file(_Sink(self._file), schema)
+                self._per_batch = len(keys)
+                meta = {**(schema.metadata or {}), ROWS_PER_BATCH: str(len(keys)).encode()}
+                self._writer = pa.ipc.new_file(_Sink(self._file), schema.with_metadata(meta))
             self._writer.write_batch(batch)
         except (pa.ArrowException, OSError) as exc:
             self._file.abort()
