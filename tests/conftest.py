@@ -1,10 +1,17 @@
-"""Suite-wide: the tests marked ``slow`` run first.
+"""Suite-wide: the tests marked ``slow`` run first; a slow module's module-scoped fixtures are set up
+once.
 
 pytest-xdist hands tests to its workers in collection order, so a 30-second test collected late
 starts when the other workers are nearly done, and the whole pass then waits on it alone. Started
 first (longest-processing-time-first scheduling), the long tests overlap one another and the short
 ones fill in at the end. The order of everything else is kept; a run without xdist only changes
 when each test runs, not what it checks.
+
+A module-scoped fixture is set up once per xdist worker that runs a test of its module, and xdist
+spreads a module's tests over every worker: four Spark sessions and four Ray clusters started at
+once, on two cores, where the module meant one. So the slow tests that use a module-scoped fixture
+run on one worker per module (an ``xdist_group`` named after the module; scripts/test.sh runs
+``--dist loadgroup``), unless they already name a group.
 """
 
 from __future__ import annotations
@@ -17,8 +24,51 @@ from collections.abc import Iterator
 import pytest
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: slow ones first
+    for item in items:
+        if item.get_closest_marker("slow") is not None and item.get_closest_marker("xdist_group") is None:
+            if _uses_a_module_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+
+
+class _GroupsForXdist:
+    """Makes ``xdist_group`` work on pytest 9: pytest-xdist (3.8) sends a group to one worker by
+    appending ``@group`` to each of its tests' node ids, which it does by setting ``item._nodeid``;
+    pytest 9 keeps the id in ``item._id``, so every group was silently spread over all workers.
+    Runs after xdist's hook, and only where xdist's suffix is missing."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        if not config.getvalue("loadgroup"):
+            return
+        from _pytest.nodeid import NodeId  # pytest 9's node-id type (private; only reached on pytest 9)
+
+        for item in items:
+            names = sorted(
+                {
+                    str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                    for m in item.iter_markers("xdist_group")
+                }
+            )
+            if names and not item.nodeid.endswith("@" + "_".join(names)):
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config.option, "loadgroup") and int(pytest.__version__.split(".")[0]) >= 9:
+        config.pluginmanager.register(_GroupsForXdist(), "stallfree-xdist-groups")
+
+
+def _uses_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the fixtures a test uses
+    if info is None:
+        return False
+    return any(
+        defs and defs[-1].scope == "module"
+        for defs in (info.name2fixturedefs.get(n) for n in info.names_closure)
+    )
 
 
 _TEST_TEMP_DIRS: list[str] = []
