@@ -124,7 +124,7 @@ def deep_state(loader: Any) -> dict[str, Any]:
 
 def time_lookups(name: str, dataset: Any, lookups: int, seed: int) -> dict[str, Any]:
     from stallfree.loader.dataloader import DataLoader
-    from stallfree.trace.steps import trace_state
+    from stallfree.loader.epoch.samples import trace_state
 
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, seed=1, world=(0, 768))
     state = deep_state(loader)

@@ -122,6 +122,8 @@ def test_what_the_document_says_some_modules_import(text: str, graph):
     assert not {t for t in loader if t.startswith(("stallfree.gpu_decode", "stallfree.tokens"))}
     # the layer table: of mix, the loader imports only mix/permute.py
     assert {t for t in loader if t.startswith("stallfree.mix")} <= {"stallfree.mix.permute"}
+    # trace sits above the loader: the loader never imports it (samples_at's work is in epoch/)
+    assert not {t for t in loader if t.startswith("stallfree.trace")}
     assert layer_table(text)["mix"] == set()
     assert _imports_of(graph, "stallfree.mix") == set()
     assert graph["stallfree.errors"] == {} and graph["stallfree.extras"] == {}

@@ -1,5 +1,5 @@
 """``stallfree trace STATE --step S``: the samples of a training step, from a saved loader state
-and the dataset, computed, not looked up in a log (``stallfree.trace.steps``)."""
+and the dataset, computed, not looked up in a log (``stallfree.loader.epoch.samples``)."""
 
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def _dataset(args: argparse.Namespace, state: dict[str, Any]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stallfree.trace.steps import trace_state
+    from stallfree.loader.epoch.samples import trace_state
 
     try:
         state = _state(args.state, args.loader)

@@ -415,7 +415,7 @@ class DataLoader(tud.DataLoader[T_co]):
 
     def samples_at(self, step: int, rank: int | None = None, *, keys: bool = True) -> Any:
         """The samples of step ``step``'s batch on ``rank`` (default: this one), computed from
-        the order and the run's timeline, never from a log: a ``stallfree.trace.StepSamples``
+        the order and the run's timeline, never from a log: a ``StepSamples`` (``epoch/samples.py``)
         naming each sample's position, index and, where the dataset tells, source, shard, key
         or packed documents with token offsets. Past, present or future steps alike (a future
         one as the current world size would read it); after ``load_state_dict`` the restored
@@ -423,7 +423,7 @@ class DataLoader(tud.DataLoader[T_co]):
         dataset reads them from each touched shard's index)."""
         if self._clock is None:
             raise ValueError("samples_at needs our own order (the fast path), not a sampler or a stream")
-        from stallfree.trace.steps import step_samples
+        from stallfree.loader.epoch.samples import step_samples
 
         timeline = self._clock.timeline
         if self._progress is None:  # nothing iterated since the start or a restore: the next epoch's span

@@ -1,7 +1,7 @@
-"""Provenance of training batches: the samples of any step (``samples_at``, ``stallfree trace``)
-computed from a resume state and the dataset, and the audit of a delivery record
-(``record_keys=``, ``stallfree audit``). Above the loader: it imports ``stallfree.loader``'s
-epoch wing; the loader reaches it only from ``DataLoader.samples_at``."""
+"""Provenance of training batches: the samples of any step (``samples_at``, ``stallfree trace``;
+computed in the loader's epoch wing, ``loader/epoch/samples.py``, and re-exported here) and the
+audit of a delivery record (``record_keys=``, ``stallfree audit``). Above the loader: it imports
+``stallfree.loader``'s epoch wing, and the loader never imports it."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "StepSamples": "stallfree.trace.steps",
-    "SampleRef": "stallfree.trace.refs",
-    "DocumentSpan": "stallfree.trace.refs",
-    "trace_state": "stallfree.trace.steps",
+    "StepSamples": "stallfree.loader.epoch.samples",
+    "SampleRef": "stallfree.loader.epoch.refs",
+    "DocumentSpan": "stallfree.loader.epoch.refs",
+    "trace_state": "stallfree.loader.epoch.samples",
     "audit": "stallfree.trace.audit",
     "AuditReport": "stallfree.trace.audit",
     "Violation": "stallfree.trace.audit",

@@ -13,8 +13,8 @@ import pytest
 import stallfree
 from stallfree.cli import main
 from stallfree.loader.dataloader import DataLoader
+from stallfree.loader.epoch.samples import trace_state
 from stallfree.tokens.packing import TokenDataset
-from stallfree.trace.steps import trace_state
 from tests.tokens.helpers import random_docs, write_megatron
 from tests.trace.helpers import keys_of, mixture_keys, three_stage_mixture, write_images
 

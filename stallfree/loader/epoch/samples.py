@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 
 from stallfree.loader.epoch import order as order_mod
+from stallfree.loader.epoch.refs import SampleRef, describe
 from stallfree.loader.epoch.state import LoaderState
 from stallfree.loader.epoch.timeline import Timeline
-from stallfree.trace.refs import SampleRef, describe
 
 
 @dataclass(frozen=True)
