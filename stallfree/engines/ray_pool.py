@@ -268,11 +268,12 @@ class RemotePool:
             self.local.discard_segment(worker, new_storage)
 
     def pick(self) -> int | None:
-        """The worker for the next batch (None: wait, every worker is full or a remote one would
-        be later than the local ones): a local worker below ``prefetch_factor`` first (not the
-        main process's thread while a remote worker lives); then whichever would deliver it
-        first, a remote worker with room or a local one up to ``local_ahead`` more (the local
-        one on a tie; a remote one while their paces are not known yet)."""
+        """The worker for the next batch (None: wait). A local worker below ``prefetch_factor``
+        first (not the main process's thread while a remote worker lives); past that, the
+        worker expected to deliver it first (earliest finish), a local one on a tie: a remote
+        worker within its credits, or a local one up to ``local_ahead`` more; when that worker
+        is full, wait for it rather than give the batch to a later one. While the paces are not
+        known yet: a remote worker with room, else a local one."""
         with self._lock:
             remote_alive = [w for w in range(self.L, self.n) if self._alive[w]]
             free = sorted(
@@ -289,16 +290,21 @@ class RemotePool:
             room = [w for w in order if self._inflight[w] < self._local_cap]
             local = min(room, key=lambda w: self._inflight[w]) if room else None
             local_eta = self._rates.local_eta(range(self.L), self._inflight)
-            for w in free:
-                remote_eta = self._rates.remote_eta(w, self._inflight[w])
-                if local_eta is None or remote_eta is None or remote_eta < local_eta:
-                    return w
-                if self._inflight[w] == 0 and self._passed[w] >= _PROBE_AFTER and local is not None:
-                    self._probe = w  # a copy of the local batch: measured, never waited for
-                    return local
-            if free and local is not None:
+            etas: dict[int, float] = {}
+            for w in remote_alive:
+                eta = self._rates.remote_eta(w, self._inflight[w])
+                if eta is None or local_eta is None:
+                    return free[0] if free else local  # cold: the remote workers' credits first
+                etas[w] = eta
+            best = min(etas, key=etas.__getitem__, default=None)
+            if best is not None and local_eta is not None and etas[best] < local_eta:
+                return best if best in free else None  # it is worth waiting for
+            if local is not None and free:
                 with self._stats.lock:
                     self._stats.passed_over += 1
+                idle = [w for w in free if self._inflight[w] == 0 and self._passed[w] >= _PROBE_AFTER]
+                if idle:
+                    self._probe = idle[0]  # a copy of the local batch: measured, never waited for
             return local
 
     def send(self, worker: int, task: Task) -> None:
