@@ -5,19 +5,18 @@ It wraps the local pool (``stallfree/loader/pool.py`` ``Engine``: worker ids ``0
 adds the remote workers as ids ``L..L+R-1``, with the same calls the assembler makes on a local
 pool (``send``, ``result``, ``doing``, ``dead``, ...). What it adds:
 
-- **Which worker** (``pick``): a trainer's own worker below ``prefetch_factor`` first; then
-  whichever worker would deliver the batch first (earliest finish, ``_Rates``: each worker's
-  measured pace, and a remote worker's round trip): a remote worker with room under its
-  credits (``RayWorkers(in_flight=)``), or a local worker up to ``local_ahead`` batches more
-  (the in-order window then covers a remote round trip instead of the local workers waiting
-  for credits behind a remote batch not yet back); none when every one would be later than a
-  local worker once it has room. So a remote worker is sent only what it can return before
-  the local workers would reach it: a slow-but-steady one (its core busy with other work) gets
-  the batches it was given before its pace was known, then now and then a probe (a copy of a
-  batch a local worker makes too, delivered only if it comes first: the remote worker is
-  measured again without the window ever waiting on it), and never sets the epoch's pace. With ``num_workers=0`` the main process's
-  worker thread only when every remote worker is gone (it would take the training loop's own
-  core).
+- **Which worker** (``pick``): a trainer's own worker below ``prefetch_factor`` first; past
+  that, the worker expected to deliver the batch first (earliest finish, ``_Rates``: each
+  worker's measured pace and a remote worker's round trip), over every worker, full or not: a
+  remote worker within its credits (``RayWorkers(in_flight=)``), a local one up to
+  ``local_ahead`` batches more (so the in-order window covers a remote round trip), or, when
+  the earliest is a full remote worker, none (wait for it). So a remote worker is sent only
+  what it should return before a local worker would make it: a slow-but-steady one (its core
+  busy with other work) delivers only the batches it was given before its pace was known, then
+  now and then gets a probe (a copy of a batch a local worker makes too, delivered only if it
+  comes first: measured again without the window ever waiting on it), and never sets the
+  epoch's pace. With ``num_workers=0`` the main process's worker thread only when every
+  remote worker is gone (it would take the training loop's own core).
 - **One stream of results**: a thread forwards the local workers' messages and a collector
   thread waits on the remote workers' object refs; both feed one queue that ``result`` reads.
   A remote batch is copied out of the object store once (``ray_wire.from_wire``) and its object
