@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
             "example:\n  stallfree trace ckpt/loader.json --step 1200\n"
-            "  stallfree trace ckpt/loader.json --step 1200 --rank 3 --dataset train:make_mixture "
-            "--dataset-arg ./data --json"
+            "  stallfree trace ckpt/loader.json --step 1200 --rank 3 --json \\\n"
+            "      --dataset train:make_mixture --dataset-arg ./data"
         ),
     )
     p.add_argument("state", help="a JSON file: one loader's state_dict(), or stallfree_loader_state.json")

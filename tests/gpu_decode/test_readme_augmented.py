@@ -1,10 +1,10 @@
-"""The README's own-transform example (``class Augmented``) runs without a warning, in the main
-process and in 2 workers, under ``warnings.simplefilter("error")``.
+"""The guide's own-transform example (``class Augmented``, in docs/decode.md) runs without a
+warning, in the main process and in 2 workers, under ``warnings.simplefilter("error")``.
 
 It raised torch's "The given NumPy array is not writable" warning: the example handed
 ``np.asarray(pil_image)``, a read-only view of PIL's bytes, to ``torch.from_numpy``; nothing in
 stallfree's path (open_dataset, the loader's read-ahead, shared-memory collate) warns. The
-README's code is read from README.md and run as it is, in a subprocess with a timeout."""
+guide's code is read from docs/decode.md and run as it is, in a subprocess with a timeout."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ import pytest
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text(encoding="utf-8")
-BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+GUIDE = (ROOT / "docs" / "decode.md").read_text(encoding="utf-8")
+BLOCKS = re.findall(r"```python\n(.*?)```", GUIDE, flags=re.S)
 EXAMPLE = next((b for b in BLOCKS if "class Augmented" in b), None)
 OLD_CALL = "torch.from_numpy(np.asarray(img))"
 
@@ -49,7 +49,7 @@ def test_pil_asarray_is_read_only():
 # loader's worker thread that one warning does not reach the caller; 2 workers showed the fault
 @pytest.mark.parametrize("workers", [0, 2])
 def test_readme_augmented_example_runs_without_warnings(tmp_path, workers):
-    assert EXAMPLE is not None, "README.md has no `class Augmented` example"
+    assert EXAMPLE is not None, "docs/decode.md has no `class Augmented` example"
     assert OLD_CALL not in EXAMPLE
     code = textwrap.dedent(DRIVER) + EXAMPLE.replace("num_workers=2", "num_workers=WORKERS")
     proc = subprocess.run(

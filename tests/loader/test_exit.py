@@ -120,11 +120,10 @@ def test_a_raising_training_loop_exits_with_its_error(path, tmp_path):
     report(it)
     raise RuntimeError("training step failed")
     """
-    proc, took = _run(body, tmp_path)
+    proc, _ = _run(body, tmp_path)  # a hang past _run's timeout fails the test
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "RuntimeError: training step failed" in proc.stderr
     assert "Exception ignored" not in proc.stderr, proc.stderr[-3000:]
-    assert took < 25, f"exit took {took:.1f} s"
     assert len(_pids(proc.stdout)) >= (0 if path == "in_process" else 2)
     assert _gone(_pids(proc.stdout)) == []
     assert _left_in_shm(before) == set()
