@@ -287,8 +287,8 @@ def _loaders(text: str) -> list[str]:
 
 def au_config_from_args(args: argparse.Namespace):
     """The AUConfig of a ``--workload`` bench (its own flags, and the shared ones it uses)."""
-    from stallfree.harness.au_bench import DEFAULT_LOADERS as AU_LOADERS
-    from stallfree.harness.au_bench import AUConfig
+    from stallfree.harness.workload.run import DEFAULT_LOADERS as AU_LOADERS
+    from stallfree.harness.workload.run import AUConfig
 
     return AUConfig(
         data=str(args.dataset),
@@ -309,9 +309,9 @@ def au_config_from_args(args: argparse.Namespace):
 
 def run_workload(args: argparse.Namespace) -> int:
     """``--workload``: the largest number of emulated accelerators per loader (au_bench.py)."""
-    from stallfree.harness.au_bench import run_au_bench
-    from stallfree.harness.au_report import format_au_table, write_au_plot
     from stallfree.harness.errors import RankFailed, error_line
+    from stallfree.harness.workload.report import format_au_table, write_au_plot
+    from stallfree.harness.workload.run import run_au_bench
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)

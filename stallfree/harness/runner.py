@@ -136,7 +136,7 @@ def _run_phase(run: PhaseRun, data: BenchData, place: RankPlace, dist: Any) -> d
         extra=dict(run.loader_options),
     )
     if run.decode == "none":  # read only: the MLPerf Storage workloads (au_bench.py)
-        from stallfree.harness.workload_loaders import make_read_adapter as make_adapter
+        from stallfree.harness.workload.loaders import make_read_adapter as make_adapter
     try:
         adapter = make_adapter(run.phase.loader, settings)
     except (ValueError, ImportError) as exc:  # e.g. a tar-only reader on a non-tar dataset

@@ -1,5 +1,5 @@
 """MLPerf Storage's accelerator utilisation: the arithmetic, the workload values, the N search,
-the data generator and the table (harness/au.py, workloads.py, workload_data.py, au_report.py)."""
+the data generator and the table (harness/workload/au.py, workloads.py, workload_data.py, au_report.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import zipfile
 import numpy as np
 import pytest
 
-from stallfree.harness import workload_data
-from stallfree.harness.au import JobAU, NSearch, job_au, rank_au
-from stallfree.harness.au_report import format_au_table
-from stallfree.harness.workloads import ACCELERATORS, WORKLOAD_NAMES, workload
+from stallfree.harness.workload import data as workload_data
+from stallfree.harness.workload.au import JobAU, NSearch, job_au, rank_au
+from stallfree.harness.workload.configs import ACCELERATORS, WORKLOAD_NAMES, workload
+from stallfree.harness.workload.report import format_au_table
 
 
 def test_rank_au_counts_the_configured_compute_not_the_measured_sleep():

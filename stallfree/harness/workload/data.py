@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from stallfree.harness.workloads import Workload
+from stallfree.harness.workload.configs import Workload
 
 logger = logging.getLogger(__name__)
 

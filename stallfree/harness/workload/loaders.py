@@ -42,7 +42,7 @@ from stallfree.harness.loaders import (
     loader_available,
     tar_shard_urls,
 )
-from stallfree.harness.workload_data import files_dir_for
+from stallfree.harness.workload.data import files_dir_for
 
 logger = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ emulated accelerators stay at or above the workload's AU threshold?
 Each emulated accelerator is one rank of the harness (``runner.run_bench``): next batch, a sleep
 of the config's compute time, an all-reduce (DLIO has a barrier there). The loaders read the
 records without decoding them (``workload_loaders.py``), as DLIO's do. For every loader an
-:class:`~stallfree.harness.au.NSearch` picks the N to run; each N is one ``run_bench`` with every
+:class:`~stallfree.harness.workload.au.NSearch` picks the N to run; each N is one ``run_bench`` with every
 loader that still needs it, side by side in the same ranks.
 """
 
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stallfree.harness import workload_data
-from stallfree.harness.au import JobAU, NSearch, job_au
 from stallfree.harness.config import BenchConfig
-from stallfree.harness.workloads import DEFAULT_SCALE, Workload, workload
+from stallfree.harness.workload import data as workload_data
+from stallfree.harness.workload.au import JobAU, NSearch, job_au
+from stallfree.harness.workload.configs import DEFAULT_SCALE, Workload, workload
 
 logger = logging.getLogger(__name__)
 
