@@ -270,8 +270,13 @@ BLOCKS = all_blocks()
 # One driver run serves every block's test: on one xdist worker (scripts/test.sh runs
 # --dist loadgroup), so no other worker sits blocked on the driver's lock (98 s of a worker in
 # the suite's longest pass), and started first, as the slow tests are (tests/conftest.py).
-# what stallfree.testing.ray_cluster.LOOPBACK_ENV sets (not imported: it sets them in this process)
-RAY_LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+# Ray's and Spark's blocks stay on loopback (what stallfree.testing's cluster helpers set; not
+# imported here: importing them sets the variables in this process)
+ENGINES_LOOPBACK_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "SPARK_LOCAL_IP": "127.0.0.1",
+}
 pytestmark = [pytest.mark.xdist_group("readme-driver"), pytest.mark.slow]
 
 
@@ -280,8 +285,8 @@ def _run_driver(base: Path) -> dict[str, dict]:
     root.mkdir()
     plan = {"root": str(root), "results": str(results_path), "blocks": [b.__dict__ for b in BLOCKS]}
     (base / "plan.json").write_text(json.dumps(plan))
-    # Ray blocks stay on loopback: without this Ray rewrites 127.0.0.1 to the outside address
-    env = {**os.environ, **RAY_LOOPBACK_ENV, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # without ENGINES_LOOPBACK_ENV Ray rewrites 127.0.0.1 to the outside address
+    env = {**os.environ, **ENGINES_LOOPBACK_ENV, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     code = f"from tests.test_readme import _drive; _drive({str(base / 'plan.json')!r})"
     try:
         proc = subprocess.run(
