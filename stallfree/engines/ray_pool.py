@@ -615,6 +615,10 @@ class RemotePool:
         with self._stats.lock:
             s = self._stats
             s.remote_batches += 1
+            if (
+                flight.local
+            ):  # a probe's copy came first: the batch is the remote worker's, not the local one's
+                s.local_batches -= 1
             s.trainer_cpu_s += cpu
             w = s.workers[rwid]
             w["in_flight_s"] += now - sent
