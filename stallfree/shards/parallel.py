@@ -45,7 +45,7 @@ from stallfree.shards.manifest.model import (
     generation_stem,
 )
 from stallfree.shards.sources.registry import Item, Source, SourceError, SourceReadError, open_source
-from stallfree.storage.atomic import check_writable, remove_stale_temps
+from stallfree.storage.atomic import check_writable, parse_temp, remove_stale_temps
 
 log = logging.getLogger(__name__)
 
@@ -666,7 +666,24 @@ def _remove_written(
     fs: fsspec.AbstractFileSystem, spec: Format, results: list[ShardResult], root: str, in_use: set[str]
 ) -> None:
     """Undo a failed run: remove the shards (and their sidecars) it already finished, never a
-    file of the dataset it was to replace."""
+    file of the dataset it was to replace; and the temp files of those names, which a task a
+    remote runner cancelled (killed mid-write, so it could not clean up) leaves behind."""
+    names = {
+        posixpath.basename(p) for r in results if r.info is not None for p in _shard_files(spec, root, r)
+    }
+    try:
+        listed = fs.ls(root, detail=False) if names else []
+    except (FileNotFoundError, NotADirectoryError):
+        listed = []
+    for path in listed:
+        base = posixpath.basename(path)
+        if parse_temp(path) is not None and base[1:].split(".tmp-", 1)[0] in names:
+            try:
+                fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+            except Exception as exc:  # noqa: BLE001 - the first error is the one to report
+                log.warning("could not remove %s after a failed run: %s", path, exc)
     for r in results:
         if r.info is None:
             continue
@@ -681,6 +698,11 @@ def _remove_written(
             except Exception as exc:  # noqa: BLE001 - the first error is the one to report
                 log.warning("could not remove %s after a failed run: %s", p, exc)
         log.info("removed %s after a failed run", path)
+
+
+def _shard_files(spec: Format, root: str, r: ShardResult) -> list[str]:
+    path = posixpath.join(root, r.info.path)
+    return [path, *spec.sidecars(path)]
 
 
 def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:

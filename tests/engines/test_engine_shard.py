@@ -163,3 +163,28 @@ def test_a_missing_engine_library_names_its_extra(monkeypatch, engine, extra):
     monkeypatch.setitem(sys.modules, "pyspark" if extra == "spark" else "ray", None)  # not importable
     with pytest.raises(MissingExtra, match=rf"pip install 'stallfree\[{extra}\]'"):
         make_executor(engine)
+
+
+@dataclass
+class _KilledMidWrite(_LostReports):
+    """A remote runner whose last task is killed mid-write (Ray's ``cancel(force=True)``): its
+    shard's temp file stays behind, named for the planned shard, then the job fails."""
+
+    def run(self, job, tasks, on_result, progress) -> None:
+        from stallfree.storage.atomic import temp_name
+
+        for task in tasks[:-1]:
+            run_task(job, task)
+        Path(temp_name(tasks[-1].path)).write_bytes(b"half a shard")
+        raise RuntimeError("a task was killed mid-write")
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_a_failed_remote_run_removes_a_killed_tasks_temp_file(folder: Path, tmp_path: Path, existing: bool):
+    dst = tmp_path / "out"
+    if existing:
+        shard_dataset(str(folder), str(dst), max_samples=2)
+    before = tree(dst) if existing else {}
+    with pytest.raises(RuntimeError, match="killed mid-write"):
+        shard_dataset(str(folder), str(dst), max_samples=3, overwrite=existing, executor=_KilledMidWrite())
+    assert (tree(dst) if dst.exists() else {}) == before
