@@ -16,6 +16,8 @@ EPILOG = """examples:
   stallfree bench ./in1k --nproc 2 --loader stallfree,torch --step-ms 20 --json out.json --plot out.png
   stallfree bench http://127.0.0.1:8000/shards --loader stallfree,torch,webdataset --analyze
   stallfree bench ./in1k --loader torch --tune --tune-workers 1,2,4
+  stallfree bench ./in1k --loader stallfree,stallfree-remote --ray-address HEAD_IP:6379 --remote-workers 4 \
+      --remote-resource cpu_node
   torchrun --nproc-per-node 8 -m stallfree bench s3://bucket/in1k --step model
   stallfree bench ./au-data --workload unet3d --accelerator h100 --json au.json --plot au.png
 """
@@ -65,7 +67,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--loader",
         default=None,
-        help="comma list: stallfree,torch,webdataset,dali (default stallfree,torch; with --workload all four)",
+        help="comma list: stallfree,stallfree-remote,torch,webdataset,dali (default stallfree,torch; with "
+        "--workload stallfree,torch,webdataset,dali); stallfree-remote: stallfree plus Ray remote workers",
     )
     p.add_argument(
         "--step",
@@ -123,6 +126,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, default=None, help="write the full report (with environment) here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG timeline + stall bar chart here")
     p.add_argument("--no-per-rank", action="store_true", help="table: job rows only")
+    r = p.add_argument_group(
+        "remote workers on Ray (--loader stallfree-remote)",
+        "stallfree-remote is the stallfree loader plus remote=stallfree.RayWorkers(...): per rank, "
+        "--remote-workers Ray actors on the cluster's CPU nodes decode beside the --workers local "
+        "ones. Run it beside stallfree to see the stall with and without them, and where each batch "
+        "was made (docs/remote_workers.md). Needs pip install 'stallfree[ray]' and a running cluster.",
+    )
+    r.add_argument(
+        "--ray-address",
+        default=None,
+        help="the Ray cluster, HOST:PORT or auto (default: auto, the cluster this machine belongs to)",
+    )
+    r.add_argument("--remote-workers", type=int, default=None, help="Ray actors per rank (default 2)")
+    r.add_argument(
+        "--remote-resource",
+        default=None,
+        metavar="NAME",
+        help="custom Ray resource the CPU nodes carry (ray start --resources '{\"NAME\": N}'); "
+        "default: none, any node but the trainer's",
+    )
+    r.add_argument("--remote-cpus", type=float, default=None, help="CPUs per remote worker (default 1)")
     w = p.add_argument_group(
         "MLPerf Storage workloads (--workload)",
         "N emulated accelerators (ranks sleeping the config's compute time per batch) read the "
@@ -207,6 +231,7 @@ _BENCH_SETS = {
     "decode": "--decode",
     "collate_fn": "--decode",
     "multiprocessing_context": "--worker-start",
+    "remote": "--loader stallfree-remote",
 }
 
 
@@ -276,9 +301,38 @@ def config_from_args(args: argparse.Namespace):
         tune_prefetch=args.tune_prefetch,
         tune_target_stall=args.tune_target / 100.0,
         progress=True,
+        remote=remote_from_args(args),
         **world,
     )
     return cfg
+
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
+
+
+def remote_from_args(args: argparse.Namespace):
+    """The RemoteSpec of ``--ray-address`` and ``--remote-*`` (None when none is given: the
+    stallfree-remote loader then gets RemoteSpec's defaults).
+
+    A cluster on this machine's loopback (``127.0.0.1:PORT``) needs Ray to keep that address when
+    a driver connects: Ray 2.60 replaces it by the machine's outside address and retries that for
+    ever unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` (stallfree/testing/ray_cluster.py). The
+    CLI is where environment variables are set: here, before any rank imports Ray, unless the
+    user set it."""
+    from stallfree.harness.config import RemoteSpec
+
+    given = {
+        "address": args.ray_address,
+        "workers": args.remote_workers,
+        "cpus": args.remote_cpus,
+        "resource": args.remote_resource,
+    }
+    if all(v is None for v in given.values()):
+        return None
+    address = args.ray_address
+    if address and address.rpartition(":")[0] in _LOOPBACK_HOSTS:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    return RemoteSpec(**{k: v for k, v in given.items() if v is not None})
 
 
 def _loaders(text: str) -> list[str]:
@@ -360,6 +414,7 @@ def run(args: argparse.Namespace) -> int:
     from stallfree.gpu_decode.jpeg_info import jpeg_decoder
     from stallfree.harness import report as rpt
     from stallfree.harness.errors import RankFailed, error_line
+    from stallfree.harness.placement import format_where_made
     from stallfree.harness.runner import run_bench
 
     if args.workload:
@@ -389,6 +444,10 @@ def run(args: argparse.Namespace) -> int:
     # the CPU decode's speed depends on it: a PIL fallback (C decoder not built) shows here
     print(f"jpeg decoder: {jpeg_decoder()}")
     print(rpt.format_table(result, per_rank=not args.no_per_rank))
+    where = format_where_made(result, per_rank=not args.no_per_rank)
+    if where:  # a loader with remote workers (--loader stallfree-remote)
+        print()
+        print(where)
     if "analysis" in result:
         print()
         print(rpt.format_analysis(result["analysis"]))

@@ -7,8 +7,43 @@ Frozen: it is made once (by the CLI, or a caller of ``run_bench``) and planned o
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
+
+REMOTE_LOADER = "stallfree-remote"  # stallfree.DataLoader plus remote=RayWorkers(...) (harness/loaders.py)
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """The remote workers of the ``stallfree-remote`` loader: ``workers`` Ray actors per rank of
+    ``cpus`` CPUs each, on the nodes carrying the custom ``resource`` (None: any node but the
+    trainer's), on the cluster at ``address`` (None: the Ray this process is connected to, else
+    ``auto``). The values ``stallfree.RayWorkers`` takes, as flags can give them."""
+
+    address: str | None = None
+    workers: int = 2
+    cpus: float = 1.0
+    resource: str | None = None
+
+    def validate(self) -> None:
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ValueError(f"--remote-workers must be an integer >= 1, got {self.workers!r}")
+        if not self.cpus > 0:
+            raise ValueError(f"--remote-cpus must be > 0, got {self.cpus!r}")
+        if self.resource is not None and not self.resource.strip():
+            raise ValueError("--remote-resource must name a Ray resource, got an empty name")
+
+    def ray_workers(self) -> Any:
+        """A new ``stallfree.RayWorkers`` (one per loader: it owns its actors)."""
+        import stallfree
+
+        return stallfree.RayWorkers(
+            self.workers,
+            cpus_per_worker=self.cpus,
+            resources={self.resource: self.cpus} if self.resource else None,
+            address=self.address,
+        )
 
 
 @dataclass(frozen=True)
@@ -53,6 +88,13 @@ class BenchConfig:
     tune_workers: list[int] = field(default_factory=lambda: [1, 2, 4])
     tune_prefetch: list[int] = field(default_factory=lambda: [2, 4])
     tune_target_stall: float = 0.02
+    # The remote workers of --loader stallfree-remote (None there: RemoteSpec's defaults).
+    remote: RemoteSpec | None = None
+
+    @property
+    def remote_spec(self) -> RemoteSpec:
+        """The remote workers the ``stallfree-remote`` loader gets."""
+        return self.remote if self.remote is not None else RemoteSpec()
 
     def validate(self) -> None:
         """Reject settings that cannot run, with a message naming the flag."""
@@ -74,3 +116,14 @@ class BenchConfig:
             raise ValueError("--loader needs at least one loader name")
         if not 0.0 <= self.cache_fraction <= 1.0 or not 0.0 <= self.whatif_cache_fraction <= 1.0:
             raise ValueError("cache fractions must be within [0, 1]")
+        if self.remote is not None and REMOTE_LOADER not in self.loaders:
+            raise ValueError(
+                f"--ray-address and --remote-* set the remote workers of --loader {REMOTE_LOADER}; "
+                f"add it to --loader (e.g. --loader stallfree,{REMOTE_LOADER})"
+            )
+        if REMOTE_LOADER in self.loaders:
+            self.remote_spec.validate()
+            if importlib.util.find_spec("ray") is None:  # before any rank starts, not inside one
+                from stallfree.extras import MissingExtra
+
+                raise MissingExtra("ray", "ray", f"stallfree bench --loader {REMOTE_LOADER}")

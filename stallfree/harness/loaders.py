@@ -5,6 +5,8 @@ the same per-sample work, the same step and the same ranks.
 - ``synthetic``: one pre-built batch served again and again (the ingestion ceiling; no I/O, no decode)
 - ``torch``: ``torch.utils.data.DataLoader`` + ``DistributedSampler`` + the PIL recipe in workers
 - ``stallfree``: ``stallfree.DataLoader`` (clairvoyant order, prefetch), same recipe or ``ImageDecode``
+- ``stallfree-remote``: the same loader plus ``remote=stallfree.RayWorkers(...)``: remote workers on
+  a Ray cluster's CPU nodes beside the local ones (needs the ``ray`` extra and a cluster)
 - ``webdataset``: ``webdataset.WebDataset`` over the tar shards, split by rank and worker
 - ``dali``: DALI's own ``fn.readers.webdataset`` + decode and augment (CPU operators, or mixed
   decode on the GPU when the device is CUDA; local tar shards only)
@@ -28,6 +30,7 @@ import torch
 
 from stallfree.errors import CorruptShardError
 from stallfree.gpu_decode.augment import IMAGENET_MEAN, IMAGENET_STD
+from stallfree.harness.config import REMOTE_LOADER, RemoteSpec
 from stallfree.harness.report import RECIPE_LABEL
 from stallfree.harness.transforms import PILRecipe, collate_pairs
 from stallfree.loader import _torch_compat as compat
@@ -53,6 +56,7 @@ class LoaderSettings:
     device: str = "cpu"
     worker_start: str = "forkserver"  # how loader workers start: fork | forkserver | spawn
     extra: dict[str, Any] = field(default_factory=dict)
+    remote: RemoteSpec | None = None  # stallfree-remote only: its remote workers
 
     def mp_context(self) -> Any:
         """The multiprocessing context every loader's workers start from (the same for all).
@@ -225,8 +229,13 @@ class StallfreeAdapter(Adapter):
             seed=s.seed,
             world=world,
             device=None if s.device == "cpu" else s.device,
+            **self._remote_kwargs(),
             **kwargs,
         )
+
+    def _remote_kwargs(self) -> dict[str, Any]:
+        """More ``stallfree.DataLoader`` keywords (the remote adapter's ``remote=``)."""
+        return {}
 
     def epoch_iter(self, epoch: int) -> Iterator[Any]:
         self.loader.set_epoch(epoch)
@@ -252,6 +261,18 @@ class StallfreeAdapter(Adapter):
         if callable(closer):
             closer()
         super().close()  # the loader shuts its workers down when collected
+
+
+class StallfreeRemoteAdapter(StallfreeAdapter):
+    """stallfree.DataLoader with remote workers on Ray beside its local ones: the same loader,
+    order and decode as ``stallfree``, so the two side by side show the stall with and without
+    remote workers. The loader's ``close`` stops the actors."""
+
+    name = REMOTE_LOADER
+
+    def _remote_kwargs(self) -> dict[str, Any]:
+        spec = self.settings.remote if self.settings.remote is not None else RemoteSpec()
+        return {"remote": spec.ray_workers()}
 
 
 def _split_by_rank(urls: list[str], rank: int, world: int) -> list[str]:
@@ -409,6 +430,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
     "synthetic": SyntheticBatches,
     "torch": TorchAdapter,
     "stallfree": StallfreeAdapter,
+    REMOTE_LOADER: StallfreeRemoteAdapter,
     "webdataset": WebDatasetAdapter,
     "dali": DaliAdapter,
 }
@@ -417,6 +439,7 @@ ADAPTERS: dict[str, type[Adapter]] = {
 _REQUIRES = {
     "webdataset": "webdataset",
     "dali": "nvidia.dali",
+    REMOTE_LOADER: "ray",
 }
 
 

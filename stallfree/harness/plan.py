@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stallfree.harness import analyze, datasets, tune
-from stallfree.harness.config import BenchConfig
+from stallfree.harness.config import REMOTE_LOADER, BenchConfig, RemoteSpec
 from stallfree.harness.phases import Phase, Probe
 
 logger = logging.getLogger(__name__)
+
+STALLFREE_LOADERS = ("stallfree", REMOTE_LOADER)  # stallfree.DataLoader: --loader-option applies
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class PhaseRun:
     slow_delay_s: float
     timeline: bool
     loader_options: Mapping[str, Any] = field(default_factory=dict)  # stallfree's only
+    remote: RemoteSpec | None = None  # the stallfree-remote loader's remote workers
 
 
 def phase_run(config: BenchConfig, phase: Phase) -> PhaseRun:
@@ -93,7 +96,8 @@ def phase_run(config: BenchConfig, phase: Phase) -> PhaseRun:
         cache_fraction=own(phase.cache_fraction, config.cache_fraction),
         slow_delay_s=config.slow_delay_s,
         timeline=config.timeline,
-        loader_options=dict(config.loader_options) if phase.loader == "stallfree" else {},
+        loader_options=dict(config.loader_options) if phase.loader in STALLFREE_LOADERS else {},
+        remote=config.remote_spec if phase.loader == REMOTE_LOADER else None,
     )
 
 

@@ -1,5 +1,6 @@
 """The bench report: a JSON-ready dict (with the environment it ran in), a plain-text table, and a
-PNG with each rank's timeline of wait vs compute and a bar chart of stall per loader.
+PNG with each rank's timeline of wait vs compute and a bar chart of stall per loader. A loader with
+remote workers adds where each batch was made (placement.py builds and formats that section).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stallfree.harness.metrics import job_summary
+from stallfree.harness.placement import remote_effect, where_made
 
 REPORT_VERSION = 1
 
@@ -73,7 +75,7 @@ def phase_entry(result: dict[str, Any]) -> dict[str, Any]:
     """Per-rank summaries, the job summary and the timelines of one gathered phase."""
     ranks = [r["summary"] for r in result["ranks"]]
     waits = [row[1] * 1e3 for r in result["ranks"] for row in r["timeline"][_warmup_of(r) :]]
-    return {
+    entry = {
         "phase": result["phase"],
         "job": job_summary(ranks, waits),
         "ranks": ranks,
@@ -82,6 +84,10 @@ def phase_entry(result: dict[str, Any]) -> dict[str, Any]:
         "stats": result["ranks"][0].get("stats", {}),
         "decode": result["ranks"][0].get("decode"),
     }
+    made = where_made([(r["summary"]["rank"], r.get("stats") or {}) for r in result["ranks"]])
+    if made is not None:  # a loader with remote workers: where each rank's batches were made
+        entry["where_made"] = made
+    return entry
 
 
 def _warmup_of(rank_result: dict[str, Any]) -> int:
@@ -94,14 +100,19 @@ def build_report(
     """The report dict: config, environment, one entry per loader, skipped loaders and why."""
     config = asdict(cfg)
     config.pop("storage_options", None)  # may hold credentials
-    return {
+    loaders = {r["phase"]["label"]: phase_entry(r) for r in loader_results}
+    out = {
         "version": REPORT_VERSION,
         "config": config,
         "environment": environment(cfg.device),
-        "loaders": {r["phase"]["label"]: phase_entry(r) for r in loader_results},
+        "loaders": loaders,
         "skipped": skipped,
         "elapsed_s": elapsed_s,
     }
+    effect = remote_effect(loaders)
+    if effect is not None:  # stallfree with and without remote workers, side by side
+        out["remote_effect"] = effect
+    return out
 
 
 def _fmt_row(cells: list[str], widths: list[int]) -> str:

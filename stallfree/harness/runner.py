@@ -134,6 +134,7 @@ def _run_phase(run: PhaseRun, data: BenchData, place: RankPlace, dist: Any) -> d
         device=run.device,
         worker_start=run.worker_start,
         extra=dict(run.loader_options),
+        remote=run.remote,
     )
     if run.decode == "none":  # read only: the MLPerf Storage workloads (au_bench.py)
         from stallfree.harness.workload.loaders import make_read_adapter as make_adapter
