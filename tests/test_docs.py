@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import ast
 import builtins
+import functools
+import os
 import re
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -171,8 +173,20 @@ def path_exists(span: str) -> bool:
     if (ROOT / rel).exists() or (PACKAGE / rel).exists():
         return True
     if "/" not in rel:
-        return any(p for p in ROOT.glob(f"**/{rel}") if ".venv" not in p.parts)
+        return rel in _repo_names()
     return False
+
+
+@functools.cache
+def _repo_names() -> frozenset[str]:
+    """Every file and folder name in the repository, outside .git and the virtual environments
+    (walked once: a glob of the whole tree per span walked .venv each time)."""
+    names: set[str] = set()
+    for _, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".venv", ".git"))]
+        names.update(dirs)
+        names.update(files)
+    return frozenset(names)
 
 
 def symbol_problem(span: str, index: Index) -> str | None:

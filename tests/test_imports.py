@@ -10,6 +10,7 @@ seen (the lazy public API in ``stallfree/__init__.py`` and the CLI's subcommand 
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,8 +92,10 @@ def _imported(module: str, path: Path, known: set[str]) -> Iterator[tuple[str, i
             yield base, node.lineno, where
 
 
+@functools.cache
 def import_graph(root: Path = ROOT) -> dict[str, dict[str, Edge]]:
-    """module -> {our module it imports: where first}; only edges between stallfree modules."""
+    """module -> {our module it imports: where first}; only edges between stallfree modules.
+    Parsed once per process and root (each check here reads the same graph; the tests only read it)."""
     modules = _modules(root)
     known = set(modules)
     graph: dict[str, dict[str, Edge]] = {}
