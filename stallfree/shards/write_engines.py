@@ -99,13 +99,15 @@ class PartitionPart:
 
 
 def samples_of(
-    batches: Iterable[Any], partition: int, on_error: str
+    batches: Iterable[Any], partition: int, on_error: str, first_row: int = 0
 ) -> Iterator[dict[str, Any] | SourceReadError]:
     """Arrow record batches (or tables) as samples, in order; a row whose key no shard may hold
-    is a ``SourceReadError`` naming partition and row (``on_error`` applies). The same samples
-    as ``sources.tables.row_sample`` makes of each row, converted a column at a time (a dict
-    per row from ``to_pylist`` was a third of a small-row partition's time)."""
-    row = 0
+    is a ``SourceReadError`` naming partition and row (``on_error`` applies; rows are numbered
+    from ``first_row``). The same samples as ``sources.tables.row_sample`` makes of each row,
+    converted a column at a time (a dict per row from ``to_pylist`` was a third of a small-row
+    partition's time). Arrow shards of the common column types skip the samples altogether:
+    ``arrow/engine_rows.py``, byte-identical."""
+    row = first_row
     where = f"partition {partition}"
     for batch in batches:
         names = list(batch.schema.names)
@@ -153,8 +155,17 @@ def write_partition(
     """Write one partition's rows into its shards (runs in the engine's task). ``schema``: the
     batches' Arrow schema (kept for Arrow shards). Raises on the first bad row with
     ``on_error="raise"``; aborts the shard in progress on any error (finished ones are renamed
-    and removed by the driver if the run fails)."""
-    writer = ShardWriter(
+    and removed by the driver if the run fails). Arrow shards from batches of the column types
+    ``engine_rows`` covers are written without a Python value per row."""
+    writer_class = ShardWriter
+    if spec.format == "arrow" and schema is not None:
+        from stallfree.shards.arrow import engine_rows
+
+        if engine_rows.unsupported(schema) is None:
+            writer_class = engine_rows.EngineShardWriter
+        else:
+            log.debug("partition %d written row by row: %s", partition, engine_rows.unsupported(schema))
+    writer = writer_class(
         spec.dst,
         format=spec.format,
         max_bytes=spec.max_bytes,
@@ -166,18 +177,71 @@ def write_partition(
     )
     skipped: list[dict[str, Any]] = []
     try:
-        for sample in samples_of(batches, partition, spec.on_error):
-            if isinstance(sample, SourceReadError):
-                if spec.on_error == "raise":
-                    raise sample
-                skipped.append({"source": sample.path, "error": sample.reason, "key": sample.key})
-                continue
-            writer.write(sample)
+        if writer_class is ShardWriter:
+            _write_samples(writer, samples_of(batches, partition, spec.on_error), spec.on_error, skipped)
+        else:
+            _write_arrow_rows(writer, spec, partition, batches, schema, skipped)
         manifest = writer.close()
     except BaseException:
         writer.abort()
         raise
     return PartitionPart(partition, manifest if manifest.shards else None, skipped)
+
+
+def _write_samples(
+    writer: ShardWriter,
+    samples: Iterable[dict[str, Any] | SourceReadError],
+    on_error: str,
+    skipped: list[dict[str, Any]],
+) -> None:
+    for sample in samples:
+        if isinstance(sample, SourceReadError):
+            if on_error == "raise":
+                raise sample
+            skipped.append(_skipped(sample))
+            continue
+        writer.write(sample)
+
+
+def _skipped(error: SourceReadError) -> dict[str, Any]:
+    return {"source": error.path, "error": error.reason, "key": error.key}
+
+
+def _write_arrow_rows(
+    writer: Any, spec: PartitionWrite, partition: int, batches: Iterable[Any], schema: Any, skipped: list
+) -> None:
+    """The batches into Arrow shards as Arrow (``engine_rows``); a batch whose schema is not the
+    first's goes row by row (``samples_of``), into the same shards."""
+    import pyarrow as pa
+
+    from stallfree.shards.arrow import engine_rows
+    from stallfree.shards.arrow.writer import KEY
+
+    shard_schema = arrow_schema(schema, spec.format)
+    if shard_schema.get_field_index(KEY) < 0:
+        shard_schema = pa.schema([pa.field(KEY, pa.string(), nullable=False), *shard_schema])
+    where = f"partition {partition}"
+    row = 0
+    for batch in engine_rows.record_batches(batches):
+        n = batch.num_rows
+        if not batch.schema.equals(schema, check_metadata=False):
+            _write_samples(writer, samples_of([batch], partition, spec.on_error, row), spec.on_error, skipped)
+            row += n
+            continue
+        if n == 0:
+            continue
+        rows = engine_rows.prepare_batch(batch, shard_schema, partition, row)
+        start = 0
+        for bad in rows.bad:
+            writer.write_rows(rows, start, bad.index)
+            error = SourceReadError(f"row {bad.row}: {bad.reason}", path=where, key=bad.key)
+            if spec.on_error == "raise":
+                writer.check_keys()  # a duplicate before it is the error row by row would meet first
+                raise error
+            skipped.append(_skipped(error))
+            start = bad.index + 1
+        writer.write_rows(rows, start, n)
+        row += n
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any
 import fsspec
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stallfree.errors import CorruptShardError, DuplicateKeyError, WriteError
 from stallfree.shards.manifest.model import ShardInfo
@@ -142,6 +143,40 @@ def _array_list_column(values: list[Any], typ: pa.DataType, field: str, keys: li
     return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), flat, type=typ, mask=mask)
 
 
+def _concat_rows(parts: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBatch:
+    """Rows appended in parts (slices of an engine's batches, rows converted from Python) as one
+    record batch with the bytes ``pa.array`` of their Python values gives: concatenated into
+    fresh buffers (no bits left over past a bitmap's end), and a column whose nulls hold data
+    (an engine may leave any bytes under a null) rebuilt from its values."""
+    columns = [
+        _canonical(pa.concat_arrays([p.column(i) for p in parts]), field.type)
+        for i, field in enumerate(schema)
+    ]
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _canonical(column: pa.Array, typ: pa.DataType) -> pa.Array:
+    if not column.null_count:
+        return column
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    if pa.types.is_string(typ) or pa.types.is_binary(typ):
+        offsets = np.frombuffer(column.buffers()[1], np.int32, len(column) + 1, column.offset * 4)
+        clean = not np.diff(offsets)[~valid].any()
+    elif pa.types.is_large_string(typ) or pa.types.is_large_binary(typ):
+        offsets = np.frombuffer(column.buffers()[1], np.int64, len(column) + 1, column.offset * 8)
+        clean = not np.diff(offsets)[~valid].any()
+    elif pa.types.is_boolean(typ):
+        bits = np.unpackbits(np.frombuffer(column.buffers()[1], np.uint8), bitorder="little")
+        clean = not bits[column.offset : column.offset + len(column)][~valid].any()
+    elif pa.types.is_integer(typ) or pa.types.is_floating(typ):
+        width = typ.bit_width // 8
+        raw = np.frombuffer(column.buffers()[1], np.uint8, len(column) * width, column.offset * width)
+        clean = not raw.reshape(len(column), width)[~valid].any()
+    else:
+        clean = False
+    return column if clean else pa.array(column.to_pylist(), typ)
+
+
 class _Sink:
     """File-like view of an AtomicFile for pyarrow (hashes and counts as pyarrow writes)."""
 
@@ -215,13 +250,40 @@ class ArrowShardWriter(CommitOnExit):
         self._pending_keys: list[str] = []
         self._pending: list[list[Any]] = []
         self._pending_bytes = 0
+        # rows appended as Arrow (``append_rows``): slices in the shard's schema, before the
+        # Python rows above, and their keys with the shard's size before each (a duplicate is
+        # found by one hash pass at ``close``, reported as ``write`` would have)
+        self._parts: list[pa.RecordBatch] = []
+        self._pending_count = 0  # rows waiting for their batch, both kinds
+        self._rows = 0
+        self._key_chunks: list[tuple[pa.Array, np.ndarray]] = []
         self.batches = 0  # record batches written so far
         self._per_batch: int | None = None  # rows of every batch, set by the first one
         self.info: ShardInfo | None = None
 
     @property
     def samples(self) -> int:
-        return len(self._keys)
+        return self._rows
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows waiting for their record batch."""
+        return self._pending_count
+
+    @property
+    def pending_bytes(self) -> int:
+        """Their data bytes as the batching rule counts them (``value_nbytes``)."""
+        return self._pending_bytes
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the shard file written so far (record batches written, header)."""
+        return self._file.size
+
+    @property
+    def rows_per_batch(self) -> int | None:
+        """Rows of every record batch of this shard; None until the first one is written."""
+        return self._per_batch
 
     @property
     def bytes(self) -> int:
@@ -273,6 +335,8 @@ class ArrowShardWriter(CommitOnExit):
                 shard=self.name,
                 key=key,
             )
+        if self._key_chunks:
+            self._settle_arrow_keys()
         if key in self._keys:
             raise DuplicateKeyError(
                 "duplicate sample key in shard", shard=self.name, key=key, offset=self.bytes
@@ -289,52 +353,120 @@ class ArrowShardWriter(CommitOnExit):
                 size += value_nbytes(value)
         start = self.bytes
         per = self._per_batch
-        if per is None and self._pending_keys and self._pending_bytes + size > BATCH_BYTES:
+        if per is None and self._pending_count and self._pending_bytes + size > BATCH_BYTES:
             self._flush()  # the row does not fit the first batch: that batch's count is set
             per = self._per_batch
         self._keys.add(key)
+        self._rows += 1
         self._pending_keys.append(key)
         for column, value in zip(self._pending, values, strict=True):
             column.append(value)
         self._pending_bytes += size
+        self._pending_count += 1
         if per is not None:
-            if len(self._pending_keys) >= per:
+            if self._pending_count >= per:
                 self._flush()
-        elif self._pending_bytes >= BATCH_BYTES or len(self._pending_keys) >= BATCH_ROWS:
+        elif self._pending_bytes >= BATCH_BYTES or self._pending_count >= BATCH_ROWS:
             self._flush()
         return self.bytes - start
 
-    def _flush(self) -> None:
-        """Write the pending rows as one record batch (converted column by column)."""
-        keys, pending = self._pending_keys, self._pending
-        if not keys:
+    def append_rows(self, rows: pa.RecordBatch, nbytes: int, offsets: np.ndarray | None) -> None:
+        """Add rows already in the shard's schema (``__key__`` checked, no nulls) to the batch in
+        progress, as ``write`` would one by one, without Python values: the engine's Arrow path
+        (``arrow/engine_rows.py``), which applies the batching rule and calls ``flush`` where
+        ``write`` would. ``nbytes``: their data bytes (``value_nbytes``); ``offsets``: ``bytes``
+        before each row, to name a duplicate key's place (None: keys unique by construction)."""
+        if self.info is not None:
+            raise WriteError("shard already closed", shard=self.name)
+        if self.schema is None:
+            self.schema = rows.schema
+        if not self._known:
+            self._names = tuple(n for n in self.schema.names if n != KEY)
+            self._known = frozenset(self.schema.names)
+            self._pending = [[] for _ in self._names]
+        if self._pending_keys:  # rows written one by one first keep their place
+            self._parts.append(self._python_rows())
+        self._parts.append(rows)
+        if offsets is not None:
+            self._key_chunks.append((rows.column(KEY), offsets))
+        self._rows += rows.num_rows
+        self._pending_count += rows.num_rows
+        self._pending_bytes += nbytes
+
+    def flush(self) -> None:
+        """Write the rows waiting as one record batch (``append_rows``' caller, at the rule's
+        points)."""
+        self._flush()
+
+    def check_keys(self) -> None:
+        """Raise ``DuplicateKeyError`` for the first row appended by ``append_rows`` whose key an
+        earlier row of this shard has, naming it and its offset as ``write`` would have."""
+        if not self._key_chunks:
             return
-        self._pending_keys, self._pending, self._pending_bytes = [], [[] for _ in self._names], 0
-        schema = self.schema
+        keys = pa.concat_arrays([k for k, _ in self._key_chunks])
+        if pc.count_distinct(keys).as_py() == len(keys) and not (
+            self._keys and pc.any(pc.is_in(keys, value_set=pa.array(list(self._keys), pa.string()))).as_py()
+        ):
+            return
+        offsets = np.concatenate([o for _, o in self._key_chunks])
+        seen = set(self._keys)
+        for row, key in enumerate(keys.to_pylist()):  # only when there is one: find it in order
+            if key in seen:
+                self._file.abort()
+                raise DuplicateKeyError(
+                    "duplicate sample key in shard", shard=self.name, key=key, offset=int(offsets[row])
+                )
+            seen.add(key)
+
+    def _settle_arrow_keys(self) -> None:
+        """Before a row written one by one: the Arrow rows' keys checked and kept in ``_keys``."""
+        self.check_keys()
+        for keys, _ in self._key_chunks:
+            self._keys.update(keys.to_pylist())
+        self._key_chunks = []
+
+    def _python_rows(self) -> pa.RecordBatch:
+        """The rows written one by one and waiting, as a record batch (taken from pending)."""
+        keys, pending = self._pending_keys, self._pending
+        self._pending_keys, self._pending = [], [[] for _ in self._names]
         by_name = dict(zip(self._names, pending, strict=True))
         try:
             columns = [
                 pa.array(keys, pa.string())
                 if f.name == KEY
                 else _batch_column(by_name[f.name], keys, f.type, f.name)
-                for f in schema
+                for f in self.schema
             ]
-            batch = pa.RecordBatch.from_arrays(columns, schema=schema)
+            return pa.RecordBatch.from_arrays(columns, schema=self.schema)
         except WriteError as exc:
             self._file.abort()
             raise WriteError(exc.reason, shard=self.name, key=exc.key) from None
+
+    def _flush(self) -> None:
+        """Write the pending rows as one record batch (converted column by column)."""
+        if not self._pending_count:
+            return
+        parts = self._parts
+        if len(parts) == 0:  # only rows written one by one: converted here, as always
+            batch = self._python_rows()
+        else:
+            if self._pending_keys:
+                parts.append(self._python_rows())
+            batch = _concat_rows(parts, self.schema)
+        self._parts, self._pending_count, self._pending_bytes = [], 0, 0
+        schema = self.schema
         try:
             if self._writer is None:
-                self._per_batch = len(keys)
-                meta = {**(schema.metadata or {}), ROWS_PER_BATCH: str(len(keys)).encode()}
+                self._per_batch = batch.num_rows
+                meta = {**(schema.metadata or {}), ROWS_PER_BATCH: str(batch.num_rows).encode()}
                 self._writer = pa.ipc.new_file(_Sink(self._file), schema.with_metadata(meta))
             self._writer.write_batch(batch)
         except (pa.ArrowException, OSError) as exc:
             self._file.abort()
+            keys = batch.column(KEY)
+            first, last = keys[0].as_py(), keys[-1].as_py()
             raise WriteError(
-                f"cannot write Arrow batch of rows {keys[0]!r}..{keys[-1]!r}: {exc}",
-                shard=self.name,
-                key=keys[0],
+                f"cannot write Arrow batch of rows {first!r}..{last!r}: {exc}", shard=self.name, key=first
             ) from exc
         self.batches += 1
 
@@ -344,6 +476,7 @@ class ArrowShardWriter(CommitOnExit):
     def close(self) -> ShardInfo:
         if self.info is not None:
             return self.info
+        self.check_keys()
         self._flush()
         if self._writer is None:
             if self.schema is None:
@@ -357,7 +490,7 @@ class ArrowShardWriter(CommitOnExit):
             raise
         self._file.commit()
         self.info = ShardInfo(
-            self.name, len(self._keys), self._file.size, self._file.sha256(), xxh3_128=self._file.xxh3_128()
+            self.name, self._rows, self._file.size, self._file.sha256(), xxh3_128=self._file.xxh3_128()
         )
         return self.info
 
