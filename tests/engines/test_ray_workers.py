@@ -346,3 +346,52 @@ def test_a_persistent_pool_serves_two_epochs_with_the_same_actors(ray_cluster, d
     assert first != second  # epoch 1's order is another permutation
     assert stats["batches_remote"] + stats["batches_local"] == 2 * (N // BATCH)
     assert remote._actors == []  # close() stopped them
+
+
+def test_the_bench_shows_where_each_batch_was_made_with_and_without_remote(ray_cluster, tmp_path, capsys):
+    """``stallfree bench --loader stallfree,stallfree-remote`` on the loopback cluster, one rank in
+    this process: both loaders' rows, and per worker where the batches the loop took were made.
+    The data is one epoch of the loop's steps: the counters count a batch when it is made, so a
+    loop stopping mid-epoch would leave batches made ahead of it."""
+    import json
+
+    from stallfree.cli import main
+
+    out = tmp_path / "bench.json"
+    steps, warmup, batch = 10, 2, 4
+    argv = [
+        "bench", f"synthetic:{(steps + warmup) * batch}", "--loader", "stallfree,stallfree-remote",
+        "--ray-address", ray_cluster.address, "--remote-workers", "2", "--remote-resource", "stallfree_cpu",
+        "--nproc", "1", "--workers", "1", "--steps", str(steps), "--warmup", str(warmup),
+        "--batch-size", str(batch), "--step-ms", "1", "--image-size", "16", "--device", "cpu",
+        "--decode", "recipe", "--json", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert set(report["loaders"]) == {"stallfree", "stallfree-remote"}
+    lines = text.splitlines()
+    head = lines.index(next(line for line in lines if line.startswith("loader ")))  # the stall table
+    assert [line.split()[:2] for line in lines[head + 2 : head + 4]] == [
+        ["stallfree", "job"],
+        ["stallfree-remote", "job"],
+    ]
+    assert "where_made" not in report["loaders"]["stallfree"]
+    (rank,) = report["loaders"]["stallfree-remote"]["where_made"]["ranks"]
+    assert rank["taken"] == steps + warmup
+    rows = rank["rows"]
+    assert sum(r["batches"] for r in rows) == rank["made"] == rank["taken"]
+    local, remote = rows[0], rows[1:]
+    assert local["label"] == "local worker 0" and local["node"] == "trainer"
+    assert [r["worker"] for r in remote] == [1, 2]  # after the one local worker
+    assert {r["node"] for r in remote} == {"127.0.0.1"}
+    assert sum(r["batches"] for r in remote) == rank["made_remote"] > 0
+    assert all(r["bytes_sent"] > 0 and r["cpu_s"] > 0 for r in remote if r["batches"])
+    assert report["remote_effect"]["with"] == "stallfree-remote"
+    for r in remote:  # the text section names each remote worker with its node and batches
+        assert any(
+            line.split()[:7]
+            == ["stallfree-remote", "0", "remote", "worker", str(r["worker"]), "127.0.0.1", str(r["batches"])]
+            for line in lines
+        ), text
+    assert any(line.startswith("stall with remote workers: ") for line in lines), text
