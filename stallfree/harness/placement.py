@@ -153,7 +153,7 @@ def _row_cells(loader: str, rank: str, row: Mapping[str, Any]) -> list[str]:
         str(row["node"]),
         str(row["batches"]),
         f"{100 * row['share']:.1f}",
-        _cell(row["cpu_s"], ".2f"),
+        _cell(row["cpu_s"], ".3f"),
         _cell(None if sent is None else sent / 1e6, ".2f"),
         _cell(row["mean_in_flight_ms"], ".1f"),
     ]

@@ -158,9 +158,9 @@ def test_the_text_section_per_rank_and_for_the_job():
     rows = [line.split("  ") for line in lines[3:7]]
     assert [[c.strip() for c in r if c.strip()] for r in rows] == [
         [REMOTE_LOADER, "0", "local workers 0-1", "trainer", "1", "33.3", "-", "-", "-"],
-        [REMOTE_LOADER, "0", "remote worker 2", "10.0.0.7", "2", "66.7", "0.50", "0.30", "40.0"],
+        [REMOTE_LOADER, "0", "remote worker 2", "10.0.0.7", "2", "66.7", "0.500", "0.30", "40.0"],
         [REMOTE_LOADER, "1", "local workers 0-1", "trainer", "2", "50.0", "-", "-", "-"],
-        [REMOTE_LOADER, "1", "remote worker 3", "10.0.0.7", "2", "50.0", "0.50", "0.30", "40.0"],
+        [REMOTE_LOADER, "1", "remote worker 3", "10.0.0.7", "2", "50.0", "0.500", "0.30", "40.0"],
     ]
     assert lines[7] == (
         f"{REMOTE_LOADER} rank 0: the loop took 3 batches; the workers made 3 (2 remote, 66.7%); "
