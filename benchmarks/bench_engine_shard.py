@@ -223,6 +223,40 @@ def ray_phase(args, table: Path, images: Path, out: Path) -> list[dict]:
     return rows
 
 
+def spark_partitions(df: Any) -> dict[int, list[Any]]:
+    """The DataFrame's partitions as the Arrow batches ``write_spark``'s tasks get, on the driver."""
+    import pyarrow as pa
+
+    def ship(batches):
+        from pyspark import TaskContext
+
+        partition = TaskContext.get().partitionId()
+        for batch in batches:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_batch(batch)
+            yield pa.RecordBatch.from_pydict({"p": [partition], "ipc": [sink.getvalue().to_pybytes()]})
+
+    parts: dict[int, list[Any]] = {}
+    for row in df.mapInArrow(ship, "p long, ipc binary").collect():
+        parts.setdefault(row.p, []).append(pa.ipc.open_stream(row.ipc).read_next_batch())
+    return parts
+
+
+def write_row_by_row(parts: dict[int, list[Any]], dst: Path, fmt: str) -> None:
+    """``write_spark``'s output made on the driver with every row a sample through
+    ``ShardWriter.write`` (``arrow_rows=False``: the way before the Arrow path), for identity."""
+    from stallfree.shards.write_engines import PartitionWrite, commit_parts, open_destination, write_partition
+
+    spec = PartitionWrite(str(dst), {}, fmt)
+    dest = open_destination(str(dst), overwrite=False, storage_options={})
+    done = [
+        write_partition(spec, partition, batches, batches[0].schema, arrow_rows=False)
+        for partition, batches in sorted(parts.items())
+    ]
+    commit_parts(dest, spec, done, time.perf_counter(), {"writer": "write_spark"})
+
+
 def spark_phase(args, spark: Any, table: Path, images: Path, out: Path) -> list[dict]:
     from pyspark.sql import functions as F
     from streaming.base.converters import dataframe_to_mds
@@ -263,6 +297,11 @@ def spark_phase(args, spark: Any, table: Path, images: Path, out: Path) -> list[
             lambda d, df=df, fmt=fmt: write_spark(df, str(d), format=fmt),
         )
         ours["vs_peer"] = round(ours["samples_per_s"] / peer["samples_per_s"], 2)
+        # the same partitions written row by row on the driver: the bytes must not differ
+        reference = out / f"spark_{label}_row_by_row"
+        shutil.rmtree(reference, ignore_errors=True)
+        write_row_by_row(spark_partitions(df), reference, fmt)
+        ours["identical_to_local"] = tree(Path(ours["dir"])) == tree(reference)
         rows += [peer, ours]
     return rows
 
@@ -274,6 +313,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed calls before the timed ones")
+    parser.add_argument(
+        "--phases", default="engines,ray,spark", help="which comparisons to run (comma-separated)"
+    )
     args = parser.parse_args()
     globals()["WARMUP"] = args.warmup
 
@@ -298,9 +340,12 @@ def main() -> None:
     ):
         ray_ex = RayExecutor()
         spark_ex = SparkExecutor(spark=spark)
-        results["engines"] = engines_phase(args, table, images, out, ray_ex, spark_ex)
-        results["ray_peer"] = ray_phase(args, table, images, out)
-        results["spark_peer"] = spark_phase(args, spark, table, images, out)
+        phases = set(args.phases.split(","))
+        results["engines"] = (
+            engines_phase(args, table, images, out, ray_ex, spark_ex) if "engines" in phases else []
+        )
+        results["ray_peer"] = ray_phase(args, table, images, out) if "ray" in phases else []
+        results["spark_peer"] = spark_phase(args, spark, table, images, out) if "spark" in phases else []
     results["load_average_end"] = round(os.getloadavg()[0], 1)
     for rows in ("engines", "ray_peer", "spark_peer"):
         for row in results[rows]:

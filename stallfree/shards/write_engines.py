@@ -150,15 +150,21 @@ def arrow_schema(batch_schema: Any, fmt: str) -> Any:
 
 
 def write_partition(
-    spec: PartitionWrite, partition: int, batches: Iterable[Any], schema: Any = None
+    spec: PartitionWrite,
+    partition: int,
+    batches: Iterable[Any],
+    schema: Any = None,
+    *,
+    arrow_rows: bool = True,
 ) -> PartitionPart:
     """Write one partition's rows into its shards (runs in the engine's task). ``schema``: the
     batches' Arrow schema (kept for Arrow shards). Raises on the first bad row with
     ``on_error="raise"``; aborts the shard in progress on any error (finished ones are renamed
     and removed by the driver if the run fails). Arrow shards from batches of the column types
-    ``engine_rows`` covers are written without a Python value per row."""
+    ``engine_rows`` covers are written without a Python value per row (``arrow_rows=False``:
+    every row as a sample, the reference the tests and the benchmark compare bytes with)."""
     writer_class = ShardWriter
-    if spec.format == "arrow" and schema is not None:
+    if spec.format == "arrow" and schema is not None and arrow_rows:
         from stallfree.shards.arrow import engine_rows
 
         if engine_rows.unsupported(schema) is None:

@@ -240,6 +240,60 @@ def test_write_spark_arrow_keeps_column_types(spark, tmp_path):
     assert len(manifest["shards"]) > 3
 
 
+def _partitions(df) -> dict[int, list[pa.RecordBatch]]:
+    """The Arrow batches each of ``df``'s partitions hands ``write_spark``'s task, on the driver."""
+
+    def ship(batches):
+        from pyspark import TaskContext
+
+        partition = TaskContext.get().partitionId()
+        for batch in batches:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_batch(batch)
+            yield pa.RecordBatch.from_pydict({"p": [partition], "ipc": [sink.getvalue().to_pybytes()]})
+
+    parts: dict[int, list[pa.RecordBatch]] = {}
+    for row in df.mapInArrow(ship, "p long, ipc binary").collect():
+        parts.setdefault(row.p, []).append(pa.ipc.open_stream(row.ipc).read_next_batch())
+    return parts
+
+
+def test_write_spark_arrow_is_byte_identical_to_writing_row_by_row(spark, tmp_path):
+    """The Arrow path (no Python value per row) against every row written as a sample, on the
+    same partitions: keys from ``__key__`` with nulls (made from partition and row), nulls in
+    every column, several record batches and shards per partition."""
+    from stallfree.shards import write_spark
+    from stallfree.shards.write_engines import PartitionWrite, commit_parts, open_destination, write_partition
+
+    rows = [
+        (
+            None if i % 11 == 0 else f"r/{i:04d}",
+            None if i % 7 == 0 else bytes([i % 256]) * (i % 90),
+            None if i % 5 == 0 else i * 3,
+            None if i % 3 == 0 else "é" * (i % 4) + "c" * (i % 60),
+        )
+        for i in range(2500)
+    ]
+    schema = "__key__ string, image binary, label long, caption string"
+    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 3), schema)
+    ours = write_spark(df, str(tmp_path / "ours"), format="arrow", max_bytes=60_000)
+    spec = PartitionWrite(str(tmp_path / "ref"), {}, "arrow", max_bytes=60_000)
+    parts = [
+        write_partition(spec, p, batches, batches[0].schema, arrow_rows=False)
+        for p, batches in sorted(_partitions(df).items())
+    ]
+    commit_parts(
+        open_destination(spec.dst, overwrite=False, storage_options={}),
+        spec,
+        parts,
+        0.0,
+        {"writer": "write_spark"},
+    )
+    assert tree(tmp_path / "ours") == tree(tmp_path / "ref")
+    assert len(ours.manifest.shards) > 3 and ours.samples == 2500
+
+
 def test_write_spark_failed_overwrite_keeps_the_old_dataset(spark, tmp_path):
     from stallfree.engines.executor import ShardTaskError
     from stallfree.shards import write_spark

@@ -17,40 +17,14 @@ import pytest
 from stallfree.errors import DuplicateKeyError
 from stallfree.shards import open_dataset
 from stallfree.shards.sources.registry import SourceReadError
-from stallfree.shards.write_engines import (
-    PARTITION_STEM,
-    PartitionPart,
-    PartitionWrite,
-    _write_samples,
-    arrow_schema,
-    samples_of,
-    write_partition,
-)
-from stallfree.shards.writer import ShardWriter
+from stallfree.shards.write_engines import PartitionPart, PartitionWrite, write_partition
 
 PARTITION = 3
 
 
 def row_by_row(spec: PartitionWrite, batches: list[Any], schema: pa.Schema) -> PartitionPart:
-    """The reference: every row a sample through ``ShardWriter.write`` (what write_partition
-    did for every format before the Arrow path)."""
-    writer = ShardWriter(
-        spec.dst,
-        format="arrow",
-        max_bytes=spec.max_bytes,
-        max_samples=spec.max_samples,
-        name=PARTITION_STEM.replace("{partition:05d}", f"{PARTITION:05d}"),
-        schema=arrow_schema(schema, "arrow"),
-        write_manifest=False,
-    )
-    skipped: list = []
-    try:
-        _write_samples(writer, samples_of(batches, PARTITION, spec.on_error), spec.on_error, skipped)
-        manifest = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    return PartitionPart(PARTITION, manifest if manifest.shards else None, skipped)
+    """The reference: every row a sample through ``ShardWriter.write``."""
+    return write_partition(spec, PARTITION, batches, schema, arrow_rows=False)
 
 
 def tree(root: Path) -> dict[str, bytes]:
