@@ -62,7 +62,24 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-HEAD: list[int] = []  # the head node's raylet and the GCS: the trainer's node's Ray processes
+def _tree_pids(pid: int) -> list[int]:
+    try:
+        return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def _pin(pid: int, core: int) -> None:
+    """Every thread of ``pid`` onto ``core`` (a process's mask is per thread: its threads started
+    already keep theirs)."""
+    try:
+        for t in psutil.Process(pid).threads():
+            os.sched_setaffinity(t.id, {core})
+    except (OSError, psutil.Error):
+        pass
+
+
+HEAD: list[int] = []  # the head node's processes: the trainer's node's Ray
 NODES: list[int] = []  # the CPU node's raylet (its workers and actors are its children)
 
 
@@ -89,7 +106,7 @@ def _trainer_cpu() -> float:
 
 
 def _head_cpu() -> float:
-    return sum(_tree_cpu(pid) for pid in HEAD)
+    return sum(_cpu_of(pid) for pid in HEAD)
 
 
 def _ray_workers_cpu() -> float:
@@ -149,6 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefetch", type=int, default=2, help="prefetch_factor of both loaders")
     ap.add_argument("--in-flight", type=int, default=2, help="RayWorkers(in_flight=)")
     ap.add_argument("--local-ahead", type=int, default=4, help="RayWorkers(local_ahead=)")
+    ap.add_argument(
+        "--inline-bytes",
+        type=int,
+        default=64 << 20,
+        help="RayWorkers(inline_bytes=): 0 sends every batch through the object store",
+    )
+    ap.add_argument(
+        "--head-core",
+        choices=("trainer", "ray"),
+        default="trainer",
+        help="where the head node's processes run: the trainer's core (its node's raylet, as in a "
+        "real deployment) or the Ray node's",
+    )
     ap.add_argument("--any-order", action="store_true", help="in_order=False for both loaders")
     ap.add_argument("--only", default="a,b,c")
     ap.add_argument("--json", default=None)
@@ -169,12 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     cluster = start_loopback_cluster(
         worker_nodes=1, cpus_per_node=1, resource=None, object_store_bytes=256 << 20
     )
-    os.sched_setaffinity(0, {trainer_core})  # the trainer (and its local worker) on core 0
-    HEAD.append(cluster.raylet_pid(cluster.head))
-    HEAD.extend(
-        p.pid for p in psutil.Process().children() if any("gcs_server" in part for part in p.cmdline()[:1])
-    )
+    # the trainer (and its local worker) on core 0: every thread, Ray's own that ray.init started
+    # while this process was on core 1 included (they receive the remote batches)
+    os.sched_setaffinity(0, {trainer_core})
+    _pin(os.getpid(), trainer_core)
     NODES.extend(cluster.raylet_pid(n) for n in cluster.worker_nodes)
+    # the head's processes (raylet, its agents, GCS, dashboard, monitors): all of the cluster's
+    # that are not the CPU node's; with --head-core trainer they move to the trainer's core
+    node_tree = {p for pid in NODES for p in _tree_pids(pid)}
+    HEAD.extend(sorted(set(_tree_pids(os.getpid())) - {os.getpid()} - node_tree))
+    if args.head_core == "trainer":
+        for pid in HEAD:
+            _pin(pid, trainer_core)
     import torch
 
     torch.set_num_threads(1)
@@ -202,7 +238,13 @@ def main(argv: list[str] | None = None) -> int:
             prefetch_factor=args.prefetch,
             in_order=not args.any_order,
             decode=ImageDecode(**recipe),
-            remote=RayWorkers(1, cpus_per_worker=1, in_flight=args.in_flight, local_ahead=args.local_ahead)
+            remote=RayWorkers(
+                1,
+                cpus_per_worker=1,
+                in_flight=args.in_flight,
+                local_ahead=args.local_ahead,
+                inline_bytes=args.inline_bytes,
+            )
             if remote
             else None,
         )
