@@ -395,3 +395,58 @@ def test_the_bench_shows_where_each_batch_was_made_with_and_without_remote(ray_c
             for line in lines
         ), text
     assert any(line.startswith("stall with remote workers: ") for line in lines), text
+
+
+def test_inline_bytes_sets_rays_settings_for_the_actors_only():
+    from stallfree import RayWorkers
+
+    assert RayWorkers(1)._runtime_env() == {
+        "env_vars": {
+            "RAY_max_direct_call_object_size": str(64 << 20),
+            "RAY_task_rpc_inlined_bytes_limit": str(2 * (64 << 20)),  # in_flight=2 replies
+        }
+    }
+    user = {"py_modules": ["/x"], "env_vars": {"RAY_max_direct_call_object_size": "1000", "A": "b"}}
+    env = RayWorkers(1, runtime_env=user, inline_bytes=1 << 20)._runtime_env()
+    assert env == {
+        "py_modules": ["/x"],
+        "env_vars": {
+            "RAY_max_direct_call_object_size": "1000",  # the user's own setting wins
+            "RAY_task_rpc_inlined_bytes_limit": str(2 << 20),
+            "A": "b",
+        },
+    }
+    assert user == {"py_modules": ["/x"], "env_vars": {"RAY_max_direct_call_object_size": "1000", "A": "b"}}
+    assert RayWorkers(1, runtime_env=user, inline_bytes=0)._runtime_env() is user
+    assert RayWorkers(1, inline_bytes=0)._runtime_env() is None
+    with pytest.raises(ValueError, match="inline_bytes must be an int >= 0"):
+        RayWorkers(1, inline_bytes=-1)
+
+
+@pytest.mark.parametrize("inline_bytes", [64 << 20, 0])
+def test_a_batch_sized_return_comes_back_inline_unless_told_otherwise(ray_cluster, dataset, inline_bytes):
+    """What a remote worker returns (a MiB here, as a batch would be) comes back in its task's
+    reply with ``inline_bytes`` (no object store holds it), through the CPU node's store with 0."""
+    import numpy as np
+    import ray
+    from ray.experimental import get_object_locations
+
+    from stallfree import RayWorkers
+
+    remote = RayWorkers(1, resources={"stallfree_cpu": 1}, inline_bytes=inline_bytes)
+    loader = loader_for(dataset, 0, remote)
+    try:
+        next(iter(loader))
+        actor = remote._actors[0]
+        node_id = ray.get(actor.node.remote()).node_id
+        ref = actor.__ray_call__.remote(lambda self: np.full(1 << 20, 7, dtype=np.uint8))
+        ray.wait([ref], fetch_local=False, timeout=60)
+        where = get_object_locations([ref])[ref]
+        value = ray.get(ref)
+    finally:
+        loader.close()
+    assert value.nbytes == 1 << 20 and int(value[-1]) == 7
+    if inline_bytes:
+        assert where["node_ids"] == []  # in the trainer's own memory: no store holds it
+    else:
+        assert node_id in where["node_ids"]  # in the CPU node's object store
