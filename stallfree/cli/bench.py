@@ -310,6 +310,17 @@ def config_from_args(args: argparse.Namespace):
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 
 
+def _remote_flags(args: argparse.Namespace) -> dict[str, object]:
+    """The ``--ray-address`` / ``--remote-*`` flags given, as RemoteSpec's fields."""
+    flags = {
+        "address": args.ray_address,
+        "workers": args.remote_workers,
+        "cpus": args.remote_cpus,
+        "resource": args.remote_resource,
+    }
+    return {k: v for k, v in flags.items() if v is not None}
+
+
 def remote_from_args(args: argparse.Namespace):
     """The RemoteSpec of ``--ray-address`` and ``--remote-*`` (None when none is given: the
     stallfree-remote loader then gets RemoteSpec's defaults).
@@ -321,18 +332,13 @@ def remote_from_args(args: argparse.Namespace):
     user set it."""
     from stallfree.harness.config import RemoteSpec
 
-    given = {
-        "address": args.ray_address,
-        "workers": args.remote_workers,
-        "cpus": args.remote_cpus,
-        "resource": args.remote_resource,
-    }
-    if all(v is None for v in given.values()):
+    given = _remote_flags(args)
+    if not given:
         return None
     address = args.ray_address
     if address and address.rpartition(":")[0] in _LOOPBACK_HOSTS:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    return RemoteSpec(**{k: v for k, v in given.items() if v is not None})
+    return RemoteSpec(**given)
 
 
 def _loaders(text: str) -> list[str]:
@@ -414,10 +420,11 @@ def run(args: argparse.Namespace) -> int:
     from stallfree.gpu_decode.jpeg_info import jpeg_decoder
     from stallfree.harness import report as rpt
     from stallfree.harness.errors import RankFailed, error_line
-    from stallfree.harness.placement import format_where_made
     from stallfree.harness.runner import run_bench
 
     if args.workload:
+        if _remote_flags(args):
+            return fail("bench", "--ray-address and --remote-* do not apply to --workload", code=2)
         return run_workload(args)
     dataset = str(args.dataset)
     if "://" not in dataset and not dataset.startswith("synthetic:") and not Path(dataset).exists():
@@ -444,7 +451,7 @@ def run(args: argparse.Namespace) -> int:
     # the CPU decode's speed depends on it: a PIL fallback (C decoder not built) shows here
     print(f"jpeg decoder: {jpeg_decoder()}")
     print(rpt.format_table(result, per_rank=not args.no_per_rank))
-    where = format_where_made(result, per_rank=not args.no_per_rank)
+    where = rpt.format_where_made(result, per_rank=not args.no_per_rank)
     if where:  # a loader with remote workers (--loader stallfree-remote)
         print()
         print(where)

@@ -14,7 +14,7 @@ and BenchData, the datasets opened once per process), phases (the measured runs,
 (launch on loopback, run the plan's phases), errors (RankFailed, one error line), metrics (stall
 accounting), loaders (adapters), steps (the step), datasets / fixtures (bench data), analyze
 (differential analysis, what-if), tune (workers x prefetch sweep), report (table, JSON, PNG),
-placement (where each batch was made, with remote workers).
+placement (where each batch was made, with remote workers; report writes its text).
 runner imports analyze, plan, report and tune; plan imports analyze, datasets and tune; at
 module level analyze and tune import only config and phases, and inside functions loaders
 (loader_available), datasets (analyze) and report (phase_entry); loaders imports report for the

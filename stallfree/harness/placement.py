@@ -11,6 +11,7 @@ workers made ahead of the loop beside the ones the loop took.
 
 Beside the plain ``stallfree`` loader, the same loader without remote workers, the section also
 says what the remote workers changed: the job's stall share and samples/s with and without them.
+This module builds the section's values; ``report.format_where_made`` writes its text.
 """
 
 from __future__ import annotations
@@ -132,95 +133,3 @@ def remote_effect(loaders: Mapping[str, Any]) -> dict[str, Any] | None:
         "samples_per_s_with": float(with_["samples_per_s"]),
         "speedup": float(with_["samples_per_s"]) / rate_without if rate_without > 0 else None,
     }
-
-
-# ---------------------------------------------------------------- text
-
-_HEAD = ["loader", "rank", "worker", "node", "batches", "share %", "CPU-s", "MB sent", "in flight ms"]
-_TEXT_COLUMNS = (0, 2, 3)  # left-aligned; the figures right-aligned
-
-
-def _cell(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
-
-
-def _row_cells(loader: str, rank: str, row: Mapping[str, Any]) -> list[str]:
-    sent = row["bytes_sent"]
-    return [
-        loader,
-        rank,
-        row["label"],
-        str(row["node"]),
-        str(row["batches"]),
-        f"{100 * row['share']:.1f}",
-        _cell(row["cpu_s"], ".3f"),
-        _cell(None if sent is None else sent / 1e6, ".2f"),
-        _cell(row["mean_in_flight_ms"], ".1f"),
-    ]
-
-
-def _summary(loader: str, who: str, p: Mapping[str, Any]) -> str:
-    ahead = p["made"] - p["taken"]
-    made_ahead = f", {ahead} of them ahead of the loop (not taken when it stopped)" if ahead > 0 else ""
-    return (
-        f"{loader} {who}: the loop took {p['taken']} batches; the workers made {p['made']} "
-        f"({p['made_remote']} remote, {100 * p['remote_share']:.1f}%){made_ahead}; re-issued "
-        f"{p['reissued']}, probes {p['probes']}, passed over {p['passed_over']}, lost workers "
-        f"{p['workers_lost']}"
-    )
-
-
-def format_where_made(report: Mapping[str, Any], per_rank: bool = True) -> str:
-    """The text section: per loader with remote workers, one row per worker (per rank), a
-    summary line per rank (and the job's over several ranks), and the stall with and without
-    remote workers; the empty string when no loader had remote workers."""
-    rows: list[list[str]] = []
-    notes: list[str] = []
-    for name, entry in report["loaders"].items():
-        section = entry.get("where_made")
-        if not section:
-            continue
-        several = len(section["ranks"]) > 1
-        for p in section["ranks"]:
-            if several and not per_rank:
-                break
-            for row in p["rows"]:
-                rows.append(_row_cells(name, str(p["rank"]), row))
-            notes.append(
-                _summary(name, f"rank {p['rank']}", p)
-                + (
-                    f"; a remote batch cost the trainer {p['trainer_cpu_ms_per_batch']:.2f} ms CPU "
-                    f"and brought {p['bytes_per_batch'] / 1e3:.1f} kB"
-                    if p["made_remote"]
-                    else ""
-                )
-            )
-        if several:
-            notes.append(_summary(name, f"job ({len(section['ranks'])} ranks)", section["job"]))
-    if not notes:
-        return ""
-    lines = ["where the batches were made (the loaders' own counters, whole run, warm-up included):"]
-    if rows:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_HEAD)]
-
-        def fmt(cells: list[str]) -> str:
-            return "  ".join(
-                c.ljust(w) if i in _TEXT_COLUMNS else c.rjust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            ).rstrip()
-
-        lines += [fmt(_HEAD), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
-    lines += notes
-    effect = report.get("remote_effect")
-    if effect:
-        speedup = f" ({effect['speedup']:.2f}x)" if effect.get("speedup") else ""
-        lines.append(
-            f"stall with remote workers: {100 * effect['stall_share_with']:.1f}% ({effect['with']}) vs "
-            f"{100 * effect['stall_share_without']:.1f}% without ({effect['without']}), job, worst rank; "
-            f"samples/s {effect['samples_per_s_with']:.1f} vs {effect['samples_per_s_without']:.1f}{speedup}"
-        )
-    lines.append(
-        "local workers are one row: the pool counts the batches it gives them together; CPU-s, MB sent "
-        "and time in flight (dispatch to delivery, mean per batch) are the remote workers'"
-    )
-    return "\n".join(lines)

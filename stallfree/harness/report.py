@@ -1,12 +1,13 @@
 """The bench report: a JSON-ready dict (with the environment it ran in), a plain-text table, and a
 PNG with each rank's timeline of wait vs compute and a bar chart of stall per loader. A loader with
-remote workers adds where each batch was made (placement.py builds and formats that section).
+remote workers adds where each batch was made (placement.py builds it, format_where_made writes it).
 """
 
 from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -346,5 +347,100 @@ def format_tune(tune: dict[str, Any]) -> str:
     lines.append(
         f"best: workers={best['workers']} prefetch={best['prefetch'] or '-'}: {verdict} at "
         f"{best['cpu_cores']:.2f} CPU cores"
+    )
+    return "\n".join(lines)
+
+
+_WHERE_HEAD = ["loader", "rank", "worker", "node", "batches", "share %", "CPU-s", "MB sent", "in flight ms"]
+_WHERE_TEXT_COLUMNS = (0, 2, 3)  # left-aligned; the figures right-aligned
+
+
+def _opt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _where_cells(loader: str, rank: str, row: Mapping[str, Any]) -> list[str]:
+    sent = row["bytes_sent"]
+    return [
+        loader,
+        rank,
+        row["label"],
+        str(row["node"]),
+        str(row["batches"]),
+        f"{100 * row['share']:.1f}",
+        _opt(row["cpu_s"], ".3f"),
+        _opt(None if sent is None else sent / 1e6, ".2f"),
+        _opt(row["mean_in_flight_ms"], ".1f"),
+    ]
+
+
+def _where_summary(loader: str, who: str, p: Mapping[str, Any]) -> str:
+    ahead = p["made"] - p["taken"]
+    made_ahead = f", {ahead} of them ahead of the loop (not taken when it stopped)" if ahead > 0 else ""
+    return (
+        f"{loader} {who}: the loop took {p['taken']} batches; the workers made {p['made']} "
+        f"({p['made_remote']} remote, {100 * p['remote_share']:.1f}%){made_ahead}; re-issued "
+        f"{p['reissued']}, probes {p['probes']}, passed over {p['passed_over']}, lost workers "
+        f"{p['workers_lost']}"
+    )
+
+
+def format_where_made(report: Mapping[str, Any], per_rank: bool = True) -> str:
+    """The text section: per loader with remote workers, one row per worker (per rank), a
+    summary line per rank (and the job's over several ranks), and the stall with and without
+    remote workers; the empty string when no loader had remote workers."""
+    cfg = report.get("config")
+
+    def rank(r: int) -> str:
+        return _rank_label(r, cfg) if cfg else str(r)
+
+    rows: list[list[str]] = []
+    notes: list[str] = []
+    for name, entry in report["loaders"].items():
+        section = entry.get("where_made")
+        if not section:
+            continue
+        several = len(section["ranks"]) > 1
+        for p in section["ranks"]:
+            if several and not per_rank:
+                break
+            for row in p["rows"]:
+                rows.append(_where_cells(name, rank(p["rank"]), row))
+            notes.append(
+                _where_summary(name, f"rank {rank(p['rank'])}", p)
+                + (
+                    f"; a remote batch cost the trainer {p['trainer_cpu_ms_per_batch']:.2f} ms CPU "
+                    f"and brought {p['bytes_per_batch'] / 1e3:.1f} kB"
+                    if p["made_remote"]
+                    else ""
+                )
+            )
+        if several:
+            notes.append(_where_summary(name, f"job ({len(section['ranks'])} ranks)", section["job"]))
+    if not notes:
+        return ""
+    lines = ["where the batches were made (the loaders' own counters, whole run, warm-up included):"]
+    if rows:
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(_WHERE_HEAD)]
+
+        def fmt(cells: list[str]) -> str:
+            return "  ".join(
+                c.ljust(w) if i in _WHERE_TEXT_COLUMNS else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+
+        lines += [fmt(_WHERE_HEAD), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
+    lines += notes
+    effect = report.get("remote_effect")
+    if effect:
+        speedup = f" ({effect['speedup']:.2f}x)" if effect.get("speedup") else ""
+        lines.append(
+            f"stall with remote workers: {100 * effect['stall_share_with']:.1f}% ({effect['with']}) vs "
+            f"{100 * effect['stall_share_without']:.1f}% without ({effect['without']}), job, worst rank; "
+            f"samples/s {effect['samples_per_s_with']:.1f} vs {effect['samples_per_s_without']:.1f}{speedup}"
+        )
+    lines.append(
+        "local workers are one row: the pool counts the batches it gives them together; CPU-s, MB sent "
+        "and time in flight (dispatch to delivery, mean per batch) are the remote workers'"
     )
     return "\n".join(lines)

@@ -11,9 +11,9 @@ import pytest
 
 from stallfree.harness.config import REMOTE_LOADER, BenchConfig, RemoteSpec
 from stallfree.harness.phases import Phase
-from stallfree.harness.placement import format_where_made, rank_where_made, where_made
+from stallfree.harness.placement import rank_where_made, where_made
 from stallfree.harness.plan import phase_run
-from stallfree.harness.report import build_report
+from stallfree.harness.report import build_report, format_where_made
 
 
 def _remote_stats(local: int, remote: int, workers: dict, **pool) -> dict:
@@ -175,6 +175,10 @@ def test_the_text_section_per_rank_and_for_the_job():
         f"stall with remote workers: 5.0% ({REMOTE_LOADER}) vs 50.0% without (stallfree), job, worst "
         "rank; samples/s 180.0 vs 100.0 (1.80x)"
     )
+    across_nodes = _bench_report()  # inside torchrun, one rank per node: ranks named as the table names them
+    across_nodes["config"].update(rank=0, world_size=2, local_size=1)
+    labels = [line.split()[1] for line in format_where_made(across_nodes).splitlines()[3:7]]
+    assert labels == ["0@node0", "0@node0", "1@node1", "1@node1"]
     job_only = format_where_made(_bench_report(), per_rank=False).splitlines()
     assert not any(line.startswith(f"{REMOTE_LOADER} rank") for line in job_only)
     assert any(line.startswith(f"{REMOTE_LOADER} job (2 ranks)") for line in job_only)
