@@ -359,6 +359,11 @@ def _opt(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _size(n: float) -> str:
+    """Bytes as kB below a megabyte, else MB (decimal units, as the MB sent column)."""
+    return f"{n / 1e3:.1f} kB" if n < 1e6 else f"{n / 1e6:.2f} MB"
+
+
 def _where_cells(loader: str, rank: str, row: Mapping[str, Any]) -> list[str]:
     sent = row["bytes_sent"]
     return [
@@ -410,7 +415,7 @@ def format_where_made(report: Mapping[str, Any], per_rank: bool = True) -> str:
                 _where_summary(name, f"rank {rank(p['rank'])}", p)
                 + (
                     f"; a remote batch cost the trainer {p['trainer_cpu_ms_per_batch']:.2f} ms CPU "
-                    f"and brought {p['bytes_per_batch'] / 1e3:.1f} kB"
+                    f"and brought {_size(p['bytes_per_batch'])}"
                     if p["made_remote"]
                     else ""
                 )
