@@ -190,11 +190,13 @@ def test_the_text_section_per_rank_and_for_the_job():
 def test_batches_made_ahead_of_the_loop_are_told_apart():
     stats = _remote_stats(7, 5, {2: _worker(5)})
     stats["batches"] = 10  # the loop stopped mid-epoch: two batches were made but not taken
+    stats["remote"]["bytes_per_batch"] = 9_633_900.0  # 16 float32 images of 224x224
     rep = {"loaders": {REMOTE_LOADER: {"where_made": where_made([(0, stats)])}}}
     line = next(x for x in format_where_made(rep).splitlines() if x.startswith(f"{REMOTE_LOADER} rank 0"))
     assert (
         "the loop took 10 batches; the workers made 12 (5 remote, 41.7%), 2 of them ahead of the loop" in line
     )
+    assert line.endswith("a remote batch cost the trainer 0.50 ms CPU and brought 9.63 MB")
 
 
 def test_only_the_remote_loader_gets_remote_workers_and_both_stallfree_loaders_the_options():
