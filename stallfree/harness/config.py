@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import stallfree
 
 REMOTE_LOADER = "stallfree-remote"  # stallfree.DataLoader plus remote=RayWorkers(...) (harness/loaders.py)
 
@@ -27,6 +30,7 @@ class RemoteSpec:
     resource: str | None = None
 
     def validate(self) -> None:
+        """Reject values RayWorkers would refuse inside a rank, naming the flag, before any runs."""
         if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
             raise ValueError(f"--remote-workers must be an integer >= 1, got {self.workers!r}")
         if not self.cpus > 0:
@@ -34,7 +38,7 @@ class RemoteSpec:
         if self.resource is not None and not self.resource.strip():
             raise ValueError("--remote-resource must name a Ray resource, got an empty name")
 
-    def ray_workers(self) -> Any:
+    def ray_workers(self) -> stallfree.RayWorkers:
         """A new ``stallfree.RayWorkers`` (one per loader: it owns its actors)."""
         import stallfree
 
