@@ -224,6 +224,62 @@ def run_config(name: str, args, driver_core: int, ray_core: int) -> dict:
     return row
 
 
+def _decode_for(core: int, seconds: float, start, batch: int, out) -> None:
+    """In a forked child: decode the bench's recipe on ``core`` for ``seconds``, batches counted."""
+    os.sched_setaffinity(0, {core})
+    import torch
+
+    torch.set_num_threads(1)
+    from stallfree import ImageDecode
+    from stallfree.testing.images import jpeg_bytes
+
+    decoder = ImageDecode(train=True, size=224, dtype="uint8", backend="cpu", num_threads=1)
+    samples = [
+        {"__key__": f"{i:08d}", "jpg": j, "cls": b"1"}
+        for i, j in enumerate(jpeg_bytes(batch * 4, seed=0, sizes=((500, 375),), quality=90))
+    ]
+    decoder.decode_batch(samples[:batch], seed=0)  # warm
+    start.wait()
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
+    while time.perf_counter() - t0 < seconds:
+        k = (n % 4) * batch
+        decoder.decode_batch(samples[k : k + batch], seed=n)
+        n += 1
+    out.put((core, n / (time.perf_counter() - t0), 1000 * (time.process_time() - c0) / n))
+
+
+def core_scaling(cores: list[int], seconds: float, batch: int) -> dict:
+    """The decode's batches/s on one core alone, on the other alone, and on both at once: the
+    ceiling of any two-core layout on this machine (two vCPUs can share a physical core, a
+    cache or memory bandwidth, so "two cores" need not be 2x one)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+
+    def run(which: list[int]) -> dict[int, tuple[float, float]]:
+        start, out = ctx.Event(), ctx.Queue()
+        procs = [ctx.Process(target=_decode_for, args=(c, seconds, start, batch, out)) for c in which]
+        for p in procs:
+            p.start()
+        time.sleep(3.0)  # imports and warm-up in every child before the clock starts
+        start.set()
+        got = [out.get(timeout=seconds + 120) for _ in which]
+        for p in procs:
+            p.join()
+        return {c: (rate, cpu) for c, rate, cpu in got}
+
+    solo = {c: run([c])[c] for c in cores[:2]}
+    both = run(cores[:2])
+    best_solo = max(rate for rate, _ in solo.values())
+    return {
+        "solo_batches_per_s": {c: r for c, (r, _) in solo.items()},
+        "solo_cpu_ms_per_batch": {c: m for c, (_, m) in solo.items()},
+        "both_batches_per_s": {c: r for c, (r, _) in both.items()},
+        "both_cpu_ms_per_batch": {c: m for c, (_, m) in both.items()},
+        "two_over_one": sum(r for r, _ in both.values()) / best_solo,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=200)
@@ -233,6 +289,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle to measure background CPU")
     ap.add_argument("--configs", default="default,quiet,chunk-1m,chunk-8m,rpc-1,inline,inline-quiet")
     ap.add_argument("--head-core", type=int, choices=(0, 1), default=1, help="the head's core (bench_remote: 1)")
+    ap.add_argument(
+        "--scaling-s",
+        type=float,
+        default=6.0,
+        help="seconds of the decode alone on each core, then on both at once (0: skip)",
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
@@ -252,6 +314,23 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     print(f"  {'config':13s} {'batch/s':>7s} " + " ".join(f"{g:>11s}" for g in GROUPS) + "  node-side head-side")
+    scaling = None
+    if args.scaling_s > 0:
+        scaling = core_scaling(cores, args.scaling_s, args.batch)
+        print(
+            "  the decode alone (batches/s, CPU-ms per batch): "
+            + ", ".join(
+                f"core {c} {r:.1f} ({scaling['solo_cpu_ms_per_batch'][c]:.1f} ms)"
+                for c, r in scaling["solo_batches_per_s"].items()
+            )
+            + "; on both at once: "
+            + ", ".join(
+                f"core {c} {r:.1f} ({scaling['both_cpu_ms_per_batch'][c]:.1f} ms)"
+                for c, r in scaling["both_batches_per_s"].items()
+            )
+            + f"; two cores = {scaling['two_over_one']:.2f}x one",
+            flush=True,
+        )
     rows = []
     for name in names:
         row = run_config(name, args, cores[0], cores[1])
@@ -267,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), "scaling": scaling, "rows": rows}, indent=2)
+        )
     return 0
 
 
