@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,9 +23,17 @@ REPO = Path(__file__).resolve().parents[2]
 TIMEOUT = 300
 
 
+CLI_CODE = "import sys\nfrom stallfree.cli import main\nsys.exit(main(sys.argv[1:]))"
+
+
 def cli(*args: str, prelude: str = "") -> subprocess.CompletedProcess:
     """``stallfree ARGS`` in a fresh interpreter; ``prelude`` runs first (e.g. a file-size limit)."""
-    code = f"{prelude}\nimport sys\nfrom stallfree.cli import main\nsys.exit(main(sys.argv[1:]))"
+    return _python(f"{prelude}\n{CLI_CODE}", *args)
+
+
+def _python(code: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c code args`` in a fresh interpreter (these children import no torch: a fresh one
+    costs less than a child of the torch-preloaded tests/zygote.py, whose exit alone is dearer)."""
     return subprocess.run(
         [sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=REPO, timeout=TIMEOUT
     )
@@ -61,14 +70,24 @@ def verify_ok(root: Path) -> None:
     assert res.returncode == 0, res.stdout + res.stderr
 
 
-@pytest.fixture
-def old(tmp_path: Path) -> Path:
-    """A 200-sample dataset in 4 shards of 50 (shard-000000.tar ... shard-000003.tar)."""
-    ds = tmp_path / "ds"
+@pytest.fixture(scope="module")
+def old_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The ``old`` dataset, written by the CLI once per module; tests get copies of it."""
+    tmp = tmp_path_factory.mktemp("old")
+    ds = tmp / "ds"
     res = cli(
-        "shard", str(write_rows(tmp_path / "old.jsonl", 200)), str(ds), "--max-samples", "50", "--no-progress"
+        "shard", str(write_rows(tmp / "old.jsonl", 200)), str(ds), "--max-samples", "50", "--no-progress"
     )
     assert res.returncode == 0, res.stderr
+    return ds
+
+
+@pytest.fixture
+def old(old_template: Path, tmp_path: Path) -> Path:
+    """A 200-sample dataset in 4 shards of 50 (shard-000000.tar ... shard-000003.tar), this test's
+    own copy (the same bytes the CLI wrote)."""
+    ds = tmp_path / "ds"
+    shutil.copytree(old_template, ds)
     return ds
 
 
@@ -328,13 +347,7 @@ print(json.dumps({
 def remote(tmp_path: Path, fault: str) -> dict:
     old_src = write_rows(tmp_path / "old.jsonl", 200)
     new_src = write_rows(tmp_path / "new.jsonl", 150, tag="v2")
-    res = subprocess.run(
-        [sys.executable, "-c", CHILD, str(old_src), str(new_src), fault],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=TIMEOUT,
-    )
+    res = _python(CHILD, str(old_src), str(new_src), fault)
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout)
 
@@ -473,13 +486,7 @@ with ShardWriter(root, format=sys.argv[4], max_samples=5) as w:
 @pytest.mark.parametrize("fmt", ["tar", "arrow"])
 def test_shard_writer_over_a_dataset_is_all_or_nothing(tmp_path: Path, fmt: str) -> None:
     def write(tag: str, fail_at: int) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-c", WRITER_CHILD, str(tmp_path / "ds"), tag, str(fail_at), fmt],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            timeout=TIMEOUT,
-        )
+        return _python(WRITER_CHILD, str(tmp_path / "ds"), tag, str(fail_at), fmt)
 
     assert write("v1", -1).returncode == 0
     before = snapshot(tmp_path / "ds")
