@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import time
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 from stallfree.loader.dataloader import DataLoader
 from tests.loader.helpers import Numbers
+from tests.zygote import start_python
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        # workers fork, as they do under torchrun (ranks started by torch's spawn default to spawn,
-        # and every spawned worker would import torch again: seconds each, beside nothing tested)
+        # workers fork, as they do under torchrun (a rank started by torch's spawn would default to
+        # spawn, and every spawned worker would import torch again: seconds each, nothing tested)
         dl = DataLoader(  # no seed: ranks agree on 0
             Numbers(41), batch_size=4, shuffle=True, num_workers=1, multiprocessing_context="fork"
         )
@@ -31,9 +37,32 @@ def _run(rank: int, world: int, init_file: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
+_RANK = """
+import sys
+from tests.loader.test_distributed import _run
+_run(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+"""
+RANK_TIMEOUT = 300  # a bound on a hang, not a speed requirement
+
+
 @pytest.mark.slow
 def test_two_gloo_ranks_get_disjoint_equal_shares(tmp_path):
-    tmp.spawn(_run, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    # two rank processes forked from the test zygote (torch imported once, not once per rank: what
+    # is tested is the ranks' process group and shares, not an interpreter's start)
+    ranks = [
+        start_python(_RANK, str(r), "2", str(tmp_path / "init"), str(tmp_path), cwd=ROOT) for r in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + RANK_TIMEOUT
+        for rank, child in enumerate(ranks):
+            rc = child.wait(max(0.0, deadline - time.monotonic()))
+            assert rc == 0, f"rank {rank}: exit {rc}\n{child.output()[1][-3000:]}"
+    finally:
+        for child in ranks:
+            if child.returncode is None:
+                child.kill_session()
+            with contextlib.suppress(FileNotFoundError):
+                child.output()
     import json
 
     r0, r1 = json.loads((tmp_path / "result.json").read_text())

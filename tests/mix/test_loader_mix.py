@@ -3,18 +3,23 @@ workers, epoch by epoch, with stats()["mix"], exact and elastic resume, and refu
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as tmp
 
 import stallfree
 from stallfree.loader.dataloader import DataLoader
 from stallfree.mix.mixture import MixtureMismatch
+from tests.zygote import start_python
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class Items(torch.utils.data.Dataset):
@@ -121,8 +126,8 @@ def test_cache_with_a_mixture_is_refused():
 def _gloo_rank(rank: int, world: int, init_file: str, out: str, state_json: str, batches: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        # workers fork, as they do under torchrun (ranks started by torch's spawn default to spawn,
-        # and every spawned worker would import torch again: seconds each, beside nothing tested)
+        # workers fork, as they do under torchrun (a rank started by torch's spawn would default to
+        # spawn, and every spawned worker would import torch again: seconds each, nothing tested)
         dl = DataLoader(_mixture(), batch_size=5, num_workers=1, multiprocessing_context="fork")
         assert dl.world.size == world
         if state_json:
@@ -138,11 +143,38 @@ def _gloo_rank(rank: int, world: int, init_file: str, out: str, state_json: str,
         dist.destroy_process_group()
 
 
+_RANK = """
+import sys
+from tests.mix.test_loader_mix import _gloo_rank
+rank, world, init_file, out, state_json, batches = sys.argv[1:]
+_gloo_rank(int(rank), int(world), init_file, out, state_json, int(batches))
+"""
+RANK_TIMEOUT = 300  # a bound on a hang, not a speed requirement
+
+
+def _run_ranks(world: int, *args: str) -> None:
+    """``_gloo_rank(rank, world, *args)`` in ``world`` processes at once, forked from the test zygote
+    (torch imported once, not once per rank: what is tested is the ranks' gloo exchange and the
+    loader's state, not an interpreter's start); a rank that fails or hangs fails the test."""
+    ranks = [start_python(_RANK, str(rank), str(world), *args, cwd=ROOT) for rank in range(world)]
+    try:
+        deadline = time.monotonic() + RANK_TIMEOUT
+        for rank, child in enumerate(ranks):
+            rc = child.wait(max(0.0, deadline - time.monotonic()))
+            assert rc == 0, f"rank {rank} of {world}: exit {rc}\n{child.output()[1][-3000:]}"
+    finally:
+        for child in ranks:
+            if child.returncode is None:
+                child.kill_session()
+            with contextlib.suppress(FileNotFoundError):
+                child.output()
+
+
 @pytest.mark.slow
 def test_elastic_resume_3_to_2_gloo_ranks(tmp_path):
     def run(world: int, name: str, state: str, batches: int) -> list:
         out = str(tmp_path / f"{name}.json")
-        tmp.spawn(_gloo_rank, args=(world, str(tmp_path / f"init-{name}"), out, state, batches), nprocs=world)
+        _run_ranks(world, str(tmp_path / f"init-{name}"), out, state, str(batches))
         with open(out) as f:
             return json.load(f)
 
