@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from tests.loader.helpers import (
     rss_shmem,
     segfault_on_3,
 )
+from tests.zygote import run_python
 
 LINUX = sys.platform.startswith("linux")
 
@@ -103,10 +103,9 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ctx", ["forkserver", "fork", "spawn"])
-def test_workers_exit_when_the_main_process_is_killed(ctx, tmp_path):
-    script = tmp_path / "orphan.py"
-    script.write_text(_ORPHAN.format(root=str(Path(__file__).resolve().parents[2]), ctx=ctx))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+def test_workers_exit_when_the_main_process_is_killed(ctx):
+    script = _ORPHAN.format(root=str(Path(__file__).resolve().parents[2]), ctx=ctx)
+    proc = run_python(script, timeout=120)  # torch preloaded (tests/zygote.py); its workers start by ctx
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2

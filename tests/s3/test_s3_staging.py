@@ -22,6 +22,7 @@ from stallfree.shards.open import open_dataset
 from stallfree.shards.staged_reads import StagedShards
 from stallfree.shards.writer import ShardWriter
 from stallfree.storage.staging import Staging, StagingArea, StagingFullError
+from tests.zygote import run_python
 
 TIMEOUT = 120
 SHARDS, PER_SHARD = 8, 10
@@ -188,10 +189,7 @@ def test_a_changed_object_fails_the_loader_in_a_subprocess(s3, bucket, tmp_path)
     """)
     (tmp_path / "changed.tar").write_bytes(bytes(data))
     opts = json.dumps(s3.storage_options)
-    done = subprocess.run(
-        [sys.executable, "-c", script, opts, str(tmp_path / "changed.tar"), str(tmp_path / "stage")],
-        capture_output=True, text=True, timeout=TIMEOUT,
-    )  # fmt: skip
+    done = run_python(script, opts, str(tmp_path / "changed.tar"), str(tmp_path / "stage"), timeout=TIMEOUT)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "RAISED HashMismatchError" in done.stdout and "shard-000000.tar" in done.stdout, done.stdout
 
@@ -474,11 +472,8 @@ _LATER_RUN = textwrap.dedent("""
 def _later_run(s3, url, root, timeout=TIMEOUT):
     """A later run of a loader over ``url`` in its own process (a hang fails the test): its
     (key, sha256 of bin) pairs, or the error it raised, and its stderr."""
-    done = subprocess.run(
-        [sys.executable, "-c", _LATER_RUN, url, json.dumps(s3.storage_options), str(root) if root else "-"],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    return done
+    args = (url, json.dumps(s3.storage_options), str(root) if root else "-")
+    return run_python(_LATER_RUN, *args, timeout=timeout)  # torch preloaded (tests/zygote.py)
 
 
 def _digests(samples):

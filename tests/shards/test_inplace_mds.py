@@ -10,8 +10,6 @@ import json
 import os
 import pickle
 import struct
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from stallfree.shards.parallel import shard_dataset
 from stallfree.shards.sources.registry import SourceError
 from stallfree.testing.images import jpeg_bytes
 from tests.shards.test_source_mds import COLUMNS, write_mds
+from tests.zygote import run_python
 
 N = 23
 
@@ -153,9 +152,7 @@ def test_loader_shuffled_with_two_workers_gives_every_sample_once(mds, sharded):
         print(json.dumps(seen))
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False
-    )
+    out = run_python(code, timeout=180)  # torch preloaded (tests/zygote.py)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert sorted(map(tuple, seen)) == sorted(
@@ -210,9 +207,7 @@ def test_the_loader_skips_a_damaged_gz_shard_under_on_error_skip(rows, tmp_path)
         print(sorted(s["__key__"] for batch in loader for s in batch))
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=180, check=False
-    )
+    out = run_python(code, timeout=180)  # torch preloaded (tests/zygote.py)
     assert out.returncode == 0, out.stderr[-3000:]
     keys = eval(out.stdout.strip().splitlines()[-1])  # noqa: S307 - our own child's printed list
     assert keys == [f"{i:09d}" for i in range(N) if not 6 <= i < 12]

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from stallfree.testing.s3serve import moto_available
+from tests.zygote import run_python
 
 REPO = Path(__file__).resolve().parents[2]
 TRICKLE_S = 0.2
@@ -34,9 +35,20 @@ pytestmark = [
 SCENARIOS = ("presigned", "presigned-headers", "s3fs-parts", "s3-samples", "http-samples")
 
 
-def _child(*args: str, timeout: float) -> subprocess.CompletedProcess:
+_MODULE = "tests.shards.test_remote_deadline"
+_MAIN = f"import runpy\nrunpy.run_module({_MODULE!r}, run_name='__main__', alter_sys=True)"
+
+
+def _child(*args: str, timeout: float, torch: bool = True) -> subprocess.CompletedProcess:
+    """``python -m tests.shards.test_remote_deadline ARGS`` from the repository root. A scenario that
+    imports torch (the loader's) forks from the test zygote, torch imported once; it still leaves
+    through the interpreter's own exit (non-daemon threads joined, atexit run), which is what the
+    exit scenarios watch. One that does not (``torch=False``) starts a fresh interpreter: cheaper
+    than a zygote child, whose exit alone costs more than its start."""
+    if torch:
+        return run_python(_MAIN, *args, cwd=REPO, timeout=timeout)
     return subprocess.run(
-        [sys.executable, "-m", "tests.shards.test_remote_deadline", *args],
+        [sys.executable, "-m", _MODULE, *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -56,7 +68,7 @@ def s3():
 @pytest.fixture(scope="module")
 def observed(s3) -> dict[str, dict[str, Any]]:
     """Every error scenario once, in one child process (one interpreter start for all)."""
-    r = _child(s3.endpoint_url, *SCENARIOS, timeout=150)
+    r = _child(s3.endpoint_url, *SCENARIOS, timeout=150, torch=False)
     assert r.returncode == 0, r.stderr[-3000:]
     return {x["scenario"]: x for x in map(json.loads, filter(None, r.stdout.splitlines()))}
 
@@ -108,7 +120,7 @@ def test_process_exits_while_a_staged_download_trickles(s3, tmp_path):
     later)."""
     s3.create_bucket("bkt-exit")
     _write("s3://bkt-exit/ds", **s3.storage_options)
-    r = _child(s3.endpoint_url, "exit-staged", str(tmp_path), timeout=90)
+    r = _child(s3.endpoint_url, "exit-staged", str(tmp_path), timeout=90, torch=False)
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout.splitlines()[-1])["trickling"] is True
 

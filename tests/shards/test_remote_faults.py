@@ -8,13 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from stallfree.shards.writer import ShardWriter
+from tests.zygote import run_python
 
 from .conftest import make_samples
 
@@ -52,14 +51,11 @@ SCENARIOS = (
 @pytest.fixture(scope="module")
 def observed(root) -> dict[str, list[dict]]:
     """Every scenario once, in one child process (one interpreter start for all)."""
-    r = subprocess.run(
-        [sys.executable, "-m", "tests.shards.remote_faults_child", str(root), *SCENARIOS],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
+    # ``python -m tests.shards.remote_faults_child`` from the repository root, forked from the test
+    # zygote (torch and stallfree imported once for the suite's children)
+    child = "tests.shards.remote_faults_child"
+    code = f"import runpy\nrunpy.run_module({child!r}, run_name='__main__', alter_sys=True)"
+    r = run_python(code, str(root), *SCENARIOS, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
     out: dict[str, list[dict]] = {name: [] for name in SCENARIOS}
     for line in r.stdout.splitlines():

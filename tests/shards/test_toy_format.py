@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from stallfree.shards import formats
 from stallfree.shards.open import open_dataset
 from stallfree.shards.verify import verify_dataset
 from stallfree.shards.writer import ShardWriter
+from tests.zygote import run_python
 
 from .jsonl_format import LineIndex
 
@@ -125,13 +124,8 @@ def test_the_loader_reads_it_in_worker_processes(tmp_path):
     finally:
         formats.unregister_format("jsonl")
     (tmp_path / "plain" / "manifest.json").unlink()
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(LOADER_CHILD), str(tmp_path / "ds"), str(tmp_path / "plain")],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=REPO,
-    )
+    child = textwrap.dedent(LOADER_CHILD)  # torch preloaded (tests/zygote.py); the registry its own
+    proc = run_python(child, str(tmp_path / "ds"), str(tmp_path / "plain"), timeout=240, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     expected = sorted([s["__key__"], s["txt"].decode(), s["cls"].decode()] for s in samples)
