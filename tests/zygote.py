@@ -11,7 +11,8 @@ interpreter's normal exit (``SystemExit``, or its uncaught exception with the tr
 exit code 1), atexit handlers and finalisation included. A test whose point is what a fresh
 interpreter imports must not use it. Children whose environments differ in a variable read at
 interpreter or library start-up (``PYTHON*``, ``OMP_*``, ...) fork from different zygotes, each
-started with that environment.
+started with that environment. ``preload=("lightning",)`` asks for a zygote that imported those
+modules too (a framework that costs seconds to import, for tests that run several children of it).
 """
 
 from __future__ import annotations
@@ -34,13 +35,31 @@ PRELOAD = ("numpy", "psutil", "torch", "stallfree", "stallfree.loader.dataloader
 # than the zygote's environment does runs in a fresh interpreter
 _STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "OPENBLAS_", "TORCH", "CUDA", "LD_", "MALLOC")
 
+# ``run_python(AS_SCRIPT, PATH, *args)`` runs ``python PATH args...``: argv, sys.path[0] (the
+# script's folder) and ``__main__`` as that command sets them
+AS_SCRIPT = """
+import os, runpy, sys
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+# ``run_python(AS_MODULE, NAME, *args)`` runs ``python -m NAME args...``: argv[0] is the module's
+# file and ``__main__`` the module (so a spawned child re-imports it as ``-m`` children do)
+AS_MODULE = """
+import runpy, sys
+sys.argv = sys.argv[1:]
+runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+"""
+
 
 class Child:
     """A child forked by ``start_python``: ``wait`` for its exit code, ``kill_session``, then
     ``output`` (its stdout and stderr; once, it removes their files)."""
 
-    def __init__(self, code: str, args: tuple[str, ...], cwd: str, env: dict[str, str]) -> None:
-        self.zygote = _zygote(env)
+    def __init__(
+        self, code: str, args: tuple[str, ...], cwd: str, env: dict[str, str], preload: tuple[str, ...] = ()
+    ) -> None:
+        self.zygote = _zygote(env, preload)
         self.paths = []
         for name in ("out", "err"):
             fd, path = tempfile.mkstemp(prefix=f"zygote-{name}-")
@@ -74,12 +93,16 @@ class Child:
 
 
 def start_python(
-    code: str, *args: str, cwd: str | os.PathLike | None = None, env: typing.Mapping[str, str] | None = None
+    code: str,
+    *args: str,
+    cwd: str | os.PathLike | None = None,
+    env: typing.Mapping[str, str] | None = None,
+    preload: typing.Sequence[str] = (),
 ) -> Child:
     """``python -c code args...`` forked from this process's zygote, in a session of its own, its
-    stdout and stderr captured."""
+    stdout and stderr captured; from a zygote that also imported ``preload`` when given."""
     env = dict(os.environ if env is None else env)
-    return Child(code, args, str(cwd if cwd is not None else os.getcwd()), env)
+    return Child(code, args, str(cwd if cwd is not None else os.getcwd()), env, tuple(preload))
 
 
 def run_python(
@@ -88,12 +111,13 @@ def run_python(
     cwd: str | os.PathLike | None = None,
     env: typing.Mapping[str, str] | None = None,
     timeout: float | None = None,
+    preload: typing.Sequence[str] = (),
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, ...)``,
     forked from this process's zygote; on ``timeout`` the child's session is killed and
     ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` does."""
     cmd = [sys.executable, "-c", code, *args]
-    child = start_python(code, *args, cwd=cwd, env=env)
+    child = start_python(code, *args, cwd=cwd, env=env, preload=preload)
     try:
         rc = child.wait(timeout)
         if rc is None:
@@ -110,9 +134,9 @@ def _startup_env(env: typing.Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 
 class _Zygote:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: dict[str, str], preload: tuple[str, ...] = ()) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", "from tests import zygote; zygote._serve()"],
+            [sys.executable, "-c", "from tests import zygote; zygote._serve()", *preload],
             cwd=ROOT,
             env=env,  # imports tests.zygote from its working directory, the repository root ('' on sys.path)
             stdin=subprocess.PIPE,
@@ -142,14 +166,14 @@ class _Zygote:
 _zygotes: dict[tuple, _Zygote] = {}
 
 
-def _zygote(env: dict[str, str]) -> _Zygote:
+def _zygote(env: dict[str, str], preload: tuple[str, ...] = ()) -> _Zygote:
     """This process's zygote for ``env``'s start-up variables (``PYTHONPATH``, ``OMP_NUM_THREADS``,
-    ...), started on first use (again if it died); closed at exit."""
-    key = _startup_env(env)
+    ...) and the extra modules ``preload``, started on first use (again if it died); closed at exit."""
+    key = (_startup_env(env), preload)
     if key not in _zygotes or _zygotes[key].proc.poll() is not None:
         if not _zygotes:
             atexit.register(_close)
-        _zygotes[key] = _Zygote(env)
+        _zygotes[key] = _Zygote(env, preload)
     return _zygotes[key]
 
 
@@ -162,14 +186,15 @@ def _close() -> None:
 
 
 def _serve() -> None:
-    """Serve requests on stdin, one JSON line each, one JSON reply line each on stdout, until EOF.
+    """Serve requests on stdin, one JSON line each, one JSON reply line each on stdout, until EOF;
+    ``PRELOAD`` and the modules named in ``sys.argv[1:]`` imported first.
 
     ``{"op": "run", "code", "argv", "cwd", "env", "out", "err"}`` forks a child; reply ``{"pid"}``.
     ``{"op": "wait", "pid", "timeout"}`` reaps it; reply ``{"rc"}``: its exit code as ``subprocess``
     gives it (negative: the signal), or None if it still runs after ``timeout`` s."""
     import importlib
 
-    for name in PRELOAD:
+    for name in (*PRELOAD, *sys.argv[1:]):
         importlib.import_module(name)
     for line in sys.stdin:
         request = json.loads(line)

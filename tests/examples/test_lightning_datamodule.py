@@ -2,18 +2,21 @@
 (Lightning's max_steps, or SIGKILL once a checkpoint is on disk), run 2 is the same command and
 resumes from Lightning's last.ckpt through the DataModule's state_dict hooks; over the two runs
 every sample of both epochs is trained on exactly once, counting only what the checkpoint covers
-from run 1."""
+from run 1.
+
+The runs fork from a test zygote that imported torch, stallfree and Lightning once
+(``tests/zygote.py``): the point here is the resume, not a fresh interpreter's start."""
 
 import collections
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.zygote import AS_SCRIPT, Child, start_python
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "lightning_datamodule.py"
@@ -26,15 +29,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _run(tmp_path: Path, extra: list[str], log_name: str) -> subprocess.Popen:
-    cmd = [sys.executable, str(EXAMPLE), "--ckpt-dir", str(tmp_path / "ckpt"), "--size", "32"]
-    cmd += ["--workers", "0", "--batch-size", str(BATCH), "--epochs", str(EPOCHS)]
-    cmd += ["--ckpt-every", str(EVERY), *extra]
+def _run(tmp_path: Path, extra: list[str]) -> Child:
+    """``python EXAMPLE --ckpt-dir ... EXTRA`` (forked from the Lightning zygote)."""
+    args = [str(EXAMPLE), "--ckpt-dir", str(tmp_path / "ckpt"), "--size", "32"]
+    args += ["--workers", "0", "--batch-size", str(BATCH), "--epochs", str(EPOCHS)]
+    args += ["--ckpt-every", str(EVERY), *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    log = open(tmp_path / log_name, "wb")  # noqa: SIM115 (closed with the process)
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    log.close()
-    return proc
+    return start_python(AS_SCRIPT, *args, cwd=tmp_path, env=env, preload=("lightning",))
+
+
+def _finish(proc: Child, timeout: float) -> tuple[int | None, str]:
+    """Its exit code (None: still running after ``timeout`` s, then killed) and its output."""
+    rc = proc.wait(timeout)
+    if rc is None:
+        proc.kill_session()
+    out, err = proc.output()
+    return rc, out + err
 
 
 def _steps(path: Path) -> list[dict]:
@@ -48,19 +58,20 @@ def _steps(path: Path) -> list[dict]:
 def test_stop_and_resume_sees_every_sample_once(tmp_path, stop):
     keys1, keys2, last = tmp_path / "keys1", tmp_path / "keys2", tmp_path / "ckpt" / "last.ckpt"
     if stop == "max_steps":  # a clean stop two steps past the step-5 checkpoint
-        proc = _run(tmp_path, ["--max-steps", str(EVERY + 2), "--log-keys", str(keys1)], "run1.log")
-        assert proc.wait(timeout=600) == 0, (tmp_path / "run1.log").read_text()
+        rc, log = _finish(_run(tmp_path, ["--max-steps", str(EVERY + 2), "--log-keys", str(keys1)]), 600)
+        assert rc == 0, log
     else:  # SIGKILL once step EVERY + 1 has begun: the step-5 checkpoint was written before it
-        proc = _run(tmp_path, ["--log-keys", str(keys1)], "run1.log")
-        deadline = time.monotonic() + 600
+        proc = _run(tmp_path, ["--log-keys", str(keys1)])
+        deadline, rc = time.monotonic() + 600, None
         try:
-            while len(_steps(Path(f"{keys1}.0"))) <= EVERY:
-                assert proc.poll() is None, (tmp_path / "run1.log").read_text()
-                assert time.monotonic() < deadline, "run 1 did not pass its first checkpoint in 600 s"
+            while len(_steps(Path(f"{keys1}.0"))) <= EVERY and rc is None and time.monotonic() < deadline:
                 time.sleep(0.05)
+                rc = proc.wait(0)
         finally:
-            proc.kill()
-            proc.wait(timeout=60)
+            proc.kill_session()  # SIGKILL
+            out, err = proc.output()
+        # not ended on its own, nor out of time, before it was past its first checkpoint
+        assert len(_steps(Path(f"{keys1}.0"))) > EVERY, (rc, out + err)
     import torch
 
     ckpt = torch.load(last, weights_only=False)  # Lightning's own checkpoint, written by this test's run
@@ -74,8 +85,8 @@ def test_stop_and_resume_sees_every_sample_once(tmp_path, stop):
     run1 = [s for s in _steps(Path(f"{keys1}.0")) if s["step"] <= saved]
     assert [s["step"] for s in run1] == list(range(1, saved + 1))
 
-    proc = _run(tmp_path, ["--log-keys", str(keys2)], "run2.log")  # the same command resumes
-    assert proc.wait(timeout=600) == 0, (tmp_path / "run2.log").read_text()
+    rc, log = _finish(_run(tmp_path, ["--log-keys", str(keys2)]), 600)  # the same command resumes
+    assert rc == 0, log
     run2 = _steps(Path(f"{keys2}.0"))
     assert [s["step"] for s in run2] == list(range(saved + 1, EPOCHS * STEPS + 1))
     expected = collections.Counter(f"img{i:04d}" for i in range(TRAIN))
