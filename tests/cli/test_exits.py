@@ -17,6 +17,7 @@ from stallfree.cli import EXIT_BROKEN_PIPE, doctor, main
 from stallfree.extras import EXTRAS
 from stallfree.gpu_decode.jpeg_info import jpeg_decoder
 from stallfree.shards.writer import ShardWriter
+from tests.zygote import AS_MODULE, run_python
 
 
 @pytest.fixture
@@ -184,10 +185,9 @@ def test_bench_prints_the_jpeg_decoder_above_its_table(capsys):
 def test_bench_on_a_dataset_smaller_than_a_batch_is_one_line_not_a_traceback(dataset: Path):
     # one rank runs in the CLI's own process; its loader's error was a traceback there, while
     # spawned ranks (--nproc 2) already ended in one line through RankFailed
-    r = subprocess.run(
-        [sys.executable, "-m", "stallfree", "bench", str(dataset), "--nproc", "1", "--steps", "2",
-         "--warmup", "0", "--batch-size", "8", "--loader", "stallfree", "--step", "none"],
-        capture_output=True, text=True, timeout=120,
+    r = run_python(  # python -m stallfree bench ..., forked from the test zygote (torch imported once)
+        AS_MODULE, "stallfree", "bench", str(dataset), "--nproc", "1", "--steps", "2",
+        "--warmup", "0", "--batch-size", "8", "--loader", "stallfree", "--step", "none", timeout=120,
     )  # fmt: skip
     assert r.returncode == 1, (r.returncode, r.stderr)
     assert "Traceback" not in r.stderr, r.stderr

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +17,7 @@ from stallfree.shards.parallel import shard_dataset
 from stallfree.shards.sources.registry import open_source
 from stallfree.shards.tar.indexing import index_tars
 from stallfree.shards.writer import ShardWriter
+from tests.zygote import AS_MODULE, run_python
 
 
 @pytest.fixture
@@ -44,9 +43,7 @@ def test_version_flag_prints_the_package_torch_and_the_jpeg_decoder():
 
     from stallfree.gpu_decode.jpeg_info import jpeg_decoder
 
-    r = subprocess.run(
-        [sys.executable, "-m", "stallfree", "--version"], capture_output=True, text=True, timeout=60
-    )
+    r = run_python(AS_MODULE, "stallfree", "--version", timeout=60)  # forked from the test zygote
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines[0] == f"stallfree {stallfree.__version__}"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from stallfree.cli import main
+from tests.zygote import AS_SCRIPT, run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -56,7 +57,9 @@ def test_kill_resume_on_one_process_skip_and_trace(tmp_path, capsys, monkeypatch
         pytest.skip("torchrun not installed beside this Python")
     data, out, keys = tmp_path / "data", tmp_path / "run", tmp_path / "keys"
     example = ROOT / "examples" / "train_nanogpt_schedule.py"
-    subprocess.run([sys.executable, str(example), "--make-data", str(data)], check=True, timeout=120)
+    # the example's own --make-data, forked from the test zygote (tests/zygote.py: torch imported once)
+    made = run_python(AS_SCRIPT, str(example), "--make-data", str(data), timeout=120)
+    assert made.returncode == 0, made.stderr[-3000:]
     common = [
         "--data",
         str(data),

@@ -1,15 +1,15 @@
 """``stallfree bench --workload resnet50`` end to end, in a subprocess with a timeout: the data is
-written in both layouts, every loader this environment has reads it, the report adds up."""
+written in both layouts, every loader this environment has reads it, the report adds up. The
+subprocess is ``python -m stallfree`` forked from the test zygote (``tests/zygote.py``)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 from stallfree.harness.loaders import loader_available
+from tests.zygote import AS_MODULE, run_python
 
 LOADERS = [name for name in ("stallfree", "torch", "webdataset", "dali") if loader_available(name) is None]
 
@@ -17,10 +17,10 @@ LOADERS = [name for name in ("stallfree", "torch", "webdataset", "dali") if load
 @pytest.mark.slow
 def test_workload_bench_end_to_end(tmp_path):
     out, png = tmp_path / "au.json", tmp_path / "au.png"
-    cmd = [sys.executable, "-m", "stallfree", "bench", str(tmp_path / "data"), "--workload", "resnet50"]
+    cmd = ["stallfree", "bench", str(tmp_path / "data"), "--workload", "resnet50"]
     cmd += ["--scale", "64", "--samples", "400", "--max-accelerators", "1", "--steps", "2", "--warmup", "1"]
     cmd += ["--workers", "1", "--loader", ",".join(LOADERS), "--json", str(out), "--plot", str(png)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = run_python(AS_MODULE, *cmd, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     wl = report["workload"]

@@ -1,12 +1,12 @@
 """`stallfree bench` in a subprocess (with a timeout, so a hang fails the test): bad data ends
-in one error line, and a multi-rank bench listens on loopback only."""
+in one error line, and a multi-rank bench listens on loopback only. The subprocess is
+``python -m stallfree bench`` forked from the test zygote (``tests/zygote.py``: torch imported
+once, not in every run); the ranks it spawns are fresh interpreters, as always."""
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import subprocess
-import sys
 import tarfile
 import time
 from pathlib import Path
@@ -14,30 +14,27 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.zygote import AS_MODULE, Child, start_python
+
 REPO = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 300  # generous: the machine is shared; a hang still fails instead of stalling the suite
 
 
-def _bench(*argv: str) -> subprocess.Popen:
+def _bench(*argv: str) -> Child:
+    """``python -m stallfree bench ARGV``, started."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen(
-        [sys.executable, "-m", "stallfree", "bench", *argv],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_python(AS_MODULE, "stallfree", "bench", *argv, cwd=REPO, env=env)
 
 
-def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        raise
-    return proc.returncode, out, err
+def _finish(proc: Child) -> tuple[int, str, str]:
+    """Its exit code, stdout and stderr once it ended; a run past ``TIMEOUT_S`` is killed (with
+    the ranks of its session) and fails the test."""
+    rc = proc.wait(TIMEOUT_S)
+    if rc is None:
+        proc.kill_session()
+    out, err = proc.output()
+    assert rc is not None, f"stallfree bench did not end within {TIMEOUT_S} s: {err[-3000:]}"
+    return rc, out, err
 
 
 def _cut(tmp: Path, where: str) -> tuple[Path, str, int]:
@@ -144,7 +141,7 @@ def test_two_rank_bench_listens_on_loopback_only():
     seen: set[tuple[int, str, int]] = set()
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        while proc.poll() is None and time.monotonic() < deadline:
+        while proc.wait(0) is None and time.monotonic() < deadline:
             seen |= _listening(proc.pid)
             time.sleep(0.05)
     finally:
