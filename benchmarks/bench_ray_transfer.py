@@ -7,9 +7,9 @@ numpy arrays, which Ray writes out of band), the driver on node A does what the 
 it (``ray.get``, one copy into memory of its own, the object freed), ``--in-flight`` calls
 outstanding, and every Ray process's CPU is read before and after. The same
 ``start_loopback_cluster`` as ``benchmarks/bench_remote.py``: a head (no CPUs; the driver's node)
-and one worker node of one CPU, the cluster pinned to core 1 and the driver to core 0, unless
-``--head-core 0`` puts the head's processes on the driver's core (where a trainer node's own
-raylet runs in a real deployment).
+and one worker node of one CPU pinned to core 1, the driver and the head's processes on core 0
+(where a trainer node's own raylet runs in a real deployment; ``--head-core 1`` puts the head
+on the node's core, as bench_remote did before).
 
 Each configuration (``--configs``, see ``CONFIGS``) starts a fresh cluster with its Ray system
 config; the per-batch CPU (ms) is reported per side and per process group:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle to measure background CPU")
     ap.add_argument("--configs", default="default,quiet,chunk-1m,chunk-8m,rpc-1,inline,inline-quiet")
-    ap.add_argument("--head-core", type=int, choices=(0, 1), default=1, help="the head's core (bench_remote: 1)")
+    ap.add_argument("--head-core", type=int, choices=(0, 1), default=0, help="the head's core (bench_remote: 0)")
     ap.add_argument(
         "--scaling-s",
         type=float,
