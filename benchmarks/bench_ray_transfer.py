@@ -26,7 +26,7 @@ That is the floor: a remote batch cannot cost the CPU node less than "actor + no
 agents)", nor the trainer's node less than "driver + head raylet", with Ray's object store.
 
 Run: .venv/bin/python benchmarks/bench_ray_transfer.py [--batches 200] [--in-flight 2]
-     [--configs default,inline,...] [--head-core 1] [--json out.json]
+     [--configs default,inline-env,...|none] [--scaling-s 6] [--head-core 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -287,7 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=32, help="images of 3x224x224 uint8 per batch")
     ap.add_argument("--in-flight", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=3.0, help="seconds of idle to measure background CPU")
-    ap.add_argument("--configs", default="default,quiet,chunk-1m,chunk-8m,rpc-1,inline,inline-quiet")
+    ap.add_argument(
+        "--configs",
+        default="default,quiet,inline-env,inline-quiet",
+        help=f"comma-separated, of {', '.join(CONFIGS)}; none: the decode's core scaling only",
+    )
     ap.add_argument("--head-core", type=int, choices=(0, 1), default=0, help="the head's core (bench_remote: 0)")
     ap.add_argument(
         "--scaling-s",
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_ray_transfer: needs two cores", file=sys.stderr)
         return 2
     cores = sorted(os.sched_getaffinity(0))
-    names = args.configs.split(",")
+    names = [] if args.configs == "none" else args.configs.split(",")
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         print(f"bench_ray_transfer: unknown configs {unknown}; known: {sorted(CONFIGS)}", file=sys.stderr)

@@ -1,8 +1,10 @@
 """Remote workers (issue 32): does a Ray node's core add to a trainer whose own core is the limit?
 
-Two cores, one run, side by side. The trainer process is pinned to core 0 (its local worker, forked
-from it, too); a loopback Ray cluster (a head with no CPUs and one worker node of one CPU) is
-started pinned to core 1. Each loader feeds a loop with a fixed step (``--step-ms``, a sleep: the
+Two cores, one run, side by side. The trainer process is pinned to core 0 (every thread of it,
+Ray's included, and its local worker, forked from it); a loopback Ray cluster (a head with no
+CPUs and one worker node of one CPU) is started with its worker node pinned to core 1 and its
+head on core 0 (``--head-core trainer``: the trainer node's own Ray, as in a real deployment;
+``--head-core ray`` puts it on core 1). Each loader feeds a loop with a fixed step (``--step-ms``, a sleep: the
 emulated GPU step) and the image recipe (JPEG decode + RandomResizedCrop 224 + flip, uint8:
 ``ImageDecode(train=True, size=224, dtype="uint8", backend="cpu")``, run in the workers):
 
@@ -15,7 +17,7 @@ emulated GPU step) and the image recipe (JPEG decode + RandomResizedCrop 224 + f
 Reported per loader: img/s, stall % (time blocked in next() over the measured wall time), CPU-s
 per image in the trainer's process tree (core 0) and in the Ray worker processes (core 1), and for
 (b) the bytes on the wire per image and the trainer's CPU per remote batch (ray.get + the copy out
-of the object store), from ``loader.stats()["remote"]``.
+of the reply), from ``loader.stats()["remote"]``.
 
 The data is ``--images`` JPEGs of 500x375, 2,048 by default (64 batches an epoch: with 768 the
 window's drain at every epoch's end, where a remote round trip is not hidden, weighed on the
@@ -26,7 +28,7 @@ The loaders take turns for ``--rounds`` rounds; ratios are taken within a round 
 reported (the machines are shared: the load drifts between minutes).
 
 Run: .venv/bin/python benchmarks/bench_remote.py [--images 2048] [--batch 32] [--steps 40]
-     [--step-ms 10] [--rounds 3] [--json out.json]
+     [--step-ms 10] [--rounds 3] [--inline-bytes N] [--head-core trainer|ray] [--json out.json]
 """
 
 from __future__ import annotations
@@ -329,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"  remote batches: {remote_share:.0%} of (b)'s; on the wire {remote_stats['bytes_per_batch'] / args.batch / 1024:.0f} "
             f"KiB/img; trainer CPU per remote batch {remote_stats['trainer_cpu_ms_per_batch']:.2f} ms "
-            f"(ray.get + the copy out of the object store); a remote batch took "
+            f"(ray.get + the copy out, in the loader's thread); a remote batch took "
             f"{summary['remote']['busy_ms_per_batch']:.0f} ms on its worker and "
             f"{summary['remote']['in_flight_ms_per_batch']:.0f} ms from dispatch to delivery; "
             f"{summary['remote']['passed_over']} batches kept local (the remote worker would be later), "

@@ -3,7 +3,7 @@ collate: ``stallfree/loader/worker/main.py`` ``process``) on the loader's frozen
 
 It is the same code as a local worker's, with two differences, both decided here once: the batch
 is collated into ordinary memory (the plan runs as ``in_process``: no shared-memory slots, those
-are for processes on the trainer's machine) and travels back through Ray's object store as
+are for processes on the trainer's machine) and travels back through Ray (the task's reply) as
 arrays (``ray_wire.py``); and a failed batch's error names this worker and its node. Tasks are
 the dispatcher's own ``Task`` values (small: indices and seeds), never sample data.
 

@@ -19,8 +19,9 @@ pool (``send``, ``result``, ``doing``, ``dead``, ...). What it adds:
   remote worker is gone (it would take the training loop's own core).
 - **One stream of results**: a thread forwards the local workers' messages and a collector
   thread waits on the remote workers' object refs; both feed one queue that ``result`` reads.
-  A remote batch is copied out of the object store once (``ray_wire.from_wire``) and its object
-  freed, so the trainer holds no more than the batches in flight.
+  A remote batch is copied once out of Ray's memory (the task's reply, or the object store for a
+  batch over ``inline_bytes``: ``ray_wire.from_wire``) and its object freed, so the trainer holds
+  no more than the batches in flight.
 - **Exactly once**: every dispatched batch is a flight keyed by ``(gen, seq)``; the first
   result delivers it and ends the flight, any later one (a re-issued copy) is dropped, counted.
 - **Deadlines**: a remote batch in flight longer than its deadline (``reissue_after_s``, or

@@ -1,14 +1,14 @@
 """A batch on the wire between a remote worker and the trainer: tensors as numpy byte arrays.
 
 Why not the tensors themselves: Ray's serialiser writes numpy arrays out of band, straight into
-the object store (and ``ray.get`` maps them back without a copy), while a torch tensor goes
-through torch's own pickle reduction, a copy into the pickle stream. So the worker sends each
-tensor as a flat ``uint8`` view of its bytes plus its dtype and shape (``WireTensor``: a view,
-no copy on the worker), and the trainer rebuilds it with one copy out of the object store into
-memory of its own (pinned when the loader pins): the object is then freed at once, so the
-trainer's object store holds no more than the batches in flight, and the consumer gets ordinary
-writable tensors (the store's buffers are read-only). Nothing here unpickles data: the arrays are
-raw bytes.
+the task's reply or the object store (and ``ray.get`` hands them back without a copy), while a
+torch tensor goes through torch's own pickle reduction, a copy into the pickle stream. So the
+worker sends each tensor as a flat ``uint8`` view of its bytes plus its dtype and shape
+(``WireTensor``: a view, no copy on the worker), and the trainer rebuilds it with one copy out of
+Ray's memory (the reply, ``RayWorkers(inline_bytes=)``, or the object store) into memory of its
+own (pinned when the loader pins): the object is then freed at once, so Ray holds no more than
+the batches in flight, and the consumer gets ordinary writable tensors (Ray's buffers are
+read-only). Nothing here unpickles data: the arrays are raw bytes.
 """
 
 from __future__ import annotations

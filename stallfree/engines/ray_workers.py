@@ -4,7 +4,7 @@
 the trainer's own four workers are used first and eight Ray actors add capacity. Each actor runs
 the same stages as a local worker (read, per-sample map, batch decode, collate) from the loader's
 frozen plan (``ray_actor.py``), takes its tasks from the same dispatcher (``ray_pool.py``), and
-sends its batches back through Ray's object store (``ray_wire.py``). Order, exactly-once, the rank
+sends its batches back in its tasks' replies (``ray_wire.py``). Order, exactly-once, the rank
 split and ``state_dict()`` are the local loader's: a state saved with remote workers resumes with
 any other mix, or none.
 
