@@ -167,10 +167,11 @@ def write_partition(
     if spec.format == "arrow" and schema is not None and arrow_rows:
         from stallfree.shards.arrow import engine_rows
 
-        if engine_rows.unsupported(schema) is None:
+        why = engine_rows.unsupported(schema)
+        if why is None:
             writer_class = engine_rows.EngineShardWriter
         else:
-            log.debug("partition %d written row by row: %s", partition, engine_rows.unsupported(schema))
+            log.debug("partition %d written row by row: %s", partition, why)
     writer = writer_class(
         spec.dst,
         format=spec.format,

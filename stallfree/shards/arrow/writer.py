@@ -158,6 +158,8 @@ def _concat_rows(parts: list[pa.RecordBatch], schema: pa.Schema) -> pa.RecordBat
 def _canonical(column: pa.Array, typ: pa.DataType) -> pa.Array:
     if not column.null_count:
         return column
+    if len(column.buffers()) < 2 or column.buffers()[1] is None:
+        return pa.array(column.to_pylist(), typ)
     valid = column.is_valid().to_numpy(zero_copy_only=False)
     if pa.types.is_string(typ) or pa.types.is_binary(typ):
         offsets = np.frombuffer(column.buffers()[1], np.int32, len(column) + 1, column.offset * 4)
