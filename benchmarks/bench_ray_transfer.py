@@ -47,8 +47,12 @@ INLINE_ENV = {  # the same as "inline", for the actor's process only (Ray reads 
     "RAY_max_direct_call_object_size": str(8 * MB),
     "RAY_task_rpc_inlined_bytes_limit": str(64 * MB),
 }
+HEAP_ENV = {  # glibc: batch-sized blocks from the heap, and freed ones kept for the next batch
+    "MALLOC_MMAP_THRESHOLD_": str(32 * MB),
+    "MALLOC_TRIM_THRESHOLD_": str(1024 * MB),
+}
 # name -> (Ray _system_config, what it changes); a name ending in "-env" also starts the actor with
-# INLINE_ENV in its environment (RayWorkers(inline_results=True) does that)
+# INLINE_ENV in its environment (RayWorkers(inline_bytes=) does that), "-heap" with HEAP_ENV too
 CONFIGS: dict[str, tuple[dict, str]] = {
     "default": ({}, "Ray's defaults"),
     "quiet": (
@@ -75,6 +79,7 @@ CONFIGS: dict[str, tuple[dict, str]] = {
         "inline + quiet",
     ),
     "inline-env": ({}, "inline, set for the actor's process only (its runtime_env's env_vars)"),
+    "inline-env-heap": ({}, "inline-env, and the actor's malloc keeps batch-sized blocks"),
 }
 GROUPS = ("driver", "actor", "node raylet", "node other", "head raylet", "head other")
 
@@ -168,8 +173,9 @@ def run_config(name: str, args, driver_core: int, ray_core: int) -> dict:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         options: dict = {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
-        if name.endswith("-env"):
-            options["runtime_env"] = {"env_vars": dict(INLINE_ENV)}
+        if "-env" in name:
+            heap = HEAP_ENV if name.endswith("-heap") else {}
+            options["runtime_env"] = {"env_vars": {**INLINE_ENV, **heap}}
         actor = Sender.options(**options).remote(
             image_bytes, args.batch
         )

@@ -28,7 +28,8 @@ The loaders take turns for ``--rounds`` rounds; ratios are taken within a round 
 reported (the machines are shared: the load drifts between minutes).
 
 Run: .venv/bin/python benchmarks/bench_remote.py [--images 2048] [--batch 32] [--steps 40]
-     [--step-ms 10] [--rounds 3] [--inline-bytes N] [--head-core trainer|ray] [--json out.json]
+     [--step-ms 10] [--rounds 3] [--inline-bytes N] [--no-keep-heap] [--head-core trainer|ray]
+     [--json out.json]
 """
 
 from __future__ import annotations
@@ -175,6 +176,11 @@ def main(argv: list[str] | None = None) -> int:
         help="RayWorkers(inline_bytes=): 0 sends every batch through the object store",
     )
     ap.add_argument(
+        "--no-keep-heap",
+        action="store_true",
+        help="RayWorkers(keep_heap=False): the actor's malloc as glibc sets it by default",
+    )
+    ap.add_argument(
         "--head-core",
         choices=("trainer", "ray"),
         default="trainer",
@@ -246,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 in_flight=args.in_flight,
                 local_ahead=args.local_ahead,
                 inline_bytes=args.inline_bytes,
+                keep_heap=not args.no_keep_heap,
             )
             if remote
             else None,

@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["RayWorkers", "RemoteClusterError", "RemoteWorkersLost"]
 
 _ON_LOST = ("local", "raise")
+_HEAP_ENV = {  # glibc's malloc: blocks up to 32 MiB from the heap, freed ones kept (RayWorkers(keep_heap=))
+    "MALLOC_MMAP_THRESHOLD_": str(32 << 20),
+    "MALLOC_TRIM_THRESHOLD_": str(1 << 30),
+}
 
 
 class RemoteClusterError(LoaderError):
@@ -72,6 +76,12 @@ class RayWorkers:
     through the stores); 0 keeps every batch in the object store. It is Ray's own
     ``max_direct_call_object_size`` (and ``task_rpc_inlined_bytes_limit``), set for the actors'
     processes only, through their ``runtime_env``'s ``env_vars`` (values given there win).
+    ``keep_heap``: the actors' ``malloc`` (glibc) serves batch-sized blocks from its heap and
+    keeps freed ones for the next batch (``MALLOC_MMAP_THRESHOLD_`` 32 MiB,
+    ``MALLOC_TRIM_THRESHOLD_`` 1 GiB in their ``env_vars``): every task allocates a batch and
+    Ray a reply of its size, and by default each is fresh pages from the kernel, faulted in and
+    zeroed (~1 CPU-ms per 4.8 MB batch on the CPU node, ``benchmarks/bench_ray_transfer.py``).
+    The cost is the actor keeping its peak of a few batches' memory.
     """
 
     def __init__(
@@ -92,6 +102,7 @@ class RayWorkers:
         connect_timeout_s: float = 5.0,
         runtime_env: dict[str, Any] | None = None,
         inline_bytes: int = 64 << 20,
+        keep_heap: bool = True,
     ) -> None:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"RayWorkers: count must be an int >= 1, got {count!r}")
@@ -122,6 +133,7 @@ class RayWorkers:
         self.connect_timeout_s = connect_timeout_s
         self.runtime_env = runtime_env
         self.inline_bytes = inline_bytes
+        self.keep_heap = bool(keep_heap)
         self.stats_keeper = RemoteStats()
         self._actors: list[Any] = []
         self._nodes: list[str] = []
@@ -232,17 +244,19 @@ class RayWorkers:
         return opts
 
     def _runtime_env(self) -> dict[str, Any] | None:
-        """The actors' runtime environment: the user's, plus Ray's inline-return settings for
-        their processes (Ray reads ``RAY_<setting>`` when a worker process starts; a cluster's
+        """The actors' runtime environment: the user's, plus Ray's inline-return settings and
+        glibc's heap settings for their processes (read when a worker process starts; a cluster's
         ``_system_config`` would apply to every job, this applies to these actors only)."""
-        if not self.inline_bytes:
+        ours: dict[str, str] = {}
+        if self.inline_bytes:
+            ours["RAY_max_direct_call_object_size"] = str(self.inline_bytes)
+            ours["RAY_task_rpc_inlined_bytes_limit"] = str(self.inline_bytes * max(1, self.in_flight))
+        if self.keep_heap:
+            ours.update(_HEAP_ENV)
+        if not ours:
             return self.runtime_env
         env = dict(self.runtime_env or {})
-        env["env_vars"] = {
-            "RAY_max_direct_call_object_size": str(self.inline_bytes),
-            "RAY_task_rpc_inlined_bytes_limit": str(self.inline_bytes * max(1, self.in_flight)),
-            **dict(env.get("env_vars") or {}),
-        }
+        env["env_vars"] = {**ours, **dict(env.get("env_vars") or {})}
         return env
 
     def _place(self, ray: Any, first_wid: int) -> None:

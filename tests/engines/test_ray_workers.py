@@ -397,13 +397,17 @@ def test_the_bench_shows_where_each_batch_was_made_with_and_without_remote(ray_c
     assert any(line.startswith("stall with remote workers: ") for line in lines), text
 
 
-def test_inline_bytes_sets_rays_settings_for_the_actors_only():
+HEAP = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def test_inline_bytes_and_keep_heap_set_the_actors_environment_only():
     from stallfree import RayWorkers
 
     assert RayWorkers(1)._runtime_env() == {
         "env_vars": {
             "RAY_max_direct_call_object_size": str(64 << 20),
             "RAY_task_rpc_inlined_bytes_limit": str(2 * (64 << 20)),  # in_flight=2 replies
+            **HEAP,
         }
     }
     user = {"py_modules": ["/x"], "env_vars": {"RAY_max_direct_call_object_size": "1000", "A": "b"}}
@@ -414,11 +418,13 @@ def test_inline_bytes_sets_rays_settings_for_the_actors_only():
             "RAY_max_direct_call_object_size": "1000",  # the user's own setting wins
             "RAY_task_rpc_inlined_bytes_limit": str(2 << 20),
             "A": "b",
+            **HEAP,
         },
     }
     assert user == {"py_modules": ["/x"], "env_vars": {"RAY_max_direct_call_object_size": "1000", "A": "b"}}
-    assert RayWorkers(1, runtime_env=user, inline_bytes=0)._runtime_env() is user
-    assert RayWorkers(1, inline_bytes=0)._runtime_env() is None
+    assert RayWorkers(1, inline_bytes=0)._runtime_env() == {"env_vars": HEAP}
+    assert RayWorkers(1, runtime_env=user, inline_bytes=0, keep_heap=False)._runtime_env() is user
+    assert RayWorkers(1, inline_bytes=0, keep_heap=False)._runtime_env() is None
     with pytest.raises(ValueError, match="inline_bytes must be an int >= 0"):
         RayWorkers(1, inline_bytes=-1)
 
@@ -427,6 +433,8 @@ def test_inline_bytes_sets_rays_settings_for_the_actors_only():
 def test_a_batch_sized_return_comes_back_inline_unless_told_otherwise(ray_cluster, dataset, inline_bytes):
     """What a remote worker returns (a MiB here, as a batch would be) comes back in its task's
     reply with ``inline_bytes`` (no object store holds it), through the CPU node's store with 0."""
+    import os
+
     import numpy as np
     import ray
     from ray.experimental import get_object_locations
@@ -443,9 +451,11 @@ def test_a_batch_sized_return_comes_back_inline_unless_told_otherwise(ray_cluste
         ray.wait([ref], fetch_local=False, timeout=60)
         where = get_object_locations([ref])[ref]
         value = ray.get(ref)
+        environ = ray.get(actor.__ray_call__.remote(lambda self: dict(os.environ)))
     finally:
         loader.close()
     assert value.nbytes == 1 << 20 and int(value[-1]) == 7
+    assert {k: environ.get(k) for k in HEAP} == HEAP  # keep_heap: the actor's malloc settings
     if inline_bytes:
         assert where["node_ids"] == []  # in the trainer's own memory: no store holds it
     else:
