@@ -252,17 +252,19 @@ def test_a_job_killed_mid_epoch_resumes_exactly_on_fewer_nodes(job, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", [4], indirect=True)
-def test_four_nodes_of_one_rank_each_share_the_cluster_cache(job, tmp_path):
+@pytest.mark.parametrize("job", [3], indirect=True)
+def test_three_nodes_of_one_rank_each_share_the_cluster_cache(job, tmp_path):
+    """More nodes than the pair of the tests above (3: the fewest that are more): the rendezvous
+    and the cluster cache span all of them; 192 samples are 8 batches of 8 a rank."""
     out = tmp_path / "out"
     out.mkdir()
     _wait(_launch(job, out, epochs=2), out, timeout=300)
-    records = _records(out, world=4)
+    records = _records(out, world=3)
     for epoch in range(2):
         got = [k for r in records for k in r["epochs"][epoch]]
         assert len(got) == len(set(got)) == SAMPLES and set(got) == job["keys"]
     cold, warm = np.diff([0, *records[0]["storage_bytes"]])
-    print(f"4 nodes: storage bytes per epoch / data: {cold / job['payload']:.3f} {warm / job['payload']:.3f}")
+    print(f"3 nodes: storage bytes per epoch / data: {cold / job['payload']:.3f} {warm / job['payload']:.3f}")
     assert job["payload"] * 0.9 <= cold <= job["payload"] * 1.2
     assert warm < 0.05 * job["payload"]
 
