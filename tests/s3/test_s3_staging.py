@@ -52,9 +52,30 @@ def _shard_gets(s3):
     return collections.Counter({k: n for k, n in _counts(s3).items() if k != "manifest.json"})
 
 
-def test_block_epochs_fetch_each_shard_once_then_nothing(s3, bucket, tmp_path):
+def _dataset(s3, shards):
+    """A bucket of its own holding ``shards`` shards (``_write``): (url, samples)."""
+    bucket = f"bkt-staging-{os.getpid()}-{shards}"
+    s3.create_bucket(bucket)
     url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+    return url, _write(s3, url, shards=shards)
+
+
+@pytest.fixture(scope="module")
+def written(s3):
+    """The 8-shard dataset, written once for the tests that only read it (each opens it afresh,
+    stages it into its own directory and resets the request log before it counts); a test that
+    changes an object or the manifest writes its own."""
+    return _dataset(s3, SHARDS)
+
+
+@pytest.fixture(scope="module")
+def written2(s3):
+    """``written`` with 2 shards."""
+    return _dataset(s3, 2)
+
+
+def test_block_epochs_fetch_each_shard_once_then_nothing(s3, written, tmp_path):
+    url, samples = written
     ds = open_dataset(url, **s3.storage_options)
     dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=2, seed=0, collate_fn=_keys,
                     persistent_workers=True, staging=str(tmp_path / "stage"))  # fmt: skip
@@ -74,9 +95,8 @@ def test_block_epochs_fetch_each_shard_once_then_nothing(s3, bucket, tmp_path):
     del dl
 
 
-def test_staging_is_on_by_default_for_block_order_only(s3, bucket):
-    url = f"s3://{bucket}/ds"
-    _write(s3, url, shards=2)
+def test_staging_is_on_by_default_for_block_order_only(s3, written2):
+    url, _ = written2
     ds = open_dataset(url, **s3.storage_options)
     block = DataLoader(ds, batch_size=4, shuffle=True, num_workers=1)
     assert block._plan.order == "block" and block._plan.worker.staging == Staging()
@@ -91,9 +111,8 @@ def test_staging_is_on_by_default_for_block_order_only(s3, bucket):
         DataLoader(ds, batch_size=4, shuffle=True, staging=3)
 
 
-def test_resume_mid_window_is_exact(s3, bucket, tmp_path):
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+def test_resume_mid_window_is_exact(s3, written, tmp_path):
+    url, samples = written
     ds = open_dataset(url, **s3.storage_options)
 
     def loader():
@@ -112,9 +131,8 @@ def test_resume_mid_window_is_exact(s3, bucket, tmp_path):
     assert sorted(full) == sorted(samples)
 
 
-def test_staging_stays_within_its_cap(s3, bucket, tmp_path):
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+def test_staging_stays_within_its_cap(s3, written, tmp_path):
+    url, samples = written
     ds = open_dataset(url, **s3.storage_options)
     sizes = [s.bytes for s in ds.manifest.shards]
     cap = int(2.5 * max(sizes)) + 4096  # two shards and their indexes, not three
@@ -211,9 +229,8 @@ _SHARE = textwrap.dedent("""
 """)
 
 
-def test_two_processes_of_a_node_share_one_staging_dir(s3, bucket, tmp_path):
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+def test_two_processes_of_a_node_share_one_staging_dir(s3, written, tmp_path):
+    url, samples = written
     opts = json.dumps(s3.storage_options)
     procs = [
         subprocess.Popen([sys.executable, "-c", _SHARE, url, opts, str(tmp_path / "stage")],
@@ -274,11 +291,10 @@ def test_a_pinned_file_is_never_evicted_and_the_cap_still_holds(tmp_path):
     assert not os.path.exists(area.path_of("ns", "one")) and area.staged_bytes() == 8
 
 
-def test_the_next_window_is_staged_ahead_and_no_further(s3, bucket, tmp_path):
+def test_the_next_window_is_staged_ahead_and_no_further(s3, written, tmp_path):
     from stallfree.loader.epoch.order import Blocked, ramp_of
 
-    url = f"s3://{bucket}/ds"
-    _write(s3, url)
+    url, _ = written
     ds = open_dataset(url, **s3.storage_options)
     stage = tmp_path / "stage"
     dl = DataLoader(ds, batch_size=4, shuffle=True, num_workers=1, seed=0, window=2, collate_fn=_keys,
@@ -346,9 +362,8 @@ def test_verify_samples_reads_the_staged_sums(s3, bucket, tmp_path):
     assert info.value.shard == "shard-000001.tar" and info.value.key == "s019"
 
 
-def test_a_worker_fetches_its_share_of_a_window_first_then_the_rest(s3, bucket, tmp_path):
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+def test_a_worker_fetches_its_share_of_a_window_first_then_the_rest(s3, written, tmp_path):
+    url, samples = written
     ds = open_dataset(url, **s3.storage_options)
     s3.reset()
     with ThreadPoolExecutor(8) as pool:  # worker 1 of 2, alone: no other worker takes the rest
@@ -379,9 +394,8 @@ def small_disk(tmp_path):
         subprocess.run(["umount", str(mnt)], check=False, timeout=TIMEOUT)
 
 
-def test_a_full_staging_disk_falls_back_to_ranged_reads(s3, bucket, small_disk, caplog):
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+def test_a_full_staging_disk_falls_back_to_ranged_reads(s3, written, small_disk, caplog):
+    url, samples = written
     ds = open_dataset(url, **s3.storage_options)
     with ThreadPoolExecutor(4) as pool:  # a cap far over the disk: it fills before any eviction
         staged = StagedShards(ds, Staging(root=str(small_disk), cap_bytes=10 << 20), pool)
@@ -394,15 +408,14 @@ def test_a_full_staging_disk_falls_back_to_ranged_reads(s3, bucket, small_disk, 
     assert "reading unstaged shards with ranged GETs" in caplog.text and "No space left" in caplog.text
 
 
-def test_the_main_process_lands_the_first_window_for_its_workers(s3, bucket, tmp_path):
+def test_the_main_process_lands_the_first_window_for_its_workers(s3, written, tmp_path):
     """``LeadStaging``: the main process fetches the epoch's first window (its client
     is connected already) while the workers start; the workers then open those copies, and
     every shard is still fetched once."""
     from stallfree.loader.epoch.order import Blocked
     from stallfree.loader.lead_staging import LeadStaging
 
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url)
+    url, samples = written
     ds = open_dataset(url, **s3.storage_options)
     window = Blocked(0, 0, tuple(s.samples for s in ds.manifest.shards), window=4).window_shards(0)
     stage = Staging(root=str(tmp_path / "stage"))
@@ -423,14 +436,13 @@ def test_the_main_process_lands_the_first_window_for_its_workers(s3, bucket, tmp
     assert set(fetched).isdisjoint(f"shard-{s:06d}.tar" for s in window.tolist())
 
 
-def test_the_lead_lands_the_first_window_alone_then_each_window_once(s3, bucket, tmp_path):
+def test_the_lead_lands_the_first_window_alone_then_each_window_once(s3, written, tmp_path):
     """``LeadStaging.ahead``: what the loader asks for while the first window is on its way
     waits for it (the first batch shares the wire with nothing), then lands; a shard asked for
     again (every dispatched batch of a window names the next one) is fetched once."""
     from stallfree.loader.lead_staging import LeadStaging
 
-    url = f"s3://{bucket}/ds"
-    _write(s3, url)
+    url, _ = written
     ds = open_dataset(url, **s3.storage_options)
     first, then, later = [5, 2], [0, 7], [3, 6]
     s3.reset()
@@ -492,20 +504,19 @@ def _write_uniform(s3, url, shards, per_shard, size):
     return samples
 
 
-def test_a_planted_default_root_is_refused_not_trained_on(s3, bucket, tmp_path):
+def test_a_planted_default_root_is_refused_not_trained_on(s3, written2, tmp_path):
     """Another user (uid 65534) made ``stallfree-staging-<uid>`` first and put a same-size copy
     of a shard there with 64 bytes changed: the loader refuses the directory, naming it, rather
     than train on the planted sample."""
     import tempfile
 
-    url = f"s3://{bucket}/ds"
-    samples = _write(s3, url, shards=2)
+    url, samples = written2
     ds = open_dataset(url, **s3.storage_options)
     root = Staging().resolved_root()
     assert root.startswith(tempfile.gettempdir())  # this test's own temp directory (conftest)
     ns = os.path.join(root, ds.fingerprint)
     os.makedirs(ns)
-    data = bytearray(s3.filesystem().cat_file(f"{bucket}/ds/shard-000000.tar"))
+    data = bytearray(s3.filesystem().cat_file(url.removeprefix("s3://") + "/shard-000000.tar"))
     data[1536 : 1536 + 64] = bytes(b ^ 0xFF for b in data[1536 : 1536 + 64])
     with open(os.path.join(ns, "shard-000000.tar"), "wb") as f:
         f.write(data)
@@ -521,9 +532,8 @@ def test_a_planted_default_root_is_refused_not_trained_on(s3, bucket, tmp_path):
     assert len(samples) == 2 * PER_SHARD
 
 
-def test_the_staging_area_is_private(s3, bucket, tmp_path):
-    url = f"s3://{bucket}/ds"
-    _write(s3, url, shards=2)
+def test_the_staging_area_is_private(s3, written2, tmp_path):
+    url, _ = written2
     ds = open_dataset(url, **s3.storage_options)
     root = tmp_path / "stage"
     assert sorted(_staged_samples(ds, root)) == [f"s{i:03d}" for i in range(2 * PER_SHARD)]
