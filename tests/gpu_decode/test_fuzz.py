@@ -8,11 +8,11 @@ each run the same cases, so a failure here reproduces with the same seed.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.zygote import run_python
 
 CHILD = Path(__file__).with_name("fuzz_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,13 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_mutated_images_are_refused_or_decoded_never_crash(seed):
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), json.dumps({"seed": seed, "cases": 200})],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=ROOT,
-    )
+    # ``python fuzz_child.py ARGS``, forked from the test zygote (torch imported once)
+    code = f"import runpy\nrunpy.run_path({str(CHILD)!r}, run_name='__main__')"
+    proc = run_python(code, json.dumps({"seed": seed, "cases": 200}), timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["unexpected"] == [], "\n".join(out["unexpected"][:5])

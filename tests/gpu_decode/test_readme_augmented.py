@@ -9,14 +9,14 @@ guide's code is read from docs/decode.md and run as it is, in a subprocess with 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
+
+from tests.zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "docs" / "decode.md").read_text(encoding="utf-8")
@@ -52,11 +52,6 @@ def test_readme_augmented_example_runs_without_warnings(tmp_path, workers):
     assert EXAMPLE is not None, "docs/decode.md has no `class Augmented` example"
     assert OLD_CALL not in EXAMPLE
     code = textwrap.dedent(DRIVER) + EXAMPLE.replace("num_workers=2", "num_workers=WORKERS")
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path / "ds"), str(workers)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    # forked from the test zygote (torch imported once, before any warning filter is set)
+    proc = run_python(code, str(tmp_path / "ds"), str(workers), timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

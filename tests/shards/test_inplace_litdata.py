@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from stallfree.shards.parallel import shard_dataset
 from stallfree.shards.sources.registry import SourceError
 from stallfree.testing.images import jpeg_bytes
 from tests.shards.test_source_litdata import write_litdata
+from tests.zygote import run_python
 
 N = 17
 
@@ -119,9 +118,7 @@ def test_over_s3_through_the_loader_shuffled_with_two_workers(litdata, sharded, 
             print(json.dumps([[s["__key__"], s["image"].hex(), s["box"].hex()] for b in loader for s in b]))
             """
         )
-        out = subprocess.run(
-            [sys.executable, "-c", code], capture_output=True, text=True, timeout=240, check=False
-        )
+        out = run_python(code, timeout=240)  # torch preloaded (tests/zygote.py)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert sorted(map(tuple, seen)) == sorted(
