@@ -71,8 +71,8 @@ class RayWorkers:
     the CPU nodes: an installed package, or ``{"py_modules": [...]}``).
     ``inline_bytes``: a batch up to this size comes back inside its task's reply, straight into
     the trainer's process, instead of through the CPU node's object store and the trainer node's
-    raylet (measured on loopback, ``benchmarks/bench_ray_transfer.py``: per 4.8 MB batch ~6
-    CPU-ms on the CPU node and ~3.7 in the trainer, none in either raylet, against ~8 and ~9
+    raylet (measured on loopback, ``benchmarks/bench_ray_transfer.py``: per 4.8 MB batch ~5.6
+    CPU-ms on the CPU node and ~4 in the trainer, none in either raylet, against ~7 and ~9
     through the stores); 0 keeps every batch in the object store. It is Ray's own
     ``max_direct_call_object_size`` (and ``task_rpc_inlined_bytes_limit``), set for the actors'
     processes only, through their ``runtime_env``'s ``env_vars`` (values given there win).
