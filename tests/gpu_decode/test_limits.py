@@ -11,8 +11,6 @@ import io
 import json
 import os
 import struct
-import subprocess
-import sys
 import zlib
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from stallfree.gpu_decode.header import DEFAULT_MAX_PIXELS, BadImageError, Image
 from stallfree.gpu_decode.select import ImageDecode
 from stallfree.shards.writer import ShardWriter
 from stallfree.testing.images import base_photos, encode_jpeg, make_image
+from tests.zygote import run_python
 
 CHILD = Path(__file__).with_name("refusal_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,25 +180,26 @@ def refusals(tmp_path_factory, photos) -> Path:
     return root
 
 
+# ``python refusal_child.py ARGS``, forked from the test zygote (torch imported once; the decoders
+# are imported by the child, and each epoch's RSS growth is measured from its own start)
+_CHILD_CODE = f"import runpy\nrunpy.run_path({str(CHILD)!r}, run_name='__main__')"
+
+
 def run_child(**args) -> dict:
-    """One epoch in a fresh process. The timeout only catches a hang or a decoder that does not
+    """One epoch in a process of its own. The timeout only catches a hang or a decoder that does not
     refuse (DALI took 40 s on the forged 30000x30000 header alone on an idle machine)."""
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), json.dumps(args)], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    proc = run_python(_CHILD_CODE, json.dumps(args), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_children(runs: list[dict]) -> list[dict]:
-    """What ``run_child`` gives for each of ``runs``, from one fresh process running them in turn
+    """What ``run_child`` gives for each of ``runs``, from one child process running them in turn
     (each epoch's RSS growth measured from its own start), or, where this kernel does not let a
     process reset its peak-RSS mark, from one process each."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         return [run_child(**args) for args in runs]
-    proc = subprocess.run(
-        [sys.executable, str(CHILD), json.dumps(runs)], capture_output=True, text=True, timeout=300, cwd=ROOT
-    )
+    proc = run_python(_CHILD_CODE, json.dumps(runs), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [out["peak_reset"] for out in outs] == [True] * len(runs)

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from stallfree import DataLoader
 from stallfree.loader.shm import slots as slots_mod
 from stallfree.loader.shm.returns import SlotReturns
 from tests.loader.helpers import Numbers
+from tests.zygote import run_python
 
 ROOT = Path(__file__).resolve().parents[2]
 N_BATCHES = 300  # more than HARD_CAP for each worker with one worker
@@ -133,12 +132,11 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 @pytest.mark.parametrize("ctx", ["fork", "forkserver"])  # the kernel's tie; the watchdog's
-def test_a_busy_worker_exits_when_the_main_process_is_killed(ctx, tmp_path):
+def test_a_busy_worker_exits_when_the_main_process_is_killed(ctx):
     """A worker stuck in the dataset's code never reaches its idle check of the parent: before
     the lifeline it lived on as an orphan (parent pid 1) until its sample ended."""
-    script = tmp_path / "orphan.py"
-    script.write_text(_ORPHAN.format(root=str(ROOT), ctx=ctx))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    script = _ORPHAN.format(root=str(ROOT), ctx=ctx)
+    proc = run_python(script, timeout=120)  # torch preloaded (tests/zygote.py); its workers start by ctx
     assert proc.returncode == -signal.SIGKILL, proc.stderr
     pids = [int(p) for p in proc.stdout.split()]
     assert len(pids) == 2

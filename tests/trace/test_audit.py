@@ -8,8 +8,6 @@ import itertools
 import json
 import os
 import struct
-import subprocess
-import sys
 
 import pytest
 
@@ -19,6 +17,7 @@ from stallfree.loader.epoch.record import BATCH, MAGIC, read_records, record_fil
 from stallfree.trace.audit import audit
 from tests.trace.helpers import three_stage_mixture
 from tests.trace.test_skips import Numbers
+from tests.zygote import run_python
 
 
 def _ranks(directory, world, *, state=None, skip=(), batches=None, epochs=1, dataset=Numbers, workers=0):
@@ -130,6 +129,7 @@ import itertools, json, os, signal, sys
 sys.path.insert(0, {os.getcwd()!r})
 from stallfree.loader.dataloader import DataLoader
 from tests.trace.test_skips import Numbers
+from tests.zygote import run_python
 dl = DataLoader(Numbers(), batch_size=4, shuffle=True, seed=3, record_keys={str(keys)!r})
 it = iter(dl)
 for _ in itertools.islice(it, 7):
@@ -139,8 +139,8 @@ for _ in itertools.islice(it, 2):
     pass
 os.kill(os.getpid(), signal.SIGKILL)
 """
-    proc = subprocess.run([sys.executable, "-c", child], timeout=120, capture_output=True)
-    assert proc.returncode == -9, proc.stderr.decode()
+    proc = run_python(child, timeout=120)  # torch preloaded (tests/zygote.py)
+    assert proc.returncode == -9, proc.stderr
     records = read_records(record_files(keys)[0]).records
     assert [type(r).__name__ for r in records] == ["Begin"] + ["Batch"] * 7  # up to the checkpoint
     state = json.loads(proc.stdout)
