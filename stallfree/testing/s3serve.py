@@ -27,7 +27,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,10 @@ class S3Server:
 
     port: int
     process: subprocess.Popen
+    # the filesystem create_bucket uses, made on first use in each process (an s3fs filesystem is
+    # not fork-safe): a new s3fs client (botocore session, endpoint resolution) costs ~0.15 CPU-s,
+    # and the tests create a bucket for nearly every test
+    _admin: dict[int, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def endpoint_url(self) -> str:
@@ -179,7 +183,9 @@ class S3Server:
     def create_bucket(self, name: str) -> None:
         """A bucket in the server's region (s3fs's ``mkdir`` sends a location constraint moto refuses
         for us-east-1)."""
-        fs = self.filesystem()
+        fs = self._admin.get(os.getpid())
+        if fs is None:
+            fs = self._admin[os.getpid()] = self.filesystem()
         fs.call_s3("create_bucket", Bucket=name)
         fs.invalidate_cache()
 
