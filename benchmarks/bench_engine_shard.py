@@ -306,6 +306,51 @@ def spark_phase(args, spark: Any, table: Path, images: Path, out: Path) -> list[
     return rows
 
 
+def spark_batches_phase(args, spark: Any, table: Path, out: Path) -> list[dict]:
+    """The Spark side both writers share: the Arrow batch size Spark hands the Python tasks
+    (``spark.sql.execution.arrow.maxRecordsPerBatch``, 10,000 by default) against a task that
+    only counts its rows (Spark's own floor), ``write_spark`` and ``dataframe_to_mds``."""
+    import pyarrow as pa
+    from streaming.base.converters import dataframe_to_mds
+
+    from stallfree.shards import write_spark
+
+    df = spark.read.parquet(str(table)).repartition(4).cache()
+    df.count()
+    key = "spark.sql.execution.arrow.maxRecordsPerBatch"
+    previous = spark.conf.get(key)
+
+    def count_rows(batches):
+        yield pa.RecordBatch.from_pydict({"n": [sum(b.num_rows for b in batches)]})
+
+    rows: list[dict] = []
+    try:
+        for size in (2_000, 10_000, 100_000):
+            spark.conf.set(key, str(size))
+            for name, call in (
+                ("count_only", lambda d: df.mapInArrow(count_rows, "n long").collect()),
+                ("write_spark", lambda d: write_spark(df, str(d), format="arrow")),
+                (
+                    "dataframe_to_mds",
+                    lambda d: dataframe_to_mds(
+                        df,
+                        merge_index=True,
+                        mds_kwargs={
+                            "out": str(d),
+                            "columns": {"id": "int64", "caption": "str", "emb": "bytes"},
+                            "keep_local": True,
+                        },
+                    ),
+                ),
+            ):
+                row = measure(f"spark_batches{size}_{name}", args.rows, out, args.repeats, call)
+                row["max_records_per_batch"] = size
+                rows.append(row)
+    finally:
+        spark.conf.set(key, previous)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, default=200_000)
@@ -314,7 +359,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--warmup", type=int, default=WARMUP, help="untimed calls before the timed ones")
     parser.add_argument(
-        "--phases", default="engines,ray,spark", help="which comparisons to run (comma-separated)"
+        "--phases",
+        default="engines,ray,spark",
+        help="which comparisons to run (comma-separated; also spark-batches: Spark's Arrow batch size)",
     )
     args = parser.parse_args()
     globals()["WARMUP"] = args.warmup
@@ -346,9 +393,11 @@ def main() -> None:
         )
         results["ray_peer"] = ray_phase(args, table, images, out) if "ray" in phases else []
         results["spark_peer"] = spark_phase(args, spark, table, images, out) if "spark" in phases else []
+        if "spark-batches" in phases:
+            results["spark_batches"] = spark_batches_phase(args, spark, table, out)
     results["load_average_end"] = round(os.getloadavg()[0], 1)
-    for rows in ("engines", "ray_peer", "spark_peer"):
-        for row in results[rows]:
+    for rows in ("engines", "ray_peer", "spark_peer", "spark_batches"):
+        for row in results.get(rows, []):
             row.pop("dir", None)
     print(json.dumps(results, indent=1))
     if args.json is not None:
@@ -363,8 +412,8 @@ def print_table(results: dict[str, Any]) -> None:
         file=sys.stderr,
     )
     print("|---|---:|---:|---:|---:|---:|---|", file=sys.stderr)
-    for group in ("engines", "ray_peer", "spark_peer"):
-        for r in results[group]:
+    for group in ("engines", "ray_peer", "spark_peer", "spark_batches"):
+        for r in results.get(group, []):
             ratio = r.get("vs_local", r.get("vs_peer", ""))
             same = {True: "yes", False: "NO"}.get(r.get("identical_to_local"), "")
             print(
