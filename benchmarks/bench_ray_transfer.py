@@ -61,6 +61,10 @@ CONFIGS: dict[str, tuple[dict, str]] = {
     ),
     "chunk-1m": ({"object_manager_default_chunk_size": 1 * MB}, "1 MiB transfer chunks (default 5 MiB)"),
     "chunk-8m": ({"object_manager_default_chunk_size": 8 * MB}, "8 MiB transfer chunks: one per batch"),
+    "in-flight-8m": (
+        {"object_manager_max_bytes_in_flight": 8 * MB},
+        "at most 8 MiB of object chunks in flight per node (default 2 GiB)",
+    ),
     "rpc-1": (
         {"object_manager_rpc_threads_num": 1, "object_manager_client_connection_num": 1},
         "one object-manager RPC thread and connection",
