@@ -27,6 +27,7 @@ import pytest
 
 from stallfree.shards.arrow.check import footer_span, ipc_file_blocks
 from stallfree.shards.writer import ShardWriter
+from tests.zygote import run_python
 
 from .conftest import make_samples
 
@@ -230,6 +231,15 @@ def run_child(code: str, *args: str) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_loader_child(code: str, *args: str) -> dict[str, Any]:
+    """``run_child`` for a child that imports torch (the loader's): forked from the test zygote,
+    torch imported once, with the fault handler on as PYTHONFAULTHANDLER=1 would turn it on
+    (a variable read at start-up: set, it would need a zygote of its own)."""
+    proc = run_python(f"import faulthandler\nfaulthandler.enable()\n{code}", *args, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_damaged_batch_is_a_typed_error_naming_shard_row_and_offset(shard_dir):
     name = "shard-000000.arrow"
     offset = _damage_batch(shard_dir / name, 5)
@@ -260,7 +270,7 @@ def test_loader_skips_the_damaged_batch_and_delivers_the_rest(shard_dir):
     """With 0 workers (a thread) and with 2 worker processes (it was a WorkerDiedError that
     ``on_error="skip"`` could not skip, or the interpreter killed)."""
     _damage_batch(shard_dir / "shard-000000.arrow", 5)
-    out = run_child(LOADER_CHILD, str(shard_dir))
+    out = run_loader_child(LOADER_CHILD, str(shard_dir))
     for workers in ("0", "2"):
         assert out[workers]["keys"] == [f"sample{i:05d}" for i in range(ROWS) if i != 5], workers
         assert out[workers]["failed"] == 1 and out[workers]["failed_keys"] == ["index 5"], workers
