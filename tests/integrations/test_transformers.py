@@ -6,24 +6,30 @@ from __future__ import annotations
 
 import collections
 import functools
+import importlib.util
 import json
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
 import torch
 
 import stallfree
+from stallfree.integrations.state_file import MissingLoaderStateError
 
-pytest.importorskip("transformers")
-
-import transformers  # noqa: E402
-
-from stallfree.integrations.state_file import MissingLoaderStateError  # noqa: E402
+if TYPE_CHECKING:
+    import transformers
 
 # Every test here runs on one xdist worker: importing our Trainer (transformers' Trainer and what
-# it imports) costs about 4.6 CPU-s a process, so it happens on first use (trainer_classes), once.
-pytestmark = pytest.mark.xdist_group("transformers_trainer")
+# it imports) costs about 4.6 CPU-s a process, so it happens on first use (trainer_classes), once;
+# transformers itself (~0.5 CPU-s) is imported where it is used, not by every worker's collection.
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("transformers") is None, reason="transformers is not installed"
+    ),
+    pytest.mark.xdist_group("transformers_trainer"),
+]
 
 WINDOWS, SEQ = 24, 8
 
@@ -36,6 +42,8 @@ def tokens(tmp_path):
 
 
 def tiny_model() -> transformers.LlamaForCausalLM:
+    import transformers
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
         vocab_size=WINDOWS * SEQ + 8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -47,6 +55,8 @@ def tiny_model() -> transformers.LlamaForCausalLM:
 @functools.cache
 def trainer_classes() -> SimpleNamespace:
     """Our Trainer and this file's subclasses, made on first use rather than at collection."""
+    import transformers
+
     from stallfree.integrations.transformers import Trainer
 
     class Recording(Trainer):
@@ -76,6 +86,8 @@ def trainer_classes() -> SimpleNamespace:
 def make_trainer(
     tokens, out, *, stop_at=None, data_collator=None, train_dataset=None, compute_loss_func=None, **args
 ):
+    import transformers
+
     classes = trainer_classes()
     dataset = train_dataset or stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16", labels="inputs")
     training = transformers.TrainingArguments(**{
@@ -155,6 +167,8 @@ def test_max_steps_is_reached_when_the_resumed_run_takes_fewer_windows_a_step(to
 def test_shifted_labels_for_a_model_that_shifts_them_again_are_refused(tokens, tmp_path):
     """TokenDataset's default labels are already shifted; a Hugging Face causal LM shifts them
     again and learns token t+2 with a falling loss. The Trainer sees both and says so."""
+    import transformers
+
     shifted = stallfree.TokenDataset(str(tokens), SEQ, dtype="uint16")  # labels="shifted"
     trainer = make_trainer(tokens, tmp_path / "a")
     trainer.train_dataset = shifted
@@ -187,6 +201,8 @@ def test_a_checkpoint_without_the_loader_state_is_refused(tokens, tmp_path):
 
 
 def test_options_trainer_arguments_decide_are_refused_with_the_argument_to_use(tokens, tmp_path):
+    import transformers
+
     told = r"batch_size \(TrainingArguments.per_device_train_batch_size\), collate_fn \(Trainer's data_collator\)"
     with pytest.raises(ValueError, match=told):
         trainer_classes().Trainer(
