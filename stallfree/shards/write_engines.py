@@ -164,14 +164,9 @@ def write_partition(
     ``engine_rows`` covers are written without a Python value per row (``arrow_rows=False``:
     every row as a sample, the reference the tests and the benchmark compare bytes with)."""
     writer_class = ShardWriter
-    if spec.format == "arrow" and schema is not None and arrow_rows:
-        from stallfree.shards.arrow import engine_rows
-
-        why = engine_rows.unsupported(schema)
-        if why is None:
-            writer_class = engine_rows.EngineShardWriter
-        else:
-            log.debug("partition %d written row by row: %s", partition, why)
+    engine_writer = getattr(formats.get_format(spec.format), "engine_writer", None)  # Arrow's
+    if engine_writer is not None and schema is not None and arrow_rows:
+        writer_class = engine_writer(schema) or ShardWriter
     writer = writer_class(
         spec.dst,
         format=spec.format,

@@ -6,6 +6,7 @@ registry (``formats.py``) knows of them, and how table files without a manifest 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,8 @@ from stallfree.shards.manifest.shard_info import ShardInfo
 from stallfree.shards.scan import relative
 from stallfree.shards.verify_report import KeyAt, VerifyReport
 from stallfree.storage import stamps
+
+log = logging.getLogger(__name__)
 
 SAMPLE_OVERHEAD = 256  # planning estimates: a record batch's metadata per sample ...
 FIELD_OVERHEAD = 96  # ... and per column
@@ -55,6 +58,18 @@ class ArrowFormat:
 
             self._prepare_row = prepare_row
         return prepare_row(sample)
+
+    def engine_writer(self, schema: Any) -> Any:
+        """The ``ShardWriter`` class that writes an engine's Arrow batches of ``schema`` without a
+        Python value per row (``arrow/engine_rows.py``: ``write_spark``, ``write_ray``), or None
+        where its column types need the rows one by one (the reason is logged)."""
+        from stallfree.shards.arrow import engine_rows
+
+        why = engine_rows.unsupported(schema)
+        if why is not None:
+            log.debug("engine batches written row by row: %s", why)
+            return None
+        return engine_rows.EngineShardWriter
 
     def writer(
         self, path: str, fs: fsspec.AbstractFileSystem, *, schema: Any = None, overlap_hash: bool = False
