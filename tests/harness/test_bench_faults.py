@@ -122,7 +122,7 @@ def _listening(root_pid: int) -> set[tuple[int, str, int]]:
     found = set()
     for proc in procs:
         try:
-            for conn in proc.net_connections(kind="inet"):
+            for conn in proc.net_connections(kind="tcp"):  # LISTEN is a TCP state: no UDP tables read
                 if conn.status == psutil.CONN_LISTEN:
                     found.add((proc.pid, conn.laddr.ip, conn.laddr.port))
         except (psutil.NoSuchProcess, psutil.AccessDenied):
