@@ -23,10 +23,14 @@ EXAMPLE = ROOT / "examples" / "lightning_datamodule.py"
 TRAIN, BATCH, EPOCHS, EVERY = 96, 4, 2, 5  # the example's tiny data has 96 training samples
 STEPS = TRAIN // BATCH  # per epoch
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("lightning") is None,
-    reason="lightning is not installed: pip install -r examples/requirements.txt (scripts/setup.sh does)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("lightning") is None,
+        reason="lightning is not installed: pip install -r examples/requirements.txt (scripts/setup.sh does)",
+    ),
+    # both runs of both tests fork from one xdist worker's Lightning zygote (one import, not two)
+    pytest.mark.xdist_group("lightning_zygote"),
+]
 
 
 def _run(tmp_path: Path, extra: list[str]) -> Child:
