@@ -223,26 +223,6 @@ def ray_phase(args, table: Path, images: Path, out: Path) -> list[dict]:
     return rows
 
 
-def spark_partitions(df: Any) -> dict[int, list[Any]]:
-    """The DataFrame's partitions as the Arrow batches ``write_spark``'s tasks get, on the driver."""
-    import pyarrow as pa
-
-    def ship(batches):
-        from pyspark import TaskContext
-
-        partition = TaskContext.get().partitionId()
-        for batch in batches:
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, batch.schema) as writer:
-                writer.write_batch(batch)
-            yield pa.RecordBatch.from_pydict({"p": [partition], "ipc": [sink.getvalue().to_pybytes()]})
-
-    parts: dict[int, list[Any]] = {}
-    for row in df.mapInArrow(ship, "p long, ipc binary").collect():
-        parts.setdefault(row.p, []).append(pa.ipc.open_stream(row.ipc).read_next_batch())
-    return parts
-
-
 def write_row_by_row(parts: dict[int, list[Any]], dst: Path, fmt: str) -> None:
     """``write_spark``'s output made on the driver with every row a sample through
     ``ShardWriter.write`` (``arrow_rows=False``: the way before the Arrow path), for identity."""
@@ -262,6 +242,7 @@ def spark_phase(args, spark: Any, table: Path, images: Path, out: Path) -> list[
     from streaming.base.converters import dataframe_to_mds
 
     from stallfree.shards import write_spark
+    from stallfree.testing.spark_cluster import partition_batches
 
     rows: list[dict] = []
     table_df = spark.read.parquet(str(table)).repartition(4).cache()
@@ -300,7 +281,7 @@ def spark_phase(args, spark: Any, table: Path, images: Path, out: Path) -> list[
         # the same partitions written row by row on the driver: the bytes must not differ
         reference = out / f"spark_{label}_row_by_row"
         shutil.rmtree(reference, ignore_errors=True)
-        write_row_by_row(spark_partitions(df), reference, fmt)
+        write_row_by_row(partition_batches(df), reference, fmt)
         ours["identical_to_local"] = tree(Path(ours["dir"])) == tree(reference)
         rows += [peer, ours]
     return rows

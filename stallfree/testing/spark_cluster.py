@@ -95,3 +95,25 @@ def wait_for_executors(spark: Any, count: int, timeout_s: float = 120.0) -> list
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(infos) - 1} of {count} Spark executors registered in {timeout_s:.0f}s")
         time.sleep(0.2)
+
+
+def partition_batches(df: Any) -> dict[int, list[Any]]:
+    """``df``'s partitions as the Arrow record batches a ``mapInArrow`` task receives (what
+    ``write_spark``'s tasks get), brought to the driver: partition id -> its batches in order.
+    A reference run writes them row by row to compare bytes with the engine's output."""
+    import pyarrow as pa
+
+    def ship(batches: Iterator[Any]) -> Iterator[Any]:
+        from pyspark import TaskContext
+
+        partition = TaskContext.get().partitionId()
+        for batch in batches:
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, batch.schema) as writer:
+                writer.write_batch(batch)
+            yield pa.RecordBatch.from_pydict({"p": [partition], "ipc": [sink.getvalue().to_pybytes()]})
+
+    parts: dict[int, list[Any]] = {}
+    for row in df.mapInArrow(ship, "p long, ipc binary").collect():
+        parts.setdefault(row.p, []).append(pa.ipc.open_stream(row.ipc).read_next_batch())
+    return parts

@@ -21,7 +21,7 @@ from stallfree.shards import open_dataset
 from stallfree.shards.parallel import shard_dataset
 from stallfree.shards.sources.registry import SourceReadError
 from stallfree.testing.images import make_image_folder
-from stallfree.testing.spark_cluster import local_spark_cluster, spark_unavailable
+from stallfree.testing.spark_cluster import local_spark_cluster, partition_batches, spark_unavailable
 
 pytestmark = pytest.mark.slow
 
@@ -240,25 +240,6 @@ def test_write_spark_arrow_keeps_column_types(spark, tmp_path):
     assert len(manifest["shards"]) > 3
 
 
-def _partitions(df) -> dict[int, list[pa.RecordBatch]]:
-    """The Arrow batches each of ``df``'s partitions hands ``write_spark``'s task, on the driver."""
-
-    def ship(batches):
-        from pyspark import TaskContext
-
-        partition = TaskContext.get().partitionId()
-        for batch in batches:
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, batch.schema) as writer:
-                writer.write_batch(batch)
-            yield pa.RecordBatch.from_pydict({"p": [partition], "ipc": [sink.getvalue().to_pybytes()]})
-
-    parts: dict[int, list[pa.RecordBatch]] = {}
-    for row in df.mapInArrow(ship, "p long, ipc binary").collect():
-        parts.setdefault(row.p, []).append(pa.ipc.open_stream(row.ipc).read_next_batch())
-    return parts
-
-
 def test_write_spark_arrow_is_byte_identical_to_writing_row_by_row(spark, tmp_path):
     """The Arrow path (no Python value per row) against every row written as a sample, on the
     same partitions: keys from ``__key__`` with nulls (made from partition and row), nulls in
@@ -281,7 +262,7 @@ def test_write_spark_arrow_is_byte_identical_to_writing_row_by_row(spark, tmp_pa
     spec = PartitionWrite(str(tmp_path / "ref"), {}, "arrow", max_bytes=60_000)
     parts = [
         write_partition(spec, p, batches, batches[0].schema, arrow_rows=False)
-        for p, batches in sorted(_partitions(df).items())
+        for p, batches in sorted(partition_batches(df).items())
     ]
     commit_parts(
         open_destination(spec.dst, overwrite=False, storage_options={}),
