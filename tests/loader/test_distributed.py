@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import time
 from pathlib import Path
 
 import pytest
@@ -11,7 +9,7 @@ import torch.distributed as dist
 
 from stallfree.loader.dataloader import DataLoader
 from tests.loader.helpers import Numbers
-from tests.zygote import start_python
+from tests.zygote import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,20 +47,7 @@ RANK_TIMEOUT = 300  # a bound on a hang, not a speed requirement
 def test_two_gloo_ranks_get_disjoint_equal_shares(tmp_path):
     # two rank processes forked from the test zygote (torch imported once, not once per rank: what
     # is tested is the ranks' process group and shares, not an interpreter's start)
-    ranks = [
-        start_python(_RANK, str(r), "2", str(tmp_path / "init"), str(tmp_path), cwd=ROOT) for r in range(2)
-    ]
-    try:
-        deadline = time.monotonic() + RANK_TIMEOUT
-        for rank, child in enumerate(ranks):
-            rc = child.wait(max(0.0, deadline - time.monotonic()))
-            assert rc == 0, f"rank {rank}: exit {rc}\n{child.output()[1][-3000:]}"
-    finally:
-        for child in ranks:
-            if child.returncode is None:
-                child.kill_session()
-            with contextlib.suppress(FileNotFoundError):
-                child.output()
+    run_ranks(_RANK, 2, str(tmp_path / "init"), str(tmp_path), timeout=RANK_TIMEOUT, cwd=ROOT)
     import json
 
     r0, r1 = json.loads((tmp_path / "result.json").read_text())

@@ -3,10 +3,8 @@ workers, epoch by epoch, with stats()["mix"], exact and elastic resume, and refu
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,7 +15,7 @@ import torch.distributed as dist
 import stallfree
 from stallfree.loader.dataloader import DataLoader
 from stallfree.mix.mixture import MixtureMismatch
-from tests.zygote import start_python
+from tests.zygote import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,29 +150,20 @@ _gloo_rank(int(rank), int(world), init_file, out, state_json, int(batches))
 RANK_TIMEOUT = 300  # a bound on a hang, not a speed requirement
 
 
-def _run_ranks(world: int, *args: str) -> None:
-    """``_gloo_rank(rank, world, *args)`` in ``world`` processes at once, forked from the test zygote
-    (torch imported once, not once per rank: what is tested is the ranks' gloo exchange and the
-    loader's state, not an interpreter's start); a rank that fails or hangs fails the test."""
-    ranks = [start_python(_RANK, str(rank), str(world), *args, cwd=ROOT) for rank in range(world)]
-    try:
-        deadline = time.monotonic() + RANK_TIMEOUT
-        for rank, child in enumerate(ranks):
-            rc = child.wait(max(0.0, deadline - time.monotonic()))
-            assert rc == 0, f"rank {rank} of {world}: exit {rc}\n{child.output()[1][-3000:]}"
-    finally:
-        for child in ranks:
-            if child.returncode is None:
-                child.kill_session()
-            with contextlib.suppress(FileNotFoundError):
-                child.output()
-
-
 @pytest.mark.slow
 def test_elastic_resume_3_to_2_gloo_ranks(tmp_path):
     def run(world: int, name: str, state: str, batches: int) -> list:
         out = str(tmp_path / f"{name}.json")
-        _run_ranks(world, str(tmp_path / f"init-{name}"), out, state, str(batches))
+        run_ranks(
+            _RANK,
+            world,
+            str(tmp_path / f"init-{name}"),
+            out,
+            state,
+            str(batches),
+            timeout=RANK_TIMEOUT,
+            cwd=ROOT,
+        )
         with open(out) as f:
             return json.load(f)
 
