@@ -108,12 +108,16 @@ def partition_batches(df: Any) -> dict[int, list[Any]]:
 
         partition = TaskContext.get().partitionId()
         for batch in batches:
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, batch.schema) as writer:
-                writer.write_batch(batch)
-            yield pa.RecordBatch.from_pydict({"p": [partition], "ipc": [sink.getvalue().to_pybytes()]})
+            yield pa.RecordBatch.from_pydict(
+                {
+                    "p": [partition],
+                    "schema": [batch.schema.serialize().to_pybytes()],
+                    "batch": [batch.serialize().to_pybytes()],
+                }
+            )
 
     parts: dict[int, list[Any]] = {}
-    for row in df.mapInArrow(ship, "p long, ipc binary").collect():
-        parts.setdefault(row.p, []).append(pa.ipc.open_stream(row.ipc).read_next_batch())
+    for row in df.mapInArrow(ship, "p long, schema binary, batch binary").collect():
+        schema = pa.ipc.read_schema(pa.py_buffer(row.schema))
+        parts.setdefault(row.p, []).append(pa.ipc.read_record_batch(pa.py_buffer(row.batch), schema))
     return parts
