@@ -33,6 +33,9 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+_SHORT_LIVED_JVM = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
+
 def spark_unavailable() -> str | None:
     """Why a local Spark cluster cannot start here (None: it can)."""
     if importlib.util.find_spec("pyspark") is None:
@@ -69,6 +72,10 @@ def local_spark_cluster(
         .config("spark.local.dir", scratch)
         .config("spark.executor.memory", f"{max(256, memory_mb // 2)}m")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        # a cluster that lives for a test module: the JVMs' C2 compiler threads were most of its
+        # CPU (start-up 22 -> 13 CPU-s with C1 only and the serial collector, on 2 cores)
+        .config("spark.driver.extraJavaOptions", _SHORT_LIVED_JVM)
+        .config("spark.executor.extraJavaOptions", _SHORT_LIVED_JVM)
     )
     for key, value in (conf or {}).items():
         builder = builder.config(key, value)
