@@ -345,6 +345,25 @@ class WebDatasetAdapter(Adapter):
         return iter(self.loader)
 
 
+def require_dali() -> None:
+    """DALI installed, or the error naming the extra that brings it."""
+    from stallfree.extras import require
+
+    require("nvidia.dali", "dali", "the DALI loader of stallfree bench (--loader dali)")
+
+
+def dali_local_tars(dataset: Any) -> tuple[list[str], list[str] | None]:
+    """``dataset``'s tar shards for DALI's webdataset reader, with their ``.idx`` files (None when
+    any is missing: DALI then infers the index by scanning the tars); DALI reads local files only."""
+    from stallfree.shards.tar.idx import idx_path_for
+
+    urls = tar_shard_urls(dataset)
+    if any("://" in u for u in urls):
+        raise ValueError("DALI's webdataset reader reads local files only; this dataset is remote")
+    indexes = [idx_path_for(u) for u in urls]
+    return urls, indexes if all(os.path.exists(p) for p in indexes) else None
+
+
 class DaliAdapter(Adapter):
     """DALI's own webdataset reader and CPU operators (device_id=None; GPU ops when a GPU is given)."""
 
@@ -352,22 +371,13 @@ class DaliAdapter(Adapter):
 
     def __init__(self, settings: LoaderSettings) -> None:
         super().__init__(settings)
-        from stallfree.extras import require
-
-        require("nvidia.dali", "dali", "the DALI loader of stallfree bench (--loader dali)")
+        require_dali()
         from nvidia.dali import fn, pipeline_def, types
         from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
         s = settings
-        urls = tar_shard_urls(s.dataset)
-        if any("://" in u for u in urls):
-            raise ValueError("DALI's webdataset reader reads local files only; this dataset is remote")
+        urls, indexes = dali_local_tars(s.dataset)
         gpu = s.device.startswith("cuda")
-        from stallfree.shards.tar.idx import idx_path_for
-
-        indexes = [idx_path_for(u) for u in urls]
-        if not all(os.path.exists(p) for p in indexes):
-            indexes = None  # DALI infers the index by scanning the tars
 
         @pipeline_def
         def pipe():

@@ -39,7 +39,9 @@ from stallfree.harness.loaders import (
     LoaderSettings,
     StallfreeAdapter,
     _webdataset_errors,
+    dali_local_tars,
     loader_available,
+    require_dali,
     tar_shard_urls,
 )
 from stallfree.harness.workload.data import files_dir_for
@@ -220,17 +222,11 @@ class ReadDali(Adapter):
 
     def __init__(self, settings: LoaderSettings) -> None:
         super().__init__(settings)
-        from stallfree.extras import require
-
-        require("nvidia.dali", "dali", "the DALI loader of stallfree bench (--loader dali)")
+        require_dali()
         from nvidia.dali import fn, pipeline_def
 
-        from stallfree.shards.tar.idx import idx_path_for
-
         s = settings
-        urls = tar_shard_urls(s.dataset)
-        if any("://" in u for u in urls):
-            raise ValueError("DALI's webdataset reader reads local files only; this dataset is remote")
+        urls, indexes = dali_local_tars(s.dataset)
         ext = _payload_name(s.dataset[0])
         per_rank = max(1, len(s.dataset) // s.world_size)
 
@@ -238,7 +234,7 @@ class ReadDali(Adapter):
         def pipe():
             records = fn.readers.webdataset(
                 paths=urls,
-                index_paths=[idx_path_for(u) for u in urls],
+                index_paths=indexes,
                 ext=[ext],
                 missing_component_behavior="error",
                 shard_id=s.rank,
