@@ -40,7 +40,8 @@ How the files are kept:
   reserved under an exclusive ``flock`` on ``<root>/.room`` (which keeps the node's running
   total, recounted from the directory now and then and whenever it says there is no room)
   before a file is created, and the partial file is sized to its full length at once, so every
-  process counts it. Making room deletes the least recently used files that no process pins (a
+  process counts it; it is renamed to its name under that lock too, so a recount sees it under
+  one name or the other. Making room deletes the least recently used files that no process pins (a
   reader holds a shared ``flock`` on a file it uses: ``StagedFile``). When the pinned files
   leave no room, ``stage`` raises ``StagingFullError`` rather than wait for a pin to go (a
   process waiting with pins of its own could wait for ever); the reader then reads that shard
@@ -367,7 +368,11 @@ class StagingArea:
                 _record(f.fileno(), st, expect)
             fd = _HELD.open(tmp, os.O_RDONLY, dir_fd=ns_fd)
             fcntl.flock(fd, fcntl.LOCK_SH)
-            os.rename(tmp, fname, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)  # visible whole or not at all
+            # under the room lock: a recount lists the names, then stats each; renamed between
+            # the two, the file was under neither name and the count came out a file short, so
+            # the cap let one more in (a 4 MB cap held 4.04 MB)
+            with self._room():
+                os.rename(tmp, fname, src_dir_fd=ns_fd, dst_dir_fd=ns_fd)  # visible whole or not at all
         except BaseException:
             if fd >= 0:
                 _HELD.close(fd)

@@ -191,3 +191,60 @@ def test_a_failed_fill_gives_its_room_back(tmp_path):
     assert area.staged_bytes() == 0
     with area.stage("fp", "b", produce=lambda: b"b" * 900):  # the 800 reserved were given back
         pass
+
+
+def test_a_recount_never_loses_a_file_renamed_while_it_counts(tmp_path, monkeypatch):
+    """A recount lists the area's names, then stats each. A fill finishing between the two
+    (its partial file renamed to its name) must still be counted: counted a file short, the cap
+    let one more in (a 4 MB cap held 4.04 MB in a loader run). The fill is let go right after the
+    recount's listing and given time to rename before the recount stats what it listed."""
+    area = StagingArea(str(tmp_path), cap_bytes=2500)
+    started, go = threading.Event(), threading.Event()
+    errors = []
+
+    def slow_fill(f):
+        started.set()
+        go.wait(60)
+        f.write(b"a" * 1000)
+
+    def first():
+        try:
+            area.stage("fp", "a", slow_fill, size=1000).close()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=first)
+    t.start()
+    assert started.wait(60)
+    area.stage("fp", "b", produce=lambda: b"b" * 1000).close()  # 2000 bytes counted now
+    real_scandir = os.scandir
+    hooked = []
+
+    class _Listed:
+        """A directory's entries, listed at once; the fill of "a" let go before they are read."""
+
+        def __init__(self, fd):
+            with real_scandir(fd) as it:
+                self.entries = list(it)
+            if not hooked and any(".tmp-" in e.name for e in self.entries):
+                hooked.append(True)
+                go.set()
+                for _ in range(50):  # up to 0.5 s for "a" to be renamed (the fix keeps it waiting)
+                    if os.path.exists(os.path.join(str(tmp_path), "fp", "a")):
+                        break
+                    threading.Event().wait(0.01)
+
+        def __enter__(self):
+            return iter(self.entries)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(os, "scandir", lambda fd: _Listed(fd) if isinstance(fd, int) else real_scandir(fd))
+    with area.stage("fp", "c", produce=lambda: b"c" * 1000):  # no room: a recount, then "b" goes
+        monkeypatch.setattr(os, "scandir", real_scandir)
+        t.join(60)
+        assert hooked and not errors
+        names = sorted(n for n in os.listdir(tmp_path / "fp") if not n.endswith(".lock") and n != ".dataset.json")
+        assert names == ["a", "c"], names
+        assert area.staged_bytes() == 2000
