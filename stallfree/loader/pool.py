@@ -19,6 +19,7 @@ import multiprocessing as mp
 import multiprocessing.util  # noqa: F401 - its exit handler is registered before ours, so ours runs first
 import os
 import queue
+import signal
 import threading
 import time
 import warnings
@@ -155,7 +156,8 @@ class Engine:
             return
         del self._unstarted[: len(todo)]
         try:
-            with _frozen_gc(not self.in_process and self.plan.start_method == "fork"):
+            forking = not self.in_process and self.plan.start_method == "fork"
+            with _frozen_gc(forking), _sigterm_blocked(forking):
                 for p in todo:
                     _start_worker(p)
         except BaseException:
@@ -344,6 +346,25 @@ def _frozen_gc(on: bool) -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def _sigterm_blocked(on: bool) -> Iterator[None]:
+    """Fork with SIGTERM blocked; the worker unblocks it once its own handler is in place.
+
+    A forked worker starts with the training process's Python SIGTERM handler. A SIGTERM that
+    reached it before the worker reset that handler ran the trainer's code in the worker: Ray's
+    handler raised ``SystemExit`` there, and the copy of the trainer unwound its own stack (a
+    pytest worker's copy reported a test failure). Blocked, the signal waits and then ends the
+    worker as any SIGTERM does."""
+    if not on:
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _context(mp_context: Any) -> Any:

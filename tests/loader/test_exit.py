@@ -220,3 +220,34 @@ def test_the_exit_hook_leaves_no_in_process_worker_thread_running(tmp_path):
     proc, _ = _run(body, tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ALIVE []" in proc.stdout, proc.stdout
+
+
+def test_a_sigterm_at_a_workers_birth_never_runs_the_trainers_handler():
+    """A SIGTERM that reaches a forked worker before it has reset its handler (here: sent in the
+    child right after the fork) ends the worker; it does not run the training process's Python
+    handler there (Ray's raises ``SystemExit``, which unwound a copy of the trainer's stack)."""
+    script = textwrap.dedent(
+        """
+        import os, signal
+        from stallfree import DataLoader
+        from stallfree.loader.errors import WorkerDiedError
+
+        parent = os.getpid()
+
+        def trainers_handler(signum, frame):
+            if os.getpid() != parent:
+                os.write(1, b"HANDLER RAN IN A WORKER\\n")
+            raise SystemExit(3)
+
+        signal.signal(signal.SIGTERM, trainers_handler)
+        os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+        try:
+            list(DataLoader(list(range(8)), batch_size=2, num_workers=1))
+        except WorkerDiedError as exc:
+            print("DIED", exc)
+        """
+    )
+    proc = run_python(script, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "HANDLER RAN" not in proc.stdout
+    assert "DIED DataLoader worker" in proc.stdout and "exit code -15" in proc.stdout, proc.stdout

@@ -95,6 +95,9 @@ def _start(ctx: WorkerContext) -> None:
         # Workers end on SIGTERM; a worker_init_fn may still install its own handler.
         with contextlib.suppress(ValueError, OSError):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # a forked worker starts with SIGTERM blocked (pool._sigterm_blocked): one sent before
+        # the line above is delivered now, to the default action
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         allocator.keep_freed_memory()  # for a spawned worker; a forked one has the parent's already
         torch.set_num_threads(1)
         seed = _seed_worker(plan, ctx.wid)
