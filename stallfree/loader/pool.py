@@ -11,6 +11,7 @@ pool still alive at exit is stopped before multiprocessing's own exit handler ru
 from __future__ import annotations
 
 import atexit
+import codecs
 import collections
 import contextlib
 import gc
@@ -43,6 +44,13 @@ from stallfree.loader.worker.read import FETCH_IDX, FETCH_SEQ, MAP_IDX, MAP_SEQ
 logger = logging.getLogger(__name__)
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
+
+# A module imported for the first time by another thread while a worker forks leaves its import
+# lock held in the worker, for ever. ``getaddrinfo`` imports the idna codec on a process's first
+# connection by host name, and the main process opens connections from threads (staging a shard
+# ahead, the cache's clients) while it forks: a worker's first S3 connection then waited on
+# that lock (WorkerHungError, ~1 run in 40 under load). Looked up once here, before any fork.
+codecs.lookup("idna")
 
 
 @runtime_checkable

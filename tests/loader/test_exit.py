@@ -251,3 +251,41 @@ def test_a_sigterm_at_a_workers_birth_never_runs_the_trainers_handler():
     assert proc.returncode == 0, proc.stderr
     assert "HANDLER RAN" not in proc.stdout
     assert "DIED DataLoader worker" in proc.stdout and "exit code -15" in proc.stdout, proc.stdout
+
+
+def test_a_worker_forked_while_a_thread_first_resolves_a_host_can_still_resolve():
+    """``getaddrinfo`` imports the idna codec on a process's first connection by name. A thread
+    of the main process inside that import when a worker forked left its import lock held in the
+    worker, and the worker's own first connection waited for ever (seen with S3 staging). Here
+    that thread is parked inside the import (a finder that never returns), the loader forks, and
+    every worker resolves a host."""
+    script = textwrap.dedent(
+        """
+        import socket, sys, threading
+        from stallfree import DataLoader
+
+        class ParkImportOfIdna:
+            def find_spec(self, name, path=None, target=None):
+                if name == "encodings.idna":
+                    threading.Event().wait()  # holds the module's import lock for ever
+                return None
+
+        sys.meta_path.insert(0, ParkImportOfIdna())
+        first = threading.Thread(target=lambda: "example".encode("idna"), daemon=True)
+        first.start()
+        first.join(2.0)
+
+        class Resolving:
+            def __len__(self):
+                return 4
+
+            def __getitem__(self, i):
+                socket.getaddrinfo("127.0.0.1", 80)
+                return i
+
+        print([b.tolist() for b in DataLoader(Resolving(), batch_size=2, num_workers=2, timeout=20)])
+        """
+    )
+    proc = run_python(script, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[[0, 1], [2, 3]]"
