@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -133,7 +134,10 @@ def main() -> None:
     stats = loader.stats().get("remote")
     if stats is not None:
         summary = {k: v for k, v in stats.items() if k != "workers"}
-        print(f"rank {rank} remote: " + json.dumps(summary), flush=True)
+        # one write for the whole line: torchrun's ranks share its stdout, and print() writes the
+        # newline apart where output is unbuffered (PYTHONUNBUFFERED), so two ranks' lines ran together
+        sys.stdout.write(f"rank {rank} remote: {json.dumps(summary)}\n")
+        sys.stdout.flush()
     loader.close()
     if distributed:
         dist.destroy_process_group()
