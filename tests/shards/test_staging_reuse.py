@@ -137,35 +137,45 @@ def test_a_sidecar_without_the_record_of_its_fetch_is_fetched_again(tmp_path, mo
     assert len(calls) == 2
 
 
+class _SlowFill:
+    """Stages ``name`` (``size`` bytes of b"a") in a thread whose fill waits for ``go``; returns
+    once its room is reserved and its partial file made. ``join`` reports what it raised."""
+
+    def __init__(self, area: StagingArea, name: str, size: int) -> None:
+        self.started, self.go, self.errors = threading.Event(), threading.Event(), []
+
+        def slow_fill(f):
+            self.started.set()
+            self.go.wait(60)
+            f.write(b"a" * size)
+
+        def run():
+            try:
+                area.stage("fp", name, slow_fill, size=size).close()
+            except Exception as exc:  # noqa: BLE001 - reported by join
+                self.errors.append(exc)
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+        assert self.started.wait(60)
+
+    def join(self) -> list[Exception]:
+        self.thread.join(60)
+        return self.errors
+
+
 def test_a_file_being_written_counts_against_the_cap(tmp_path):
     """The partial file is sized to its full length when its room is reserved: a second fetch
     that would pass the cap meanwhile is refused, though the first has written nothing yet."""
     area = StagingArea(str(tmp_path), cap_bytes=1500)
-    started, go = threading.Event(), threading.Event()
-    errors = []
-
-    def slow_fill(f):
-        started.set()
-        go.wait(60)
-        f.write(b"a" * 1000)
-
-    def first():
-        try:
-            area.stage("fp", "a", slow_fill, size=1000).close()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    t = threading.Thread(target=first)
-    t.start()
-    assert started.wait(60)
+    fill = _SlowFill(area, "a", 1000)
     assert area.staged_bytes() == 1000  # counted before a byte of it is written
     with pytest.raises(
         StagingFullError, match=r"no room to stage .*fp/b \(1000 bytes\) under the cap of 1500"
     ):
         area.stage("fp", "b", produce=lambda: b"b" * 1000)
-    go.set()
-    t.join(60)
-    assert not errors and area.staged_bytes() == 1000
+    fill.go.set()
+    assert not fill.join() and area.staged_bytes() == 1000
     with area.stage("fp", "b", produce=lambda: b"b" * 1000):  # "a" is not in use: evicted for it
         assert area.staged_bytes() == 1000
 
@@ -199,23 +209,7 @@ def test_a_recount_never_loses_a_file_renamed_while_it_counts(tmp_path, monkeypa
     let one more in (a 4 MB cap held 4.04 MB in a loader run). The fill is let go right after the
     recount's listing and given time to rename before the recount stats what it listed."""
     area = StagingArea(str(tmp_path), cap_bytes=2500)
-    started, go = threading.Event(), threading.Event()
-    errors = []
-
-    def slow_fill(f):
-        started.set()
-        go.wait(60)
-        f.write(b"a" * 1000)
-
-    def first():
-        try:
-            area.stage("fp", "a", slow_fill, size=1000).close()
-        except Exception as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    t = threading.Thread(target=first)
-    t.start()
-    assert started.wait(60)
+    fill = _SlowFill(area, "a", 1000)
     area.stage("fp", "b", produce=lambda: b"b" * 1000).close()  # 2000 bytes counted now
     real_scandir = os.scandir
     hooked = []
@@ -228,7 +222,7 @@ def test_a_recount_never_loses_a_file_renamed_while_it_counts(tmp_path, monkeypa
                 self.entries = list(it)
             if not hooked and any(".tmp-" in e.name for e in self.entries):
                 hooked.append(True)
-                go.set()
+                fill.go.set()
                 for _ in range(50):  # up to 0.5 s for "a" to be renamed (the fix keeps it waiting)
                     if os.path.exists(os.path.join(str(tmp_path), "fp", "a")):
                         break
@@ -243,8 +237,9 @@ def test_a_recount_never_loses_a_file_renamed_while_it_counts(tmp_path, monkeypa
     monkeypatch.setattr(os, "scandir", lambda fd: _Listed(fd) if isinstance(fd, int) else real_scandir(fd))
     with area.stage("fp", "c", produce=lambda: b"c" * 1000):  # no room: a recount, then "b" goes
         monkeypatch.setattr(os, "scandir", real_scandir)
-        t.join(60)
-        assert hooked and not errors
-        names = sorted(n for n in os.listdir(tmp_path / "fp") if not n.endswith(".lock") and n != ".dataset.json")
+        assert not fill.join() and hooked
+        names = sorted(
+            n for n in os.listdir(tmp_path / "fp") if not n.endswith(".lock") and n != ".dataset.json"
+        )
         assert names == ["a", "c"], names
         assert area.staged_bytes() == 2000
