@@ -41,8 +41,8 @@ How the files are kept:
   total, recounted from the directory now and then and whenever it says there is no room)
   before a file is created, and the partial file is sized to its full length at once, so every
   process counts it; it is renamed to its name under that lock too, so a recount sees it under
-  one name or the other. Making room deletes the least recently used files that no process pins (a
-  reader holds a shared ``flock`` on a file it uses: ``StagedFile``). When the pinned files
+  one name or the other. Making room deletes the least recently used files that no process pins
+  (a reader holds a shared ``flock`` on a file it uses: ``StagedFile``). When the pinned files
   leave no room, ``stage`` raises ``StagingFullError`` rather than wait for a pin to go (a
   process waiting with pins of its own could wait for ever); the reader then reads that shard
   with ranged GETs instead (``staged_reads.py``).
