@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, on a fresh machine: installs what it needs, then runs every test on torch
-# 2.13.0 (.venv), in parallel (pytest-xdist; many tests wait on subprocesses and servers, so two
-# processes per core keep the CPUs busy; three measured no better from a fresh clone on 2 cores:
-# 6:47 for the parallel pass, against 6:15 with two). Tests marked `serial` watch
-# machine-wide state (/dev/shm, the process table) and run afterwards, alone.
+# 2.13.0 (.venv), in parallel (pytest-xdist: one process per core and one more, for the tests
+# that wait on subprocesses and servers; the suite keeps 2 cores 96% busy, and each more process
+# collects the suite and starts its own zygotes and servers again: on 2 cores, 3 processes took
+# 521 and 502 s for the parallel pass, 4 took 560 and 533, run in turn on one clone). Tests
+# marked `serial` watch machine-wide state (/dev/shm, the process table) and run afterwards,
+# alone.
 #
 #   bash scripts/test.sh [PYTEST ARGS]          the README's command
 #   bash scripts/test.sh --all-torch [ARGS]     also the tests that exercise torch itself on torch
@@ -30,7 +32,7 @@ TORCH_TESTS=(
   tests/loader tests/mix tests/tokens tests/examples tests/integrations tests/test_imports.py tests/test_package.py
   tests/gpu_decode/test_loader.py tests/cache/test_loader_integration.py tests/harness/test_units.py
 )
-jobs=$(( $(nproc) * 2 ))
+jobs=$(( $(nproc) + 1 ))
 # This checkout's modules compiled once, up front: the suite starts hundreds of interpreters (CLI
 # runs, scripts, spawned workers and ranks) that import stallfree, and where PYTHONDONTWRITEBYTECODE
 # is set (this machine's environment sets it) none of them writes the .pyc it compiled, so each one
