@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.zygote import run_python
+from tests.zygote import AS_SCRIPT, run_python
 
 CHILD = Path(__file__).with_name("fuzz_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("seed", [1, 2])
 def test_mutated_images_are_refused_or_decoded_never_crash(seed):
     # ``python fuzz_child.py ARGS``, forked from the test zygote (torch imported once)
-    code = f"import runpy\nrunpy.run_path({str(CHILD)!r}, run_name='__main__')"
-    proc = run_python(code, json.dumps({"seed": seed, "cases": 200}), timeout=240, cwd=ROOT)
+    proc = run_python(AS_SCRIPT, str(CHILD), json.dumps({"seed": seed, "cases": 200}), timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["unexpected"] == [], "\n".join(out["unexpected"][:5])

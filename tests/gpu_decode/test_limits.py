@@ -23,7 +23,7 @@ from stallfree.gpu_decode.header import DEFAULT_MAX_PIXELS, BadImageError, Image
 from stallfree.gpu_decode.select import ImageDecode
 from stallfree.shards.writer import ShardWriter
 from stallfree.testing.images import base_photos, encode_jpeg, make_image
-from tests.zygote import run_python
+from tests.zygote import AS_SCRIPT, run_python
 
 CHILD = Path(__file__).with_name("refusal_child.py")
 ROOT = Path(__file__).resolve().parents[2]
@@ -180,15 +180,12 @@ def refusals(tmp_path_factory, photos) -> Path:
     return root
 
 
-# ``python refusal_child.py ARGS``, forked from the test zygote (torch imported once; the decoders
-# are imported by the child, and each epoch's RSS growth is measured from its own start)
-_CHILD_CODE = f"import runpy\nrunpy.run_path({str(CHILD)!r}, run_name='__main__')"
-
-
 def run_child(**args) -> dict:
-    """One epoch in a process of its own. The timeout only catches a hang or a decoder that does not
-    refuse (DALI took 40 s on the forged 30000x30000 header alone on an idle machine)."""
-    proc = run_python(_CHILD_CODE, json.dumps(args), timeout=300, cwd=ROOT)
+    """One epoch in a process of its own (``python refusal_child.py ARGS``, forked from the test
+    zygote: torch imported once; each epoch's RSS growth is measured from its own start). The
+    timeout only catches a hang or a decoder that does not refuse (DALI took 40 s on the forged
+    30000x30000 header alone on an idle machine)."""
+    proc = run_python(AS_SCRIPT, str(CHILD), json.dumps(args), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -199,7 +196,7 @@ def run_children(runs: list[dict]) -> list[dict]:
     process reset its peak-RSS mark, from one process each."""
     if not os.access("/proc/self/clear_refs", os.W_OK):
         return [run_child(**args) for args in runs]
-    proc = run_python(_CHILD_CODE, json.dumps(runs), timeout=300, cwd=ROOT)
+    proc = run_python(AS_SCRIPT, str(CHILD), json.dumps(runs), timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     outs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [out["peak_reset"] for out in outs] == [True] * len(runs)
